@@ -1,0 +1,474 @@
+"""Job configuration: dataclass sections filled from TOML, then from the command line.
+
+Owns the JobConfig dataclasses, the `--section.key value` parser generated from them,
+and all validation of single values and of combinations. Precedence is
+command line > TOML file (`--job.config_file`) > dataclass defaults.
+
+Every problem is raised as one ConfigError, during parsing, before anything is built.
+This module must never build models, data or process groups; it only imports the
+model and data modules lazily to read their lists of valid names.
+"""
+
+import difflib
+import json
+import math
+import sys
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+_PATH_SUFFIXES = (".parquet", ".json", ".jsonl", ".txt")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line naming the key, the value and the fix."""
+
+
+def resolve_path(p: str) -> str:
+    """Resolve a relative path against the current directory first, then the repo root.
+
+    Returns `p` unchanged when it is absolute or exists in neither place, so the caller's
+    error names the path the user wrote.
+    """
+    path = Path(p)
+    if path.is_absolute():
+        return p
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / path).exists():
+            return str(base / path)
+    return p
+
+
+def _model_flavors() -> list[str]:
+    try:
+        from torchtitan.models.llama import llama_configs
+    except ImportError:  # the model module may not exist yet, or torch may be missing
+        return ["debugmodel", "125M", "1B", "8B"]
+    return list(llama_configs)
+
+
+def _dataset_names() -> list[str] | None:
+    """Registered dataset names, or None when the registry cannot be imported."""
+    try:
+        from torchtitan.data.sources import DATASET_REGISTRY
+    except ImportError:
+        return None
+    return sorted(DATASET_REGISTRY)
+
+
+def _opt(default, help, *, choices=None, ge=None, gt=None, le=None, lt=None, hint=""):
+    """A config field: default, one-line help, and the checks `validate` applies to it.
+
+    `choices` is a list or a function returning one (for lists owned by other modules).
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    meta["hint"] = hint
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DatasetSpec:
+    """One source in a weighted mix: a registry name or a local path, and its weight."""
+
+    name: str = ""
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class Job:
+    config_file: str = _opt("", "TOML file to read")
+    dump_folder: str = _opt("./outputs", "folder for checkpoints, metrics, logs")
+    description: str = _opt("", "free text describing the job")
+
+
+@dataclass
+class Model:
+    name: str = _opt("llama", "model architecture", choices=["llama"])
+    flavor: str = _opt("debugmodel", "model size preset", choices=_model_flavors)
+    tokenizer_path: str = _opt(
+        "data/tokenizer/tokenizer.model",
+        "SentencePiece model; relative paths are tried in the current directory, then the repo root",
+    )
+    dropout: float = _opt(0.0, "dropout probability", ge=0.0, lt=1.0)
+
+
+@dataclass
+class Optimizer:
+    name: str = _opt("AdamW", "optimizer", choices=["AdamW", "Adam", "SGD"])
+    lr: float = _opt(8e-4, "peak learning rate", gt=0.0)
+    weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0.0)
+    beta1: float = _opt(0.9, "Adam beta1 (SGD momentum)", ge=0.0, lt=1.0)
+    beta2: float = _opt(0.95, "Adam beta2", ge=0.0, lt=1.0)
+    eps: float = _opt(1e-8, "Adam epsilon", gt=0.0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _opt(200, "steps of linear warmup from 0 to optimizer.lr", ge=0)
+    decay_type: str = _opt(
+        "linear", "shape of the decay after warmup", choices=["linear", "cosine", "constant"]
+    )
+    min_lr_ratio: float = _opt(0.1, "final lr as a fraction of optimizer.lr", ge=0.0, le=1.0)
+
+
+@dataclass
+class Training:
+    batch_size: int = _opt(8, "sequences per step per rank", ge=1)
+    seq_len: int = _opt(2048, "tokens per sequence", ge=2)
+    steps: int = _opt(10000, "number of optimizer steps to train", ge=1)
+    max_norm: float = _opt(1.0, "gradient clipping norm", gt=0.0)
+    dataset: str = _opt("bundled", "dataset registry name")
+    dataset_path: str = _opt("", "local file, folder or glob; overrides training.dataset")
+    datasets: list[DatasetSpec] = _opt(
+        [], "weighted mix as name_or_path:weight,...; replaces training.dataset"
+    )
+    streaming: bool = _opt(False, "read sources with datasets streaming=True")
+    shuffle: bool = _opt(True, "shuffle the document order")
+    text_field: str = _opt("text", "column holding the document text")
+    id_field: str = _opt("id", "column holding the document id")
+    num_workers: int = _opt(0, "dataloader worker processes per rank", ge=0)
+    data_shards: int = _opt(
+        64,
+        "number of virtual data shards; fixes the data order independently of ranks and workers",
+        ge=1,
+    )
+    seed: int = _opt(42, "seed for model init, data order and dropout")
+    deterministic: bool = _opt(False, "use deterministic torch algorithms")
+    data_parallel: str = _opt("fsdp", "data-parallel wrapper", choices=["fsdp", "ddp"])
+    bad_data: str = _opt(
+        "skip",
+        "policy for empty, non-string or undecodable documents",
+        choices=["skip", "error"],
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = _opt(False, "save and resume checkpoints")
+    folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval: int = _opt(
+        500,
+        "steps between checkpoints",
+        ge=1,
+        hint="to disable checkpointing set checkpoint.enable_checkpoint false",
+    )
+    keep_latest_k: int = _opt(0, "checkpoints to keep; 0 keeps all", ge=0)
+    load_step: int = _opt(-1, "step to resume from; -1 = latest", ge=-1)
+    async_mode: str = _opt("disabled", "checkpoint saving mode", choices=["disabled", "async"])
+    exclude_from_loading: list[str] = _opt(
+        [],
+        "state to skip when resuming",
+        choices=["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"],
+    )
+    model_weights_only: bool = _opt(False, "save only model weights at the final step")
+    create_seed_checkpoint: bool = _opt(False, "write the step-0 checkpoint and exit")
+    fallback_on_corruption: bool = _opt(False, "resume from an older checkpoint if one is corrupt")
+    accept_data_change: bool = _opt(False, "resume even if the data fingerprint changed")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _opt(10, "steps between metric logs", ge=1)
+    enable_tensorboard: bool = _opt(False, "write TensorBoard events")
+    tensorboard_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder")
+    jsonl_file: str = _opt("", "metrics JSONL file; empty means <dump_folder>/metrics.jsonl")
+    data_provenance: bool = _opt(False, "log which documents each step consumed")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def jsonl_path(self) -> str:
+        return self.metrics.jsonl_file or str(Path(self.job.dump_folder) / "metrics.jsonl")
+
+    def validate(self) -> None:
+        """Check every field's range and choices, then the rules that span fields."""
+        for section in fields(self):
+            for f in fields(section.type):
+                value = getattr(getattr(self, section.name), f.name)
+                _check_field(f"{section.name}.{f.name}", value, f.metadata)
+        t = self.training
+        if t.datasets and t.dataset_path:
+            raise ConfigError(
+                f"training.datasets and training.dataset_path are both set "
+                f"(dataset_path={t.dataset_path!r}); set only one of them"
+            )
+        for i, spec in enumerate(t.datasets):
+            _check_dataset_spec(f"training.datasets[{i}]", spec)
+        if not t.datasets and not t.dataset_path:
+            _check_dataset_name("training.dataset", t.dataset)
+        if self.checkpoint.create_seed_checkpoint and not self.checkpoint.enable_checkpoint:
+            raise ConfigError(
+                "checkpoint.create_seed_checkpoint is true but checkpoint.enable_checkpoint "
+                "is false; set --checkpoint.enable_checkpoint"
+            )
+
+
+def _choices(meta) -> list | None:
+    choices = meta.get("choices")
+    return choices() if callable(choices) else choices
+
+
+def _check_field(key: str, value, meta) -> None:
+    choices = _choices(meta)
+    if choices is not None:
+        for item in value if isinstance(value, list) else [value]:
+            if item not in choices:
+                raise ConfigError(
+                    f"{key}: {item!r} is not a valid choice; choose from {', '.join(choices)}"
+                )
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    inside = (
+        (ge is None or value >= ge)
+        and (gt is None or value > gt)
+        and (le is None or value <= le)
+        and (lt is None or value < lt)
+    )
+    if not inside:
+        hint = f"; {meta['hint']}" if meta.get("hint") else ""
+        raise ConfigError(f"{key}: {value!r} is out of range; must be {_range_text(meta)}{hint}")
+
+
+def _range_text(meta) -> str:
+    """The allowed range as '>= 1', '> 0.0' or 'in [0.0, 1.0)'; empty when unbounded."""
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    lo, hi = (ge if ge is not None else gt), (le if le is not None else lt)
+    if lo is not None and hi is not None:
+        return f"in {'[' if ge is not None else '('}{lo}, {hi}{']' if le is not None else ')'}"
+    if lo is not None:
+        return f"{'>=' if ge is not None else '>'} {lo}"
+    if hi is not None:
+        return f"{'<=' if le is not None else '<'} {hi}"
+    return ""
+
+
+def _check_dataset_name(key: str, name: str) -> None:
+    names = _dataset_names()
+    if names is not None and name not in names:
+        raise ConfigError(
+            f"{key}: unknown dataset {name!r}; choose from {', '.join(names)}, "
+            "or give a local file with training.dataset_path"
+        )
+
+
+def _check_dataset_spec(key: str, spec: DatasetSpec) -> None:
+    if bool(spec.name) == bool(spec.path):
+        raise ConfigError(
+            f"{key}: set exactly one of name and path, got name={spec.name!r} path={spec.path!r}"
+        )
+    if not spec.weight > 0 or not math.isfinite(spec.weight):
+        raise ConfigError(f"{key}.weight: {spec.weight!r} is out of range; must be > 0")
+    if spec.name:
+        _check_dataset_name(f"{key}.name", spec.name)
+
+
+def _type_name(tp) -> str:
+    if tp == list[DatasetSpec]:
+        return "list[name_or_path:weight]"
+    return tp.__name__ if isinstance(tp, type) else str(tp)
+
+
+def _lookup(section: str, key: str, where: str):
+    """The dataclass field for section.key, or a ConfigError listing what is valid."""
+    sections = {f.name: f.type for f in fields(JobConfig)}
+    if section not in sections:
+        raise ConfigError(
+            f"unknown section {section!r} in {where}; valid sections: {', '.join(sections)}"
+        )
+    by_name = {f.name: f for f in fields(sections[section])}
+    if key not in by_name:
+        close = difflib.get_close_matches(key, by_name, n=1)
+        guess = f"did you mean {section}.{close[0]}? " if close else ""
+        raise ConfigError(
+            f"unknown key {section}.{key} in {where}; {guess}"
+            f"valid keys of [{section}]: {', '.join(by_name)}"
+        )
+    return by_name[key]
+
+
+def _parse_dataset_item(key: str, item: str) -> DatasetSpec:
+    source, weight = item, 1.0
+    if ":" in item:
+        source, text = item.rsplit(":", 1)
+        try:
+            weight = float(text)
+        except ValueError:
+            raise ConfigError(
+                f"{key}: weight {text!r} in {item!r} is not a number; write name_or_path:weight"
+            ) from None
+    source = source.strip()
+    if "/" in source or source.endswith(_PATH_SUFFIXES):
+        return DatasetSpec(path=source, weight=weight)
+    return DatasetSpec(name=source, weight=weight)
+
+
+def _from_text(key: str, tp, text: str):
+    """Convert one command-line string to the field's type."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if tp == list[DatasetSpec]:
+        return [_parse_dataset_item(key, item) for item in items]
+    if tp == list[str]:
+        return items
+    if tp is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ConfigError(f"{key}: expected bool (true, false, 1 or 0), got {text!r}")
+    try:
+        value = tp(text)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {text!r}") from None
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite float, got {text!r}")
+    return value
+
+
+def _from_toml(key: str, tp, value):
+    """Check and convert one TOML value to the field's type."""
+    if tp == list[DatasetSpec]:
+        if isinstance(value, str):
+            return _from_text(key, tp, value)
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ConfigError(f"{key}: expected an array of tables [[{key}]], got {value!r}")
+        types = {f.name: f.type for f in fields(DatasetSpec)}
+        specs = []
+        for i, table in enumerate(value):
+            for name in set(table) - set(types):
+                raise ConfigError(f"unknown key {key}[{i}].{name}; valid keys: {', '.join(types)}")
+            spec = {n: _from_toml(f"{key}[{i}].{n}", types[n], v) for n, v in table.items()}
+            specs.append(DatasetSpec(**spec))
+        return specs
+    if tp == list[str]:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{key}: expected an array of strings, got {value!r}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite float, got {value!r}")
+    return value
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"job.config_file: file not found: {path!r}; pass an existing TOML file"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file: cannot read {path!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        message = str(e).replace("\n", " ")
+        raise ConfigError(f"job.config_file: {path!r} is not valid TOML: {message}") from None
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str, object]]:
+    """Split argv into (section, key, typed value) triples, in the order given."""
+    overrides, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {arg!r}; options are written --section.key value"
+            )
+        name, has_value, text = arg[2:].partition("=")
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise ConfigError(f"option {arg!r} is not of the form --section.key; see --help")
+        f = _lookup(section, key, f"--{name}")
+        if not has_value:
+            following = argv[i] if i < len(argv) else None
+            if f.type is bool:
+                # A bare flag means true; a following true/false/1/0 is its value.
+                text = "true"
+                if following is not None and following.lower() in _TRUE + _FALSE:
+                    text = following
+                    i += 1
+            elif following is None or following.startswith("--"):
+                raise ConfigError(
+                    f"--{name} is missing its value; write --{name} VALUE ({_type_name(f.type)})"
+                )
+            else:
+                text = following
+                i += 1
+        overrides.append((section, key, _from_text(name, f.type, text)))
+    return overrides
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build a validated JobConfig from defaults, the TOML file and command-line overrides."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = _parse_cli(argv)
+    cfg = JobConfig()
+    config_file = next(
+        (v for s, k, v in reversed(overrides) if (s, k) == ("job", "config_file")), ""
+    )
+    if config_file:
+        path = resolve_path(config_file)
+        for section, table in _read_toml(path).items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{section} = {table!r} in {path}: top-level keys must be [section] tables"
+                )
+            for key, value in table.items():
+                f = _lookup(section, key, path)
+                setattr(getattr(cfg, section), key, _from_toml(f"{section}.{key}", f.type, value))
+    for section, key, value in overrides:
+        setattr(getattr(cfg, section), key, value)
+    cfg.validate()
+    return cfg
+
+
+def help_text() -> str:
+    """Every option with its type, default and one-line help."""
+    lines = ["usage: [--job.config_file FILE.toml] [--section.key VALUE ...]", ""]
+    for section in fields(JobConfig):
+        lines.append(f"[{section.name}]")
+        for f in fields(section.type):
+            default = f.default if f.default_factory is MISSING else f.default_factory()
+            default = [asdict(d) for d in default] if f.type == list[DatasetSpec] else default
+            choices, limits = _choices(f.metadata), _range_text(f.metadata)
+            extra = f" (choices: {', '.join(choices)})" if choices else ""
+            extra += f" (range: {limits})" if limits else ""
+            lines.append(
+                f"  --{section.name}.{f.name} {_type_name(f.type)} "
+                f"(default: {json.dumps(default)}): {f.metadata['help']}{extra}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_config_or_exit(argv: list[str] | None = None) -> JobConfig:
+    """parse_args for scripts: --help prints the options and exits 0; errors exit 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        sys.exit(0)
+    try:
+        return parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,236 @@
+"""The Stateful token dataset: sources -> token buffers -> sequences, by virtual shard.
+
+Owns: the fixed set of ``data_shards`` virtual shards (each a packer per source
+and a seeded choice among sources), which of them one consumer (a data-parallel
+rank, or one loader worker of it) owns, and the state of those shards.
+
+The data order depends only on the number of virtual shards, never on the number
+of ranks or workers: consumer ``c`` of ``P`` owns shards ``c, c+P, c+2P, ...`` and
+visits them round-robin. Resuming on another layout hands every saved shard
+state to its new owner, so each token is still read exactly once.
+
+Never: touch torch.distributed, the DataLoader or checkpoint files.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.data.packing import DocumentPacker
+from torchtitan.data.sources import DataError, SourceSpec, make_cursor, open_source
+
+STATE_KIND = "token_dataset/v1"
+
+
+class VirtualShard:
+    """One virtual shard: a packer per source and a seeded, counter-based source choice."""
+
+    def __init__(
+        self, index: int, num_shards: int, sources, tokenizer, window: int, seed: int, bad_data: str
+    ):
+        self.index = index
+        self.window = window
+        self.seed = seed
+        self.packers = [
+            DocumentPacker(make_cursor(src, index, num_shards), tokenizer, src.spec.name, bad_data)
+            for src in sources
+        ]
+        weights = np.array([src.spec.weight for src in sources], dtype=np.float64)
+        self._cumulative = list(np.cumsum(weights / weights.sum()))
+        self.emitted = 0
+
+    def _choose_source(self) -> int:
+        if len(self.packers) == 1:
+            return 0
+        # A counter-based draw: the state is just `emitted`, and it restores exactly.
+        u = random.Random(f"mix/{self.seed}/{self.index}/{self.emitted}").random()
+        return min(bisect.bisect_right(self._cumulative, u), len(self.packers) - 1)
+
+    def next_sequence(self) -> tuple[np.ndarray, list[list]]:
+        tokens, spans = self.packers[self._choose_source()].take(self.window)
+        self.emitted += 1
+        return tokens, spans
+
+    @property
+    def skipped(self) -> int:
+        return sum(p.skipped for p in self.packers)
+
+    def state_dict(self) -> dict:
+        return {"emitted": self.emitted, "sources": [p.state_dict() for p in self.packers]}
+
+    def load_state_dict(self, state: dict):
+        if len(state["sources"]) != len(self.packers):
+            raise DataError(
+                f"saved data state has {len(state['sources'])} sources, the config has "
+                f"{len(self.packers)}; resume with the original training.datasets"
+            )
+        self.emitted = int(state["emitted"])
+        for packer, s in zip(self.packers, state["sources"]):
+            packer.load_state_dict(s)
+
+
+class TokenDataset(IterableDataset, Stateful):
+    """Endless stream of ``{"input", "label", "spans"}`` for one data-parallel rank.
+
+    Each sample is a window of ``seq_len + 1`` tokens: ``input = window[:-1]`` and
+    ``label = window[1:]``. ``spans`` lists where the window's tokens came from.
+    """
+
+    def __init__(
+        self,
+        sources: list[SourceSpec],
+        tokenizer,
+        seq_len: int,
+        *,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        data_shards: int = 64,
+        seed: int = 0,
+        shuffle: bool = True,
+        streaming: bool = False,
+        text_field: str = "text",
+        id_field: str = "id",
+        bad_data: str = "skip",
+    ):
+        if not sources:
+            raise DataError(
+                "no data source configured; set training.dataset or training.dataset_path"
+            )
+        self.sources = [
+            open_source(s, text_field, id_field, seed, shuffle, streaming) for s in sources
+        ]
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.data_shards = data_shards
+        self.seed = seed
+        self.bad_data = bad_data
+        for src in self.sources:
+            if not src.streaming and len(src) < data_shards:
+                raise DataError(
+                    f"dataset {src.spec.name!r} has {len(src)} documents, fewer than "
+                    f"training.data_shards={data_shards}; lower training.data_shards"
+                )
+        self._shards: dict[int, VirtualShard] | None = None
+        self._pending: dict[int, dict] = {}  # shard states to apply when shards are built
+        self._next = 0  # round-robin position among owned shards
+
+    # ---- layout -------------------------------------------------------------------
+    def consumer(self) -> tuple[int, int]:
+        """(this consumer's index, number of consumers) over ranks x workers."""
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        return self.dp_rank * workers + worker, self.dp_world * workers
+
+    def owned_shards(self) -> list[int]:
+        c, n = self.consumer()
+        if n > self.data_shards:
+            raise DataError(
+                f"{n} data consumers (ranks x workers) but only training.data_shards="
+                f"{self.data_shards} virtual shards; raise training.data_shards to at least {n}"
+            )
+        return list(range(c, self.data_shards, n))
+
+    def _build_shards(self) -> dict[int, VirtualShard]:
+        if self._shards is None:
+            window = self.seq_len + 1
+            self._shards = {}
+            for v in self.owned_shards():
+                shard = VirtualShard(
+                    v,
+                    self.data_shards,
+                    self.sources,
+                    self.tokenizer,
+                    window,
+                    self.seed,
+                    self.bad_data,
+                )
+                if v in self._pending:
+                    shard.load_state_dict(self._pending.pop(v))
+                self._shards[v] = shard
+        return self._shards
+
+    # ---- iteration ----------------------------------------------------------------
+    def __iter__(self):
+        shards = self._build_shards()
+        order = sorted(shards)
+        consumer = self.consumer()[0]
+        while True:
+            shard = shards[order[self._next]]
+            tokens, spans = shard.next_sequence()
+            self._next = (self._next + 1) % len(order)
+            window = torch.from_numpy(tokens.astype(np.int64))
+            yield {
+                "input": window[:-1],
+                "label": window[1:],
+                "spans": spans,
+                "consumer": consumer,
+                "skipped": self.skipped_documents(),
+            }
+
+    def skipped_documents(self) -> int:
+        return sum(s.skipped for s in (self._shards or {}).values())
+
+    # ---- state ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        c, n = self.consumer()
+        shards = self._build_shards()
+        return {
+            "kind": STATE_KIND,
+            "consumer": c,
+            "consumers": n,
+            "data_shards": self.data_shards,
+            "next": self._next,
+            "shards": {v: s.state_dict() for v, s in shards.items()},
+        }
+
+    def load_state_dict(self, state: dict):
+        c, n = self.consumer()
+        if state.get("kind") != STATE_KIND:
+            raise DataError(f"data state of kind {state.get('kind')!r} is not a {STATE_KIND} state")
+        if (state["consumer"], state["consumers"], state["data_shards"]) != (
+            c,
+            n,
+            self.data_shards,
+        ):
+            raise DataError(
+                f"data state saved for consumer {state['consumer']} of {state['consumers']} with "
+                f"{state['data_shards']} shards cannot load into consumer {c} of {n} with "
+                f"{self.data_shards} shards directly; it must be resharded"
+            )
+        self.load_shard_states(state["shards"], next_index=state["next"])
+
+    def load_shard_states(self, shard_states: dict[int, dict], next_index: int = 0):
+        """Set the state of virtual shards by index (this consumer takes the ones it owns).
+
+        Used directly when resharding: any consumer layout can load any shard states.
+        """
+        self._pending = {int(v): s for v, s in shard_states.items()}
+        self._shards = None
+        self._next = next_index
+
+    def __getstate__(self):
+        # Workers get shard *states*, not live shards (a streaming iterator does not pickle).
+        state = self.__dict__.copy()
+        if self._shards is not None:
+            pending = dict(self._pending)
+            pending.update({v: s.state_dict() for v, s in self._shards.items()})
+            state["_pending"], state["_shards"] = pending, None
+        return state
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack inputs and labels; keep the ragged provenance spans as a list per sample."""
+    return {
+        "input": torch.stack([s["input"] for s in samples]),
+        "label": torch.stack([s["label"] for s in samples]),
+        "spans": [s["spans"] for s in samples],
+        "consumer": samples[-1]["consumer"],
+        "skipped": samples[-1]["skipped"],
+    }

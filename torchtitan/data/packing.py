@@ -1,0 +1,119 @@
+"""The token buffer: documents of one cursor -> fixed-length windows of tokens.
+
+Owns: tokenizing each document as ``[BOS] + text + [EOS]``, cutting that token
+stream into windows, the provenance span of every window, and the bad-document
+policy. Its state is the position of the first token not yet emitted, ``(cursor,
+offset)``; the buffered tokens are *derived* from it by re-tokenizing one
+document on resume, so the state stays a few bytes however long a document is.
+
+Never: choose among sources or shards, or know about ranks and workers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan.data.sources import DataError
+
+BAD_DATA_POLICIES = ("skip", "error")
+
+
+class DocumentPacker:
+    """Cuts the documents of one cursor, in order, into windows of tokens.
+
+    Every token of every document is emitted exactly once, in order; a window
+    may span several documents. ``skipped`` counts documents dropped by the
+    ``skip`` policy (empty, whitespace-only or non-string text).
+    """
+
+    def __init__(self, cursor, tokenizer, source_name: str, bad_data: str = "skip"):
+        if bad_data not in BAD_DATA_POLICIES:
+            raise ValueError(f"bad_data policy {bad_data!r}: choose one of {BAD_DATA_POLICIES}")
+        self.cursor = cursor
+        self.tokenizer = tokenizer
+        self.source_name = source_name
+        self.bad_data = bad_data
+        self.offset = 0  # tokens of the current document already emitted
+        self.skipped = 0
+        self._tokens: np.ndarray | None = None
+        self._doc_id: str | None = None
+
+    def take(self, n: int) -> tuple[np.ndarray, list[list]]:
+        """The next ``n`` tokens and their spans ``[source, doc_id, start, end)``."""
+        parts, spans = [], []
+        while n > 0:
+            tokens = self._current_tokens()
+            k = min(n, len(tokens) - self.offset)
+            parts.append(tokens[self.offset : self.offset + k])
+            spans.append([self.source_name, self._doc_id, self.offset, self.offset + k])
+            self.offset += k
+            n -= k
+            if self.offset == len(tokens):
+                self.cursor.advance()
+                self.offset, self._tokens = 0, None
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)), spans
+
+    def _current_tokens(self) -> np.ndarray:
+        if self._tokens is not None:
+            return self._tokens
+        empty_epochs = 0
+        while True:
+            doc = self.cursor.current()
+            if doc is None:
+                # Two epoch ends with no document in between: this shard has none.
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise DataError(
+                        f"dataset {self.source_name!r} has no usable document in virtual shard "
+                        f"{self.cursor.shard} of {self.cursor.num_shards}; lower "
+                        "training.data_shards or add documents"
+                    )
+                self.cursor.next_epoch()
+                continue
+            doc_id, text = doc
+            tokens = self._tokenize(doc_id, text)
+            if tokens is not None:
+                if self.offset >= len(tokens):
+                    raise DataError(
+                        f"restored position (token {self.offset}) lies past the end of document "
+                        f"{doc_id!r} of dataset {self.source_name!r} ({len(tokens)} tokens): the "
+                        "data changed since the checkpoint; resume with the original data"
+                    )
+                self._tokens, self._doc_id = tokens, doc_id
+                return tokens
+            empty_epochs = 0  # a skipped document still shows the shard is not empty
+            self.skipped += 1
+            self.cursor.advance()
+
+    def _tokenize(self, doc_id: str, text) -> np.ndarray | None:
+        problem = _document_problem(text)
+        if problem is None:
+            try:
+                ids = self.tokenizer.encode(text, bos=True, eos=True)
+                return np.asarray(ids, dtype=np.int32)
+            except (UnicodeError, TypeError, RuntimeError) as e:
+                problem = f"cannot be tokenized ({e})"
+        if self.bad_data == "error":
+            raise DataError(
+                f"document {doc_id!r} of dataset {self.source_name!r} {problem}; "
+                "fix the data or set training.bad_data = 'skip' to skip and count such documents"
+            )
+        return None
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor.state_dict(), "offset": self.offset, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict):
+        self.cursor.load_state_dict(state["cursor"])
+        self.offset, self.skipped = int(state["offset"]), int(state["skipped"])
+        self._tokens = self._doc_id = None
+
+
+def _document_problem(text) -> str | None:
+    if text is None:
+        return "has no text (null)"
+    if not isinstance(text, str):
+        return f"has non-string text of type {type(text).__name__}"
+    if not text.strip():
+        return "is empty or whitespace-only"
+    return None

@@ -1,0 +1,317 @@
+"""Documents from local files, read through Hugging Face ``datasets``.
+
+Owns: resolving a registry name, file, folder or glob to a list of files; opening
+them with ``datasets.load_dataset`` (map-style, or ``streaming=True``); and the
+per-epoch document order of one virtual shard (a ``MapCursor`` or a
+``StreamCursor``). A cursor's state is a *position* to seek to, never a count of
+items to replay.
+
+Never: tokenize, pack or know about ranks and workers (dataset.py does that).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_CORPUS = REPO_ROOT / "data" / "corpus"
+
+# Registry of bundled datasets: name -> folders (relative to the repo root).
+DATASET_REGISTRY: dict[str, list[str]] = {
+    "bundled": ["data/corpus/shakespeare", "data/corpus/milton", "data/corpus/kjv"],
+    "shakespeare": ["data/corpus/shakespeare"],
+    "milton": ["data/corpus/milton"],
+    "kjv": ["data/corpus/kjv"],
+}
+
+_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read as configured; the message names it and the fix."""
+
+
+@dataclass
+class SourceSpec:
+    """One source of documents: a name (for provenance), its files and its weight."""
+
+    name: str
+    files: list[str]
+    weight: float = 1.0
+    fmt: str = field(init=False)
+
+    def __post_init__(self):
+        self.fmt = _file_format(self.files, self.name)
+
+    def fingerprint(self) -> list[dict]:
+        """What the data stream depends on: each file's path, size and mtime."""
+        out = []
+        for f in self.files:
+            st = os.stat(f)
+            out.append({"file": f, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        return out
+
+
+def _file_format(files: list[str], name: str) -> str:
+    fmts = {_FORMATS.get(Path(f).suffix.lower()) for f in files}
+    if None in fmts or len(fmts) != 1:
+        exts = sorted({Path(f).suffix for f in files})
+        raise DataError(
+            f"dataset {name!r}: files must all be one of {sorted(_FORMATS)}, got {exts}; "
+            "point training.dataset_path at files of one supported format"
+        )
+    return fmts.pop()
+
+
+def resolve_files(path: str) -> list[str]:
+    """A file, a folder (searched recursively) or a glob -> sorted list of data files."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p
+    if p.is_file():
+        files = [str(p)]
+    elif p.is_dir():
+        files = [str(f) for f in sorted(p.rglob("*")) if f.suffix.lower() in _FORMATS]
+    else:
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise DataError(
+            f"dataset path {path!r} matches no data files ({', '.join(sorted(_FORMATS))}); "
+            "set training.dataset_path to an existing file, folder or glob"
+        )
+    return files
+
+
+def resolve_source(name: str = "", path: str = "", weight: float = 1.0) -> SourceSpec:
+    """A registry name or a local path -> SourceSpec."""
+    if path:
+        return SourceSpec(name=path, files=resolve_files(path), weight=weight)
+    if name not in DATASET_REGISTRY:
+        raise DataError(
+            f"unknown dataset {name!r}; choose one of {sorted(DATASET_REGISTRY)} "
+            "or set training.dataset_path"
+        )
+    files = [f for folder in DATASET_REGISTRY[name] for f in resolve_files(str(REPO_ROOT / folder))]
+    return SourceSpec(name=name, files=files, weight=weight)
+
+
+def _load_kwargs(spec: SourceSpec) -> dict:
+    # A plain-text file is one document, not one document per line.
+    return {"sample_by": "document"} if spec.fmt == "text" else {}
+
+
+def text_doc_id(text) -> str:
+    """Stable id for a document without an id column: a hash of its text."""
+    return hashlib.sha1(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class MapSource:
+    """A map-style source: documents by index, in a seeded order per epoch."""
+
+    streaming = False
+
+    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
+        import datasets
+
+        self.spec = spec
+        self.text_field = text_field
+        self.seed = seed
+        self.shuffle = shuffle
+        try:
+            self.ds = datasets.load_dataset(
+                spec.fmt, data_files=spec.files, split="train", **_load_kwargs(spec)
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
+            raise DataError(f"dataset {spec.name!r} could not be read: {e}") from e
+        _check_column(spec, text_field, self.ds.column_names)
+        self.id_field = id_field if id_field in self.ds.column_names else None
+        self._columns = [text_field] + ([self.id_field] if self.id_field else [])
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def order(self, epoch: int) -> np.ndarray:
+        return _epoch_order(len(self.ds), self.seed, self.spec.name, epoch, self.shuffle)
+
+    def document(self, index: int) -> tuple[str, object]:
+        row = self.ds[int(index)]
+        doc_id = str(row[self.id_field]) if self.id_field else f"row{index}"
+        return doc_id, row[self.text_field]
+
+
+@lru_cache(maxsize=8)
+def _epoch_order(n: int, seed: int, name: str, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    # zlib.crc32 rather than hash(): str hashes are salted per process.
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), epoch])
+    return rng.permutation(n)
+
+
+def _check_column(spec: SourceSpec, text_field: str, columns: list[str]):
+    if text_field not in columns:
+        raise DataError(
+            f"dataset {spec.name!r} has no column {text_field!r} (columns: {columns}); "
+            "set training.text_field to the column that holds the text"
+        )
+
+
+class StreamSource:
+    """A streaming source: files read in a seeded order per epoch, never fully loaded."""
+
+    streaming = True
+
+    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
+        self.spec = spec
+        self.text_field = text_field
+        self.id_field = id_field
+        self.seed = seed
+        self.shuffle = shuffle
+        first = self.open(0)
+        _check_column(spec, text_field, list(first.column_names or [text_field]))
+
+    def open(self, epoch: int):
+        """The HF IterableDataset of one epoch: the file order is the shuffled part."""
+        import datasets
+
+        order = _epoch_order(len(self.spec.files), self.seed, self.spec.name, epoch, self.shuffle)
+        files = [self.spec.files[i] for i in order]
+        try:
+            return datasets.load_dataset(
+                self.spec.fmt,
+                data_files=files,
+                split="train",
+                streaming=True,
+                **_load_kwargs(self.spec),
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
+            raise DataError(f"dataset {self.spec.name!r} could not be read: {e}") from e
+
+    def document_of(self, row: dict) -> tuple[str, object]:
+        text = row.get(self.text_field)
+        doc_id = row.get(self.id_field)
+        return (str(doc_id) if doc_id is not None else text_doc_id(text)), text
+
+
+def open_source(
+    spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool, streaming: bool
+):
+    cls = StreamSource if streaming else MapSource
+    return cls(spec, text_field, id_field, seed, shuffle)
+
+
+class MapCursor:
+    """Position of one virtual shard in a map-style source: (epoch, index into the shard).
+
+    Shard ``v`` of ``V`` reads documents ``order(epoch)[v::V]``; a position is a seek.
+    """
+
+    def __init__(self, source: MapSource, shard: int, num_shards: int):
+        self.source = source
+        self.shard = shard
+        self.num_shards = num_shards
+        self.epoch = 0
+        self.pos = 0
+
+    def shard_size(self) -> int:
+        n = len(self.source)
+        return max(0, (n - self.shard + self.num_shards - 1) // self.num_shards)
+
+    def current(self) -> tuple[str, object] | None:
+        """The document at the cursor, or None at the end of the epoch."""
+        if self.pos >= self.shard_size():
+            return None
+        index = self.source.order(self.epoch)[self.shard + self.pos * self.num_shards]
+        return self.source.document(index)
+
+    def advance(self):
+        self.pos += 1
+
+    def next_epoch(self):
+        self.epoch += 1
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class StreamCursor:
+    """Position of one virtual shard in a streaming source.
+
+    The position is the HF ``IterableDataset.state_dict()`` *before* the current
+    document, so a resume re-reads that one document and nothing earlier. The state
+    is read only after a ``next()`` has run: right after ``load_state_dict`` HF still
+    reports the initial state until the first example is read, and saving that would
+    silently restart the data from zero on the second resume.
+    """
+
+    def __init__(self, source: StreamSource, shard: int, num_shards: int):
+        self.source = source
+        self.shard = shard
+        self.num_shards = num_shards
+        self.epoch = 0
+        self.pos = None  # HF state before the current document; None = start of epoch
+        self._ds = None
+        self._it = None
+        self._current = None
+        self._exhausted = False
+
+    def _open(self):
+        from datasets.distributed import split_dataset_by_node
+
+        ds = split_dataset_by_node(
+            self.source.open(self.epoch), rank=self.shard, world_size=self.num_shards
+        )
+        if self.pos is not None:
+            ds.load_state_dict(self.pos)
+        self._ds, self._it = ds, iter(ds)
+        self._current, self._exhausted = None, False
+
+    def current(self) -> tuple[str, object] | None:
+        if self._exhausted:
+            return None
+        if self._current is None:
+            if self._it is None:
+                self._open()
+            try:
+                row = next(self._it)
+            except StopIteration:
+                self._exhausted = True
+                return None
+            self._current = self.source.document_of(row)
+        return self._current
+
+    def advance(self):
+        # The state after the current document is the position of the next one.
+        self.pos = self._ds.state_dict()
+        self._current = None
+
+    def next_epoch(self):
+        self.epoch += 1
+        self.pos = None
+        self._ds = self._it = None
+        self._current, self._exhausted = None, False
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict):
+        self.epoch, self.pos = int(state["epoch"]), state["pos"]
+        self._ds = self._it = None
+        self._current, self._exhausted = None, False
+
+
+def make_cursor(source, shard: int, num_shards: int):
+    cls = StreamCursor if source.streaming else MapCursor
+    return cls(source, shard, num_shards)

@@ -1,0 +1,111 @@
+"""Training metrics: the console line, a JSONL file, TensorBoard, and data provenance.
+
+Owns: formatting and writing what a step reports. Rank 0 writes the JSONL file and
+TensorBoard events; every rank may write its own provenance file. On resume, lines
+of steps after the resumed step (left by the interrupted run) are dropped, so the
+files always describe the run as it finally counts.
+
+Never: compute losses or reduce across ranks (train.py hands in global values).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+
+import torch
+
+logger = logging.getLogger("torchtitan")
+
+
+def truncate_jsonl_after(path: str, step: int):
+    """Keep only the lines of a JSONL file whose ``step`` is at most ``step``."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricLogger:
+    """Console line on rank 0 every ``log_freq`` steps, the same values to JSONL and TensorBoard."""
+
+    def __init__(self, cfg, rank: int, start_step: int):
+        self.rank = rank
+        self.log_freq = cfg.metrics.log_freq
+        self.jsonl_path = cfg.jsonl_path() if rank == 0 else None
+        self.tb = None
+        if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
+            truncate_jsonl_after(self.jsonl_path, start_step)
+            if cfg.metrics.enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                folder = os.path.join(cfg.job.dump_folder, cfg.metrics.tensorboard_folder)
+                self.tb = SummaryWriter(folder, purge_step=start_step + 1)
+
+    def should_log(self, step: int, last_step: int) -> bool:
+        return step % self.log_freq == 0 or step == last_step or step == 1
+
+    def log(self, step: int, values: dict):
+        if self.rank != 0:
+            return
+        logger.info(
+            "step %5d  loss %.4f  grad_norm %.4f  lr %.2e  tok/s %.0f  step %.1fms  data %.1fms  mem %.2fGiB",
+            step,
+            values["loss"],
+            values["grad_norm"],
+            values["lr"],
+            values["tokens_per_s"],
+            values["step_ms"],
+            values["data_wait_ms"],
+            values["memory_gib"],
+        )
+        # json writes a float with repr(), so the loss reads back bit-exact.
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(f"train/{key}", value, step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+class ProvenanceWriter:
+    """Per rank, one JSON line per step: for each sequence, its spans [source, doc_id, start, end)."""
+
+    def __init__(self, folder: str, rank: int, start_step: int, is_main: bool):
+        self.path = os.path.join(folder, f"rank{rank}.jsonl")
+        if is_main:
+            # Rank 0 trims every rank's file, including ranks of an old, larger layout.
+            os.makedirs(folder, exist_ok=True)
+            for name in sorted(os.listdir(folder)):
+                if name.startswith("rank") and name.endswith(".jsonl"):
+                    truncate_jsonl_after(os.path.join(folder, name), start_step)
+        self._file = None
+
+    def write(self, step: int, spans: list):
+        if self._file is None:
+            self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        self._file.write(json.dumps({"step": step, "sequences": spans}) + "\n")
+        self._file.flush()
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()

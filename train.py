@@ -1,0 +1,197 @@
+"""The training recipe: config -> build -> resume -> loop -> save.
+
+Run as ``torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml
+[--section.key value ...]`` or as one plain ``python train.py ...`` process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+import warnings
+
+# torchdata 0.11 calls a deprecated torch API on import; the warning is noise.
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from torchtitan import parallel  # noqa: E402
+from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
+from torchtitan.config import JobConfig, load_config_or_exit, resolve_path  # noqa: E402
+from torchtitan.data import DataError, build_dataloader, data_fingerprint  # noqa: E402
+from torchtitan.data.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib  # noqa: E402
+from torchtitan.models import build_model, count_parameters  # noqa: E402
+from torchtitan.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+
+logger = logging.getLogger("torchtitan")
+
+# Errors that mean "the inputs are wrong", reported as one line, not a traceback.
+USER_ERRORS = (CheckpointError, DataError, TokenizerError, ValueError, OSError)
+
+
+def setup_logging(rank: int):
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def seed_everything(seed: int, deterministic: bool):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.ParallelDims):
+    # Every rank builds the full model from the same seed, then shards it, so the
+    # weights do not depend on the number of ranks. (For very large flavors, write a
+    # seed checkpoint once with --checkpoint.create_seed_checkpoint and load it.)
+    model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device=dims.device)
+    if cfg.training.seq_len > model.args.max_seq_len:
+        raise ValueError(
+            f"training.seq_len {cfg.training.seq_len} exceeds the max_seq_len "
+            f"{model.args.max_seq_len} of model flavor {cfg.model.flavor!r}; lower --training.seq_len"
+        )
+    logger.info(
+        "model %s %s: %.2fM parameters",
+        cfg.model.name,
+        cfg.model.flavor,
+        count_parameters(model) / 1e6,
+    )
+    return parallel.apply_data_parallel(model, cfg.training.data_parallel, dims)
+
+
+def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
+    if dims.world_size != 1:
+        raise ValueError(
+            "checkpoint.create_seed_checkpoint runs in one process: launch it without torchrun"
+        )
+    model = build_model(
+        cfg.model.flavor, tokenizer.vocab_size, dropout=cfg.model.dropout, device=dims.device
+    )
+    manager = CheckpointManager(
+        cfg,
+        dims,
+        model=model,
+        optimizer=build_optimizer(model, cfg),
+        lr_scheduler=None,
+        dataloader=None,
+        train_state=TrainState(),
+        fingerprint={},
+    )
+    manager.save(0, model_only=True)
+    manager.close()
+    logger.info("wrote seed checkpoint %s/step-0", manager.folder)
+
+
+def train(cfg: JobConfig, dims: parallel.ParallelDims):
+    t = cfg.training
+    seed_everything(t.seed, t.deterministic)
+    tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+    if cfg.checkpoint.create_seed_checkpoint:
+        return write_seed_checkpoint(cfg, dims, tokenizer)
+
+    model = build_training_model(cfg, tokenizer.vocab_size, dims)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size)
+    train_state = TrainState()
+    # Ranks draw different dropout masks; the checkpoint restores each rank's RNG.
+    torch.manual_seed(t.seed + dims.rank)
+    checkpoint = CheckpointManager(
+        cfg,
+        dims,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dataloader=dataloader,
+        train_state=train_state,
+        fingerprint=data_fingerprint(cfg, tokenizer),
+    )
+    train_state.step = checkpoint.load()
+
+    metrics = MetricLogger(cfg, dims.rank, train_state.step)
+    provenance = None
+    if cfg.metrics.data_provenance:
+        folder = os.path.join(cfg.job.dump_folder, "provenance")
+        provenance = ProvenanceWriter(folder, dims.rank, train_state.step, dims.is_main)
+    parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
+
+    tokens_per_step = t.batch_size * t.seq_len * dims.world_size
+    logger.info(
+        "training steps %d..%d, %d tokens per step", train_state.step + 1, t.steps, tokens_per_step
+    )
+    model.train()
+    while train_state.step < t.steps:
+        step_start = time.perf_counter()
+        batch = next(dataloader)
+        inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
+        train_state.step += 1
+        train_state.tokens_seen += tokens_per_step
+
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if provenance is not None:
+            provenance.write(train_state.step, batch["spans"])
+        if metrics.should_log(train_state.step, t.steps):
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            step_s = time.perf_counter() - step_start
+            metrics.log(
+                train_state.step,
+                {
+                    "loss": parallel.mean_over_ranks(loss),
+                    "grad_norm": grad_norm.item(),
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / step_s,
+                    "step_ms": 1000 * step_s,
+                    "data_wait_ms": 1000 * dataloader.last_wait_s,
+                    "memory_gib": memory_gib(dims.device),
+                    "tokens_seen": train_state.tokens_seen,
+                    "skipped_documents": dataloader.skipped_documents(),
+                },
+            )
+        if checkpoint.should_save(train_state.step):
+            checkpoint.save(train_state.step)
+
+    checkpoint.close()
+    metrics.close()
+    if provenance is not None:
+        provenance.close()
+    logger.info("done: %d steps, %d tokens", train_state.step, train_state.tokens_seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config_or_exit(argv)
+    dims = parallel.init_distributed()
+    setup_logging(dims.rank)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    try:
+        train(cfg, dims)
+    except USER_ERRORS as e:
+        # Every rank meets the same input, so every rank says what is wrong.
+        print(f"[rank{dims.rank}] error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        parallel.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
