@@ -1,0 +1,89 @@
+"""SentencePiece tokenizer: text <-> token ids, and the fingerprint of the model file.
+
+This module owns loading the tokenizer model and the id conventions (bos,
+eos, pad) the rest of the data pipeline relies on. It never trains or edits a
+model (scripts/train_tokenizer.py does) and keeps no state beyond the loaded
+model, so encoding the same text always gives the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece as spm
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TOKENIZER_PATH = str(REPO_ROOT / "data" / "tokenizer" / "tokenizer.model")
+
+_FIX = (
+    "set --model.tokenizer_path to a SentencePiece .model file, "
+    "or rebuild it with python scripts/train_tokenizer.py"
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer model file is missing or unreadable."""
+
+
+def _read_model(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise TokenizerError(f"tokenizer file {path} does not exist; {_FIX}") from None
+    except OSError as err:
+        raise TokenizerError(f"tokenizer file {path} cannot be read: {err}; {_FIX}") from None
+
+
+def _load_processor(path: str, model: bytes, num_threads: int) -> spm.SentencePieceProcessor:
+    processor = spm.SentencePieceProcessor(num_threads=num_threads)
+    try:
+        processor.LoadFromSerializedProto(model)
+    except (RuntimeError, OSError) as err:
+        raise TokenizerError(
+            f"tokenizer file {path} is not a SentencePiece model: {err}; {_FIX}"
+        ) from None
+    return processor
+
+
+class Tokenizer:
+    """A SentencePiece model loaded from `path`.
+
+    The model is loaded from the same bytes that `sha256()` hashes, so the
+    fingerprint always describes the model in use even if the file changes
+    later. `num_threads` is how many threads one `encode_batch` call may use;
+    the default of 1 suits data-loader workers, which already run in parallel.
+    """
+
+    def __init__(self, path: str | Path, num_threads: int = 1):
+        self.path = str(path)
+        model = _read_model(self.path)
+        self._sha256 = hashlib.sha256(model).hexdigest()
+        self._sp = _load_processor(self.path, model, num_threads)
+        self.vocab_size: int = self._sp.vocab_size()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        self.pad_id: int = self._sp.pad_id()
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        return self._sp.encode(text, add_bos=bos, add_eos=eos)
+
+    def encode_batch(
+        self, texts: list[str], bos: bool = False, eos: bool = False
+    ) -> list[list[int]]:
+        # One call into C++ for the whole list: no per-text Python overhead.
+        return self._sp.encode(list(texts), add_bos=bos, add_eos=eos)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; bos, eos and pad decode to nothing."""
+        if hasattr(ids, "tolist"):  # a torch tensor or numpy array
+            ids = ids.tolist()
+        return self._sp.decode(list(ids))
+
+    def sha256(self) -> str:
+        """Hex digest of the model file's bytes, for checkpoint fingerprints."""
+        return self._sha256
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
