@@ -132,7 +132,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         "training steps %d..%d, %d tokens per step", train_state.step + 1, t.steps, tokens_per_step
     )
     model.train()
-    while train_state.step < t.steps:
+    last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
+    while train_state.step < last_step:
         step_start = time.perf_counter()
         batch = next(dataloader)
         inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
@@ -167,7 +168,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
                     "skipped_documents": dataloader.skipped_documents(),
                 },
             )
-        if checkpoint.should_save(train_state.step):
+        if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):
             checkpoint.save(train_state.step)
 
     checkpoint.close()

@@ -186,8 +186,9 @@ class CheckpointManager:
             os.makedirs(self.folder, exist_ok=True)
 
     # ---- saving ---------------------------------------------------------------------
-    def should_save(self, step: int) -> bool:
-        return self.enabled and (step % self.interval == 0 or step == self.last_step)
+    def should_save(self, step: int, stop_at: int = -1) -> bool:
+        """Every ``interval`` steps, at the last step, and where the job stops early."""
+        return self.enabled and (step % self.interval == 0 or step in (self.last_step, stop_at))
 
     def save(self, step: int, *, model_only: bool = False):
         """Write ``step-N``; in async mode return once the state is staged in memory."""

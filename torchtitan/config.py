@@ -141,6 +141,11 @@ class Training:
         "number of virtual data shards; fixes the data order independently of ranks and workers",
         ge=1,
     )
+    stop_at_step: int = _opt(
+        -1,
+        "stop after this step as if preempted (-1: run to training.steps); the LR schedule still spans training.steps",
+        ge=-1,
+    )
     seed: int = _opt(42, "seed for model init, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic torch algorithms")
     data_parallel: str = _opt("fsdp", "data-parallel wrapper", choices=["fsdp", "ddp"])

@@ -1,0 +1,91 @@
+"""Reading data provenance back: which tokens of which documents trained which step.
+
+Owns: loading ``<dump_folder>/provenance/rank*.jsonl`` and checking that the
+recorded spans cover every document they touch exactly once and without holes.
+Written by ``metrics.ProvenanceWriter``; each line is
+``{"step": N, "sequences": [[[source, doc_id, start, end], ...], ...]}`` with token
+offsets into the document as tokenized with its BOS/EOS, end exclusive.
+
+Never: write provenance, or read the data itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+def read_provenance(folder: str) -> dict[int, dict[int, list]]:
+    """{rank: {step: sequences}} from a run's provenance folder."""
+    files = sorted(glob.glob(os.path.join(folder, "rank*.jsonl")))
+    if not files:
+        raise FileNotFoundError(
+            f"no provenance files (rank*.jsonl) in {folder}; run with --metrics.data_provenance"
+        )
+    out = {}
+    for path in files:
+        rank = int(os.path.basename(path)[len("rank") : -len(".jsonl")])
+        with open(path) as f:
+            out[rank] = {
+                rec["step"]: rec["sequences"] for rec in map(json.loads, filter(str.strip, f))
+            }
+    return out
+
+
+def spans_of(provenance: dict[int, dict[int, list]]):
+    for steps in provenance.values():
+        for sequences in steps.values():
+            for spans in sequences:
+                yield from spans
+
+
+@dataclass
+class SourceReport:
+    tokens: int = 0
+    duplicate_tokens: int = 0
+    gaps: int = 0
+    documents: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+def check_exactly_once(provenance: dict[int, dict[int, list]]) -> dict[str, SourceReport]:
+    """Per source: tokens consumed, tokens consumed more than once, holes inside documents.
+
+    A document may be cut off at the end (training stopped mid-document), but its
+    covered tokens must start at 0 and be contiguous.
+    """
+    intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    for source, doc_id, start, end in spans_of(provenance):
+        intervals[(source, doc_id)].append((start, end))
+    reports: dict[str, SourceReport] = defaultdict(SourceReport)
+    for (source, doc_id), spans in intervals.items():
+        report = reports[source]
+        report.documents += 1
+        covered = 0
+        for start, end in sorted(spans):
+            report.tokens += end - start
+            if start < covered:
+                report.duplicate_tokens += min(end, covered) - start
+                _example(report, f"{doc_id}: tokens {start}..{min(end, covered)} seen twice")
+            elif start > covered:
+                report.gaps += 1
+                _example(report, f"{doc_id}: tokens {covered}..{start} never seen")
+            covered = max(covered, end)
+    return dict(reports)
+
+
+def _example(report: SourceReport, text: str):
+    if len(report.examples) < 5:
+        report.examples.append(text)
+
+
+def sequences_by_step(provenance: dict[int, dict[int, list]]) -> dict[int, list]:
+    """{step: all sequences of that step, ranks in order}: the run's data, layout aside."""
+    out: dict[int, list] = defaultdict(list)
+    for rank in sorted(provenance):
+        for step, sequences in provenance[rank].items():
+            out[step].extend(sequences)
+    return dict(out)
