@@ -18,6 +18,7 @@ import logging
 import pickle
 import time
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -44,6 +45,9 @@ class ParallelDataLoader(Stateful):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.dp_rank, self.dp_world = dataset.dp_rank, dataset.dp_world
+        # The loader's own generator: its iterator draws a base seed when it starts, and
+        # from the global RNG that draw would shift dropout masks after a resume.
+        generator = torch.Generator().manual_seed(dataset.seed + dataset.dp_rank)
         # Snapshots only where checkpoints are taken: a snapshot costs a state
         # round-trip from every worker, and state_dict() at a snapshot step needs no replay.
         self.loader = StatefulDataLoader(
@@ -54,6 +58,7 @@ class ParallelDataLoader(Stateful):
             snapshot_every_n_steps=snapshot_every_n_steps,
             prefetch_factor=2 if num_workers else None,
             persistent_workers=num_workers > 0,
+            generator=generator,
         )
         self._iter = None
         self._skipped: dict[int, int] = {}

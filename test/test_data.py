@@ -1,0 +1,375 @@
+"""The data path without torchrun: packing, sharding, restore at every step, mixing, resharding."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from torchtitan.data.dataset import TokenDataset
+from torchtitan.data.loader import ParallelDataLoader
+from torchtitan.data.sources import DataError, SourceSpec, resolve_source
+
+SEQ = 31  # windows of 32 tokens: documents of a few hundred tokens span many windows
+
+
+def make(corpus, tokenizer, **kw) -> TokenDataset:
+    sources = kw.pop("sources", None) or [resolve_source(path=str(corpus))]
+    defaults = dict(data_shards=4, seed=7, shuffle=True, streaming=False)
+    return TokenDataset(sources, tokenizer, kw.pop("seq_len", SEQ), **{**defaults, **kw})
+
+
+def take(ds, n: int, it=None) -> list[dict]:
+    it = it if it is not None else iter(ds)
+    return [next(it) for _ in range(n)]
+
+
+def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
+    import datasets
+
+    ds = datasets.load_dataset(
+        "json", data_files=sorted(str(p) for p in corpus.glob("*.jsonl")), split="train"
+    )
+    return {row["id"]: tokenizer.encode(row["text"], bos=True, eos=True) for row in ds}
+
+
+def first_epoch_coverage(samples: list[dict]) -> dict[str, list[tuple[int, int]]]:
+    """Spans per document until the document starts again (its next epoch).
+
+    Use with shuffle=False: a shuffled next epoch hands a shard other documents.
+    """
+    out: dict[str, list] = defaultdict(list)
+    restarted = set()
+    for sample in samples:
+        for _, doc_id, start, end in sample["spans"]:
+            if start == 0 and out[doc_id]:
+                restarted.add(doc_id)
+            if doc_id not in restarted:
+                out[doc_id].append((start, end))
+    return out
+
+
+def assert_exactly_once(coverage, lengths: dict[str, int]):
+    assert set(coverage) == set(lengths), "some documents never read, or unknown ones read"
+    for doc_id, spans in coverage.items():
+        spans = sorted(spans)
+        assert spans[0][0] == 0 and spans[-1][1] == lengths[doc_id], doc_id
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (
+            f"{doc_id}: gap or overlap {spans}"
+        )
+
+
+# ---- packing ---------------------------------------------------------------------------
+
+
+def test_packing_emits_every_token_once_in_order(small_corpus, tokenizer):
+    ds = make(small_corpus, tokenizer, data_shards=1, shuffle=False)
+    docs = doc_tokens(small_corpus, tokenizer)
+    stream = np.concatenate([np.array(t) for t in docs.values()])  # file order = id order here
+    n = len(stream) // (SEQ + 1)
+    samples = take(ds, n)
+    windows = np.concatenate([torch.cat([s["input"], s["label"][-1:]]).numpy() for s in samples])
+    assert np.array_equal(windows, stream[: n * (SEQ + 1)])
+
+
+def test_label_is_input_shifted_by_one(small_corpus, tokenizer):
+    for s in take(make(small_corpus, tokenizer), 20):
+        assert s["input"].shape == s["label"].shape == (SEQ,)
+        assert torch.equal(s["input"][1:], s["label"][:-1])
+
+
+def test_spans_point_at_the_tokens(small_corpus, tokenizer):
+    docs = doc_tokens(small_corpus, tokenizer)
+    for s in take(make(small_corpus, tokenizer), 30):
+        window = torch.cat([s["input"], s["label"][-1:]]).tolist()
+        expected = [t for _, doc_id, a, b in s["spans"] for t in docs[doc_id][a:b]]
+        assert window == expected
+
+
+def test_two_ranks_read_disjoint_data_that_covers_the_corpus(small_corpus, tokenizer):
+    docs = doc_tokens(small_corpus, tokenizer)
+    total = sum(map(len, docs.values()))
+    coverage = {}
+    for rank in range(2):
+        ds = make(small_corpus, tokenizer, dp_rank=rank, dp_world=2, shuffle=False)
+        samples = take(ds, total // (SEQ + 1) + 40)
+        coverage[rank] = first_epoch_coverage(samples)
+    assert not set(coverage[0]) & set(coverage[1])
+    assert_exactly_once({**coverage[0], **coverage[1]}, {k: len(v) for k, v in docs.items()})
+
+
+# ---- restore at every step --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, rank):
+    """State after k sequences, loaded into a fresh dataset, yields exactly the rest.
+
+    8 short documents over 4 shards and 2 ranks: each rank's shards end an epoch
+    every ~15 sequences, so k = 0..40 (0..32 streaming) crosses document and epoch
+    boundaries.
+    """
+    kw = dict(dp_rank=rank, dp_world=2, streaming=streaming)
+    ds = make(tiny_corpus, tokenizer, **kw)
+    it = iter(ds)
+    reference, states = [], []
+    for _ in range(46):
+        states.append(ds.state_dict())
+        reference.append(next(it))
+    epochs = {p.cursor.epoch for shard in ds._shards.values() for p in shard.packers}
+    assert min(epochs) >= 2, "the test must cross epoch boundaries"
+    for k in range(0, 41 if not streaming else 33):
+        fresh = make(tiny_corpus, tokenizer, **kw)
+        fresh.load_state_dict(states[k])
+        got = take(fresh, 5)
+        for a, b in zip(got, reference[k : k + 5]):
+            assert torch.equal(a["input"], b["input"]) and torch.equal(a["label"], b["label"]), k
+            assert a["spans"] == b["spans"]
+
+
+def test_state_holds_positions_not_tokens(small_corpus, tokenizer):
+    ds = make(small_corpus, tokenizer)
+    take(ds, 10)
+    shard_state = next(iter(ds.state_dict()["shards"].values()))
+    assert shard_state["sources"][0] == {
+        "cursor": {"epoch": 0, "pos": shard_state["sources"][0]["cursor"]["pos"]},
+        "offset": shard_state["sources"][0]["offset"],
+        "skipped": 0,
+    }
+
+
+# ---- shuffling and looping --------------------------------------------------------------
+
+
+def doc_order(samples) -> list[str]:
+    return [doc for s in samples for _, doc, a, _ in s["spans"] if a == 0]
+
+
+def test_shuffle_is_seeded_and_differs_per_epoch(tiny_corpus, tokenizer):
+    def order(**kw):
+        return doc_order(take(make(tiny_corpus, tokenizer, data_shards=1, **kw), 120))
+
+    one, again, other_seed, plain = order(), order(), order(seed=8), order(shuffle=False)
+    assert len(one) > 24, "the test must span several epochs"
+    assert one == again and one != other_seed
+    epoch0, epoch1, epoch2 = one[:8], one[8:16], one[16:24]
+    assert sorted(epoch0) == sorted(epoch1) == sorted(epoch2)
+    assert len({tuple(epoch0), tuple(epoch1), tuple(epoch2)}) == 3
+    assert plain[:8] == plain[8:16] == plain[16:24]
+
+
+def test_looping_never_runs_dry(tiny_corpus, tokenizer):
+    ds = make(tiny_corpus, tokenizer, data_shards=4)
+    samples = take(ds, 200)  # several epochs of an 8-document corpus
+    assert len(samples) == 200
+    assert min(p.cursor.epoch for shard in ds._shards.values() for p in shard.packers) >= 3
+
+
+# ---- mixing -----------------------------------------------------------------------------
+
+
+def mixed(small_corpus, second_corpus, tokenizer, **kw):
+    sources = [
+        SourceSpec(
+            name="shakespeare", files=resolve_source(path=str(small_corpus)).files, weight=0.7
+        ),
+        SourceSpec(name="kjv", files=resolve_source(path=str(second_corpus)).files, weight=0.3),
+    ]
+    return make(small_corpus, tokenizer, sources=sources, **kw)
+
+
+def test_mixing_follows_weights(small_corpus, second_corpus, tokenizer):
+    samples = take(mixed(small_corpus, second_corpus, tokenizer), 3000)
+    counts = Counter(s["spans"][0][0] for s in samples)
+    share = counts["shakespeare"] / 3000
+    # 3000 draws at p=0.7: the standard deviation of the share is 0.008.
+    assert abs(share - 0.7) < 0.03, counts
+    assert all(len({sp[0] for sp in s["spans"]}) == 1 for s in samples), "a window mixes sources"
+
+
+def test_mixing_restores_exactly(small_corpus, second_corpus, tokenizer):
+    ds = mixed(small_corpus, second_corpus, tokenizer)
+    it = iter(ds)
+    take(ds, 37, it)
+    state = ds.state_dict()
+    reference = take(ds, 30, it)
+    fresh = mixed(small_corpus, second_corpus, tokenizer)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(take(fresh, 30), reference))
+
+
+# ---- resharding (elastic) at the dataset level ------------------------------------------
+
+
+@pytest.mark.parametrize("before,after", [(4, 3), (8, 2), (3, 5)])
+def test_reshard_reads_every_token_exactly_once(small_corpus, tokenizer, before, after):
+    """Consumers (ranks x workers) 4->3, 8->2, 3->5: one full epoch, no duplicate, no gap."""
+    docs = doc_tokens(small_corpus, tokenizer)
+    kw = dict(data_shards=8, shuffle=False)
+    samples, shard_states = [], {}
+    for c in range(before):
+        ds = make(small_corpus, tokenizer, dp_rank=c, dp_world=before, **kw)
+        samples += take(ds, 3 + 2 * c)  # consumers stop at different points
+        shard_states.update(ds.state_dict()["shards"])
+    assert sorted(shard_states) == list(range(8))
+    for c in range(after):
+        ds = make(small_corpus, tokenizer, dp_rank=c, dp_world=after, **kw)
+        ds.load_shard_states(shard_states)
+        samples += take(ds, 150)  # past the end of every shard's first epoch
+    assert_exactly_once(first_epoch_coverage(samples), {k: len(v) for k, v in docs.items()})
+
+
+def test_reshard_with_shuffle_has_no_duplicate_or_gap(small_corpus, tokenizer):
+    from torchtitan.provenance import check_exactly_once
+
+    kw = dict(data_shards=8, shuffle=True)
+    samples, shard_states = [], {}
+    for c in range(4):
+        ds = make(small_corpus, tokenizer, dp_rank=c, dp_world=4, **kw)
+        samples += take(ds, 2 + c)
+        shard_states.update(ds.state_dict()["shards"])
+    for c in range(3):
+        ds = make(small_corpus, tokenizer, dp_rank=c, dp_world=3, **kw)
+        ds.load_shard_states(shard_states)
+        samples += take(ds, 6)  # stays inside every shard's first epoch
+    reports = check_exactly_once({0: {i: [s["spans"]] for i, s in enumerate(samples)}})
+    assert all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), reports
+
+
+def test_too_many_consumers_is_a_clear_error(small_corpus, tokenizer):
+    ds = make(small_corpus, tokenizer, data_shards=4, dp_rank=0, dp_world=5)
+    with pytest.raises(DataError, match="raise training.data_shards to at least 5"):
+        next(iter(ds))
+
+
+def test_fewer_documents_than_shards_is_a_clear_error(small_corpus, tokenizer):
+    with pytest.raises(DataError, match="fewer than training.data_shards=64"):
+        make(small_corpus, tokenizer, data_shards=64)
+
+
+# ---- the loader ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_exactly_and_workers_do_not_duplicate(small_corpus, tokenizer, workers):
+    def loader():
+        ds = make(small_corpus, tokenizer, dp_rank=0, dp_world=1, data_shards=4)
+        return ParallelDataLoader(ds, 2, num_workers=workers, snapshot_every_n_steps=3)
+
+    first = loader()
+    batches = [next(first) for _ in range(6)]
+    state = first.state_dict()
+    reference = [next(first) for _ in range(8)]
+    spans = [sp for b in batches + reference for seq in b["spans"] for sp in seq]
+    coverage = defaultdict(list)
+    for _, doc, a, b in spans:
+        coverage[doc].append((a, b))
+    for doc, cov in coverage.items():
+        cov.sort()
+        assert all(x[1] == y[0] for x, y in zip(cov, cov[1:])), f"{doc} read twice or with a gap"
+    resumed = loader()
+    resumed.load_state_dict(state)
+    for a, b in zip((next(resumed) for _ in range(8)), reference):
+        assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+
+
+def test_loader_reshards_workers_2_to_0(tiny_corpus, tokenizer):
+    def loader(workers):
+        ds = make(tiny_corpus, tokenizer, dp_rank=0, dp_world=1, data_shards=4, shuffle=False)
+        return ParallelDataLoader(ds, 2, num_workers=workers, snapshot_every_n_steps=3)
+
+    first = loader(2)
+    seen = [next(first) for _ in range(3)]
+    state = first.state_dict()
+    after = loader(0)
+    after.load_state_dict(state)
+    seen += [next(after) for _ in range(30)]
+    docs = doc_tokens(tiny_corpus, tokenizer)
+    samples = [{"spans": seq} for b in seen for seq in b["spans"]]
+    assert_exactly_once(first_epoch_coverage(samples), {k: len(v) for k, v in docs.items()})
+
+
+def test_changed_global_batch_is_a_clear_error(small_corpus, tokenizer):
+    ds = make(small_corpus, tokenizer)
+    state = ParallelDataLoader(ds, 2).state_dict()
+    other = ParallelDataLoader(make(small_corpus, tokenizer), 3)
+    with pytest.raises(DataError, match="global batch size changed from 2"):
+        other.load_state_dict(state)
+
+
+# ---- bad data ---------------------------------------------------------------------------
+
+
+def test_bad_documents_are_skipped_and_counted(tmp_path, tokenizer):
+    import json
+
+    docs = [{"id": f"d{i}", "text": f"Line {i} of a good document.\n" * 5} for i in range(8)]
+    docs[2]["text"] = ""
+    docs[4]["text"] = "   \n\t "
+    docs[6]["text"] = None
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    ds = make(tmp_path, tokenizer, data_shards=1, shuffle=False)
+    samples = take(ds, 12)
+    seen = {sp[1] for s in samples for sp in s["spans"]}
+    assert seen == {"d0", "d1", "d3", "d5", "d7"}
+    assert samples[-1]["skipped"] == 3
+    strict = make(tmp_path, tokenizer, data_shards=1, shuffle=False, bad_data="error")
+    with pytest.raises(DataError, match="'d2'.*empty or whitespace-only"):
+        take(strict, 12)
+
+
+def test_missing_path_is_a_clear_error():
+    with pytest.raises(DataError, match="matches no data files"):
+        resolve_source(path="/nonexistent/corpus")
+
+
+def test_missing_text_column_is_a_clear_error(small_corpus, tokenizer):
+    with pytest.raises(DataError, match="no column 'body'"):
+        make(small_corpus, tokenizer, text_field="body")
+
+
+def test_id_less_documents_get_stable_ids(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text("A plain text document.\nWith two lines.\n")
+    (tmp_path / "b.txt").write_text("Another document entirely.\n")
+    for streaming in (False, True):
+        ds = make(tmp_path, tokenizer, data_shards=1, shuffle=False, streaming=streaming)
+        ids = {sp[1] for s in take(ds, 4) for sp in s["spans"]}
+        assert len(ids) == 2, ids
+
+
+def test_streaming_resumes_twice_in_a_row(small_corpus, tokenizer):
+    """Guards against `datasets` reporting the initial state right after a load (a second
+    resume would then silently restart the data from zero)."""
+    kw = dict(streaming=True, data_shards=2)
+    ds = make(small_corpus, tokenizer, **kw)
+    it = iter(ds)
+    take(ds, 5, it)
+    state1 = ds.state_dict()
+    reference = take(ds, 12, it)
+    second = make(small_corpus, tokenizer, **kw)
+    second.load_state_dict(state1)
+    it2 = iter(second)
+    got = take(second, 1, it2)
+    state2 = second.state_dict()  # taken right after a resume
+    third = make(small_corpus, tokenizer, **kw)
+    third.load_state_dict(state2)
+    got += take(third, 11)
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(got, reference))
+
+
+def test_source_registry_covers_bundled_corpus():
+    spec = resolve_source(name="bundled")
+    assert len(spec.files) == 20 and spec.fmt == "parquet"
+    assert (
+        list(
+            itertools.chain(
+                *[resolve_source(name=n).files for n in ("shakespeare", "milton", "kjv")]
+            )
+        )
+        == spec.files
+    )
