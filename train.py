@@ -36,11 +36,16 @@ USER_ERRORS = (CheckpointError, DataError, TokenizerError, ValueError, OSError)
 
 
 def setup_logging(rank: int):
+    import datasets
+
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    # Progress bars from every rank would bury the training log.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_warning()
 
 
 def seed_everything(seed: int, deterministic: bool):

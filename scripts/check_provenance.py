@@ -2,7 +2,8 @@
 
     python scripts/check_provenance.py outputs/debug/provenance
 
-Prints per source the tokens consumed, tokens consumed twice and gaps inside
+Prints per source the tokens consumed, tokens consumed twice within one epoch (a
+document is read once per epoch) and gaps inside
 documents; exits 1 on any duplicate or gap. Resumed runs are fine: the trainer
 drops the provenance lines of steps that a resume re-ran.
 """
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     reports = check_exactly_once(provenance)
     steps = {s for per_rank in provenance.values() for s in per_rank}
     print(f"{len(provenance)} rank files, steps {min(steps)}..{max(steps)}")
-    print(f"{'source':<28}{'documents':>10}{'tokens':>12}{'twice':>10}{'gaps':>8}")
+    print(f"{'source':<28}{'doc reads':>10}{'tokens':>12}{'twice':>10}{'gaps':>8}")
     bad = False
     for source, r in sorted(reports.items()):
         print(f"{source:<28}{r.documents:>10}{r.tokens:>12}{r.duplicate_tokens:>10}{r.gaps:>8}")

@@ -37,17 +37,11 @@ def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
 
 
 def first_epoch_coverage(samples: list[dict]) -> dict[str, list[tuple[int, int]]]:
-    """Spans per document until the document starts again (its next epoch).
-
-    Use with shuffle=False: a shuffled next epoch hands a shard other documents.
-    """
+    """Spans per document read in epoch 0."""
     out: dict[str, list] = defaultdict(list)
-    restarted = set()
     for sample in samples:
-        for _, doc_id, start, end in sample["spans"]:
-            if start == 0 and out[doc_id]:
-                restarted.add(doc_id)
-            if doc_id not in restarted:
+        for _, doc_id, start, end, epoch in sample["spans"]:
+            if epoch == 0:
                 out[doc_id].append((start, end))
     return out
 
@@ -85,7 +79,7 @@ def test_spans_point_at_the_tokens(small_corpus, tokenizer):
     docs = doc_tokens(small_corpus, tokenizer)
     for s in take(make(small_corpus, tokenizer), 30):
         window = torch.cat([s["input"], s["label"][-1:]]).tolist()
-        expected = [t for _, doc_id, a, b in s["spans"] for t in docs[doc_id][a:b]]
+        expected = [t for _, doc_id, a, b, _ in s["spans"] for t in docs[doc_id][a:b]]
         assert window == expected
 
 
@@ -146,7 +140,7 @@ def test_state_holds_positions_not_tokens(small_corpus, tokenizer):
 
 
 def doc_order(samples) -> list[str]:
-    return [doc for s in samples for _, doc, a, _ in s["spans"] if a == 0]
+    return [doc for s in samples for _, doc, a, _, _ in s["spans"] if a == 0]
 
 
 def test_shuffle_is_seeded_and_differs_per_epoch(tiny_corpus, tokenizer):
@@ -266,7 +260,7 @@ def test_loader_resumes_exactly_and_workers_do_not_duplicate(small_corpus, token
     reference = [next(first) for _ in range(8)]
     spans = [sp for b in batches + reference for seq in b["spans"] for sp in seq]
     coverage = defaultdict(list)
-    for _, doc, a, b in spans:
+    for _, doc, a, b, _ in spans:
         coverage[doc].append((a, b))
     for doc, cov in coverage.items():
         cov.sort()

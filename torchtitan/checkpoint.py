@@ -320,10 +320,10 @@ class CheckpointManager:
         self._barrier()
 
     def _load_from(self, path: str) -> list[str]:
-        manifest = read_manifest(path)
-        self._check_fingerprint(manifest.get("data_fingerprint") or {}, path)
         saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         present = {k.split(".", 1)[0] for k in saved_keys}
+        if "dataloader" in present:  # a weights-only or seed checkpoint has no data position
+            self._check_fingerprint(read_manifest(path).get("data_fingerprint") or {}, path)
         names = [n for n in self.states if n in present and n not in self.exclude]
         skipped = [n for n in self.states if n in self.exclude and n in present]
         if skipped:
@@ -351,11 +351,7 @@ class CheckpointManager:
         return list(state)
 
     def _check_fingerprint(self, saved: dict, path: str):
-        diffs = [
-            f"{key}: {saved.get(key)!r} -> {self.fingerprint.get(key)!r}"
-            for key in sorted(set(saved) | set(self.fingerprint))
-            if saved.get(key) != self.fingerprint.get(key)
-        ]
+        diffs = fingerprint_diff(saved, self.fingerprint)
         if not diffs:
             return
         if "dataloader" in self.exclude:
@@ -385,6 +381,42 @@ class CheckpointManager:
 
     def _barrier(self):
         barrier(self.dims)
+
+
+def fingerprint_diff(old: dict, new: dict) -> list[str]:
+    """Each differing field of two data fingerprints, as 'field: old -> new'."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if key == "sources" and isinstance(a, list) and isinstance(b, list):
+            diffs += _sources_diff(a, b)
+        else:
+            diffs.append(f"{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def _sources_diff(old: list[dict], new: list[dict]) -> list[str]:
+    if [(s["name"], s["weight"]) for s in old] != [(s["name"], s["weight"]) for s in new]:
+        return [
+            f"sources: {[(s['name'], s['weight']) for s in old]} -> {[(s['name'], s['weight']) for s in new]}"
+        ]
+    diffs = []
+    for a, b in zip(old, new):
+        files_a = {f[0]: f[1:] for f in a["files"]}
+        files_b = {f[0]: f[1:] for f in b["files"]}
+        for name in sorted(set(files_a) | set(files_b)):
+            if files_a.get(name) != files_b.get(name):
+                what = (
+                    "added"
+                    if name not in files_a
+                    else "removed"
+                    if name not in files_b
+                    else "changed"
+                )
+                diffs.append(f"source {a['name']!r} file {name} {what}")
+    return diffs
 
 
 def read_manifest(path: str) -> dict:

@@ -3,8 +3,9 @@
 Owns: loading ``<dump_folder>/provenance/rank*.jsonl`` and checking that the
 recorded spans cover every document they touch exactly once and without holes.
 Written by ``metrics.ProvenanceWriter``; each line is
-``{"step": N, "sequences": [[[source, doc_id, start, end], ...], ...]}`` with token
-offsets into the document as tokenized with its BOS/EOS, end exclusive.
+``{"step": N, "sequences": [[[source, doc_id, start, end, epoch], ...], ...]}`` with
+token offsets into the document as tokenized with its BOS/EOS, end exclusive, and the
+epoch in which the document was read (a document is read once per epoch).
 
 Never: write provenance, or read the data itself.
 """
@@ -52,16 +53,16 @@ class SourceReport:
 
 
 def check_exactly_once(provenance: dict[int, dict[int, list]]) -> dict[str, SourceReport]:
-    """Per source: tokens consumed, tokens consumed more than once, holes inside documents.
+    """Per source: tokens consumed, tokens consumed twice in one epoch, holes inside documents.
 
     A document may be cut off at the end (training stopped mid-document), but its
     covered tokens must start at 0 and be contiguous.
     """
-    intervals: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
-    for source, doc_id, start, end in spans_of(provenance):
-        intervals[(source, doc_id)].append((start, end))
+    intervals: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for source, doc_id, start, end, *epoch in spans_of(provenance):
+        intervals[(source, doc_id, *epoch)].append((start, end))
     reports: dict[str, SourceReport] = defaultdict(SourceReport)
-    for (source, doc_id), spans in intervals.items():
+    for (source, doc_id, *_), spans in intervals.items():
         report = reports[source]
         report.documents += 1
         covered = 0

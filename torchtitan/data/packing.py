@@ -39,13 +39,15 @@ class DocumentPacker:
         self._doc_id: str | None = None
 
     def take(self, n: int) -> tuple[np.ndarray, list[list]]:
-        """The next ``n`` tokens and their spans ``[source, doc_id, start, end)``."""
+        """The next ``n`` tokens and their spans ``[source, doc_id, start, end, epoch]``."""
         parts, spans = [], []
         while n > 0:
             tokens = self._current_tokens()
             k = min(n, len(tokens) - self.offset)
             parts.append(tokens[self.offset : self.offset + k])
-            spans.append([self.source_name, self._doc_id, self.offset, self.offset + k])
+            spans.append(
+                [self.source_name, self._doc_id, self.offset, self.offset + k, self.cursor.epoch]
+            )
             self.offset += k
             n -= k
             if self.offset == len(tokens):
