@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, dims)
     except USER_ERRORS as e:
         # Every rank meets the same input, so every rank says what is wrong.
-        print(f"[rank{dims.rank}] error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[rank{dims.rank}] error: {e}\n")  # one write: ranks' lines stay whole
+        sys.stderr.flush()
         return 1
     finally:
         parallel.destroy_distributed()

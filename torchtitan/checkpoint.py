@@ -15,6 +15,7 @@ Never: decide what a component's state is, or build components.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -183,7 +185,7 @@ class CheckpointManager:
         }
         self._pending = None  # (future, step) of an async save not yet finalized
         if self.enabled:
-            os.makedirs(self.folder, exist_ok=True)
+            check_writable(self.folder)
 
     # ---- saving ---------------------------------------------------------------------
     def should_save(self, step: int, stop_at: int = -1) -> bool:
@@ -204,7 +206,10 @@ class CheckpointManager:
         self._barrier()
         begin = time.perf_counter()
         if self.async_mode == "async":
-            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.dims.cpu_group)
+            with self._save_errors(step):
+                future = dcp.async_save(
+                    state, checkpoint_id=partial, process_group=self.dims.cpu_group
+                )
             self._pending = (future, step)
             logger.info(
                 "checkpoint step-%d staged in %.2fs, writing in the background",
@@ -212,8 +217,9 @@ class CheckpointManager:
                 time.perf_counter() - begin,
             )
         else:
-            dcp.save(state, checkpoint_id=partial, process_group=self.dims.cpu_group)
-            self._finalize(step)
+            with self._save_errors(step):
+                dcp.save(state, checkpoint_id=partial, process_group=self.dims.cpu_group)
+                self._finalize(step)
             logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)
 
     def wait(self):
@@ -221,8 +227,26 @@ class CheckpointManager:
         if self._pending is not None:
             future, step = self._pending
             self._pending = None
-            future.result()
-            self._finalize(step)
+            with self._save_errors(step):
+                future.result()
+                self._finalize(step)
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int):
+        """A failed write (disk full, I/O error) on any rank: one clear error on every rank.
+
+        DCP gathers every rank's write result, so all ranks see the failure together.
+        """
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            shutil.rmtree(step_folder(self.folder, step) + ".partial", ignore_errors=True)
+            done = complete_steps(self.folder)
+            raise CheckpointError(
+                f"saving checkpoint step-{step} in {self.folder} failed: {_root_cause(e)}; free "
+                f"space or set --checkpoint.folder elsewhere, then resume (last complete "
+                f"checkpoint: {('step-' + str(done[-1])) if done else 'none'})"
+            ) from e
 
     def _finalize(self, step: int):
         """Rank 0 writes the manifest and renames the folder once every rank's data is on disk."""
@@ -381,6 +405,29 @@ class CheckpointManager:
 
     def _barrier(self):
         barrier(self.dims)
+
+
+def check_writable(folder: str):
+    """Fail at start, not at the first save, when the checkpoint folder cannot be written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint folder {folder} is not writable ({e.strerror or e}); set "
+            "--job.dump_folder or --checkpoint.folder to a writable location"
+        ) from e
+
+
+def _root_cause(e: BaseException) -> str:
+    """DCP wraps every rank's traceback into one message; keep the first 'XError: ...' line."""
+    text = str(e)
+    match = re.search(r"^\w*(Error|Exception): .*$", text, flags=re.MULTILINE)
+    line = match.group(0) if match else (text.splitlines() or [type(e).__name__])[0]
+    return line[:300]
 
 
 def fingerprint_diff(old: dict, new: dict) -> list[str]:

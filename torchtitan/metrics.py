@@ -20,14 +20,25 @@ import torch
 logger = logging.getLogger("torchtitan")
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return None  # a line cut short by a kill mid-write
+
+
 def truncate_jsonl_after(path: str, step: int):
-    """Keep only the lines of a JSONL file whose ``step`` is at most ``step``."""
+    """Keep only the complete lines of a JSONL file whose ``step`` is at most ``step``."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        line_step = _step_of(line)
+        if line.endswith("\n") and line_step is not None and line_step <= step:
+            kept.append(line)
+    if kept != lines:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

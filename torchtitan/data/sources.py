@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_CORPUS = REPO_ROOT / "data" / "corpus"
 
 # Registry of bundled datasets: name -> folders (relative to the repo root).
 DATASET_REGISTRY: dict[str, list[str]] = {
@@ -37,6 +39,13 @@ _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "t
 
 class DataError(ValueError):
     """A dataset that cannot be read as configured; the message names it and the fix."""
+
+
+@dataclass
+class BadText:
+    """Stands in for a document's text that could not be decoded, so policy can skip it."""
+
+    reason: str
 
 
 @dataclass
@@ -87,7 +96,14 @@ def resolve_files(path: str) -> list[str]:
             f"dataset path {path!r} matches no data files ({', '.join(sorted(_FORMATS))}); "
             "set training.dataset_path to an existing file, folder or glob"
         )
-    return files
+    nonempty = [f for f in files if os.path.getsize(f) > 0]
+    if not nonempty:
+        raise DataError(f"dataset path {path!r} has only empty files; point it at data")
+    if len(nonempty) < len(files):
+        logger.warning(
+            "dataset path %r: skipping %d empty file(s)", path, len(files) - len(nonempty)
+        )
+    return nonempty
 
 
 def resolve_source(name: str = "", path: str = "", weight: float = 1.0) -> SourceSpec:
@@ -130,7 +146,9 @@ class MapSource:
                 spec.fmt, data_files=spec.files, split="train", **_load_kwargs(spec)
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
-            raise DataError(f"dataset {spec.name!r} could not be read: {e}") from e
+            raise DataError(f"dataset {spec.name!r} could not be read: {e!r}") from e
+        if len(self.ds) == 0:
+            raise DataError(f"dataset {spec.name!r} has no documents; point it at data")
         _check_column(spec, text_field, self.ds.column_names)
         self.id_field = id_field if id_field in self.ds.column_names else None
         self._columns = [text_field] + ([self.id_field] if self.id_field else [])
@@ -142,7 +160,10 @@ class MapSource:
         return _epoch_order(len(self.ds), self.seed, self.spec.name, epoch, self.shuffle)
 
     def document(self, index: int) -> tuple[str, object]:
-        row = self.ds[int(index)]
+        try:
+            row = self.ds[int(index)]
+        except UnicodeDecodeError as e:
+            return f"row{index}", BadText(f"is not valid UTF-8 ({e})")
         doc_id = str(row[self.id_field]) if self.id_field else f"row{index}"
         return doc_id, row[self.text_field]
 
@@ -193,7 +214,7 @@ class StreamSource:
                 **_load_kwargs(self.spec),
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
-            raise DataError(f"dataset {self.spec.name!r} could not be read: {e}") from e
+            raise DataError(f"dataset {self.spec.name!r} could not be read: {e!r}") from e
 
     def document_of(self, row: dict) -> tuple[str, object]:
         text = row.get(self.text_field)
@@ -289,6 +310,13 @@ class StreamCursor:
             except StopIteration:
                 self._exhausted = True
                 return None
+            except UnicodeDecodeError as e:
+                # The reader cannot continue past it, so this one cannot be skipped.
+                raise DataError(
+                    f"dataset {self.source.spec.name!r} has invalid UTF-8 ({e}); fix the file "
+                    "(e.g. iconv -c -f utf-8 -t utf-8), or read it map-style (training.streaming "
+                    "false), which skips and counts such documents"
+                ) from e
             self._current = self.source.document_of(row)
         return self._current
 

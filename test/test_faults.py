@@ -1,0 +1,155 @@
+"""Hostile inputs and crashes: bad data, bad config and environment, SIGKILL anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, free_port
+from test_data import make, take
+
+from torchtitan.data.sources import DataError, resolve_source
+
+CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
+
+
+def write(path, rows: list[dict] | None = None, raw: bytes | None = None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path.parent
+
+
+GOOD = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
+
+
+# ---- bad data (policy: skip and count; or a clear error before training) ---------------
+
+
+def test_invalid_utf8_is_skipped_map_style_and_named_when_streaming(tmp_path, tokenizer):
+    good = b"".join(json.dumps(r).encode() + b"\n" for r in GOOD)
+    folder = write(
+        tmp_path / "d" / "a.jsonl", raw=good + b'{"id": "bad", "text": "caf\xe9 \xff"}\n'
+    )
+    samples = take(make(folder, tokenizer, data_shards=1, shuffle=False), 12)
+    assert samples[-1]["skipped"] >= 1
+    assert {sp[1] for s in samples for sp in s["spans"]} == {"g0", "g1", "g2", "g3"}
+    with pytest.raises(DataError, match="invalid UTF-8.*iconv"):
+        take(make(folder, tokenizer, data_shards=1, shuffle=False, streaming=True), 12)
+
+
+def test_null_missing_and_non_string_text_are_skipped_and_counted(tmp_path, tokenizer):
+    folder = write(tmp_path / "d" / "a.jsonl", [*GOOD, {"id": "n", "text": None}, {"id": "m"}])
+    samples = take(make(folder, tokenizer, data_shards=1, shuffle=False), 12)
+    assert {sp[1] for s in samples for sp in s["spans"]} == {"g0", "g1", "g2", "g3"}
+    epochs = max(sp[4] for s in samples for sp in s["spans"])
+    assert samples[-1]["skipped"] in (2 * epochs, 2 * epochs + 2)  # 2 skips in every pass
+    ints = write(tmp_path / "i" / "a.jsonl", [{"text": 5}, {"text": 7}])
+    with pytest.raises(DataError, match="no usable document"):
+        take(make(ints, tokenizer, data_shards=1), 1)
+
+
+def test_empty_files_and_empty_datasets(tmp_path, tokenizer):
+    folder = write(tmp_path / "d" / "a.jsonl", GOOD)
+    (folder / "empty.jsonl").write_text("")
+    assert len(resolve_source(path=str(folder)).files) == 1  # the empty file is skipped
+    empty = write(tmp_path / "e" / "a.jsonl", raw=b"")
+    with pytest.raises(DataError, match="only empty files"):
+        resolve_source(path=str(empty))
+
+
+def test_a_20_mb_document_packs_and_restores(tmp_path, tokenizer):
+    line = "And thus the whirligig of time brings in his revenges.\n"
+    huge = {"id": "huge", "text": line * (20_000_000 // len(line))}
+    folder = write(tmp_path / "d" / "a.jsonl", [huge, *GOOD])
+    ds = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
+    it = iter(ds)
+    take(ds, 3, it)
+    state = ds.state_dict()
+    assert len(json.dumps(state)) < 1000, "the state holds a position, not the 20 MB buffer"
+    reference = take(ds, 2, it)
+    fresh = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(take(fresh, 2), reference))
+    assert reference[0]["spans"][0][1] == "huge" and reference[0]["spans"][0][2] == 3 * 2048
+
+
+def test_long_documents_tokenize_as_one_string_would(tokenizer):
+    from torchtitan.data import packing
+
+    text = ("  Leading spaces,\ttabs \u2028 and\r\nCRLF;\n\n\n" * 4000) + "no final newline"
+    assert len(text) > packing.LONG_DOCUMENT_CHARS
+    expected = tokenizer.encode(text, bos=True, eos=True)
+    assert packing.encode_document(tokenizer, text).tolist() == expected
+
+
+# ---- bad config and environment ---------------------------------------------------------
+
+
+def run_single(*args, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "train.py", *CONFIG, *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, **kw)  # fmt: skip
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if "error:" in line]
+
+
+def test_bad_config_and_environment_give_one_clear_line(tmp_path):
+    proc = run_single("--training.seq_len", 5000, "--job.dump_folder", tmp_path / "a")
+    assert proc.returncode == 1 and "max_seq_len 4096" in error_lines(proc)[0]
+
+    not_a_model = tmp_path / "tok.model"
+    not_a_model.write_text("not a sentencepiece model")
+    proc = run_single("--model.tokenizer_path", not_a_model, "--job.dump_folder", tmp_path / "b")
+    assert proc.returncode == 1 and str(not_a_model) in error_lines(proc)[0]
+
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder should be")
+    proc = run_single("--job.dump_folder", blocker / "run", "--checkpoint.enable_checkpoint")
+    assert proc.returncode == 1 and "is not writable" in error_lines(proc)[0]
+
+    proc = run_single("--checkpoint.interval", 0)
+    assert proc.returncode == 2 and "checkpoint.interval" in proc.stderr
+
+
+def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
+    def small_disk():  # files above 1 MB fail with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "train.py", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
+           "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=small_disk,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode != 0
+    errors = error_lines(proc)
+    assert len(errors) == 2 and all(
+        "saving checkpoint step-2" in e and "free space" in e for e in errors
+    )
+    assert os.listdir(tmp_path / "checkpoint") == [], (
+        "no partial or fake-complete checkpoint is left"
+    )
+
+
+# ---- SIGKILL anywhere -------------------------------------------------------------------
+
+
+def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path):
+    """CI-sized fault injection: 1 trial, 2 kills, the first during a checkpoint write."""
+    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "1", "--kills", "2",
+           "--steps", "9", "--interval", "3", "--seed", "1", "--dump-folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "kills 2" in proc.stdout and "mismatched steps 0" in proc.stdout
+    assert "kills during a save 0" not in proc.stdout
