@@ -327,7 +327,9 @@ class CheckpointManager:
             ", ".join(loaded),
             time.perf_counter() - begin,
         )
-        return self.states["train_state"].step if "train_state" in loaded else step
+        # Without a train state (a seed or weights-only checkpoint, or train_state
+        # excluded) the run counts its steps from 0.
+        return self.states["train_state"].step if "train_state" in loaded else 0
 
     def _clean_partials(self):
         if not os.path.isdir(self.folder):

@@ -1,0 +1,121 @@
+"""Data pipeline throughput and state size, measured side by side in one run.
+
+    python scripts/bench_data.py [--tokens 3000000] [--smoke] [--json out.json]
+
+Measures, on the bundled corpus:
+  raw      SentencePiece ``encode_batch`` over the same documents, in this process
+  workers0 the full pipeline (HF datasets -> tokenize -> pack -> StatefulDataLoader), num_workers=0
+  workers2 the same with num_workers=2
+and reports tokens/s, the ratios workers0/raw and workers2/workers0, and the
+dataloader state size per rank (pickled bytes) at 1 and 2 ranks, map-style and streaming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.data import ParallelDataLoader, TokenDataset  # noqa: E402
+from torchtitan.data.sources import MapSource, resolve_source  # noqa: E402
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer  # noqa: E402
+
+SEQ, BATCH = 2048, 8
+
+
+def raw_encode_rate(tokenizer, texts: list[str]) -> float:
+    start = time.perf_counter()
+    n = sum(len(ids) + 2 for ids in tokenizer.encode_batch(texts))  # +2: BOS/EOS, as the pipeline
+    return n / (time.perf_counter() - start)
+
+
+def pipeline_rate(tokenizer, workers: int, tokens: int, streaming: bool = False) -> float:
+    ds = TokenDataset(
+        [resolve_source(name="bundled")],
+        tokenizer,
+        SEQ,
+        data_shards=64,
+        seed=0,
+        streaming=streaming,
+    )
+    loader = ParallelDataLoader(ds, BATCH, num_workers=workers, snapshot_every_n_steps=1000)
+    next(loader)  # start-up (worker processes, first documents) is not throughput
+    batches = max(1, tokens // (SEQ * BATCH))
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(loader)
+    rate = batches * SEQ * BATCH / (time.perf_counter() - start)
+    del loader
+    return rate
+
+
+def state_bytes(tokenizer, world: int, streaming: bool, workers: int = 0) -> int:
+    ds = TokenDataset([resolve_source(name="bundled")], tokenizer, SEQ, dp_world=world, data_shards=64,
+                      seed=0, streaming=streaming)  # fmt: skip
+    loader = ParallelDataLoader(ds, BATCH, num_workers=workers, snapshot_every_n_steps=4)
+    for _ in range(4):
+        next(loader)
+    return len(next(iter(loader.state_dict().values())))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tokens", type=int, default=3_000_000, help="tokens per pipeline measurement")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    tokens = 40_000 if args.smoke else args.tokens
+    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+
+    source = MapSource(resolve_source(name="bundled"), "text", "id", 0, False)
+    texts = list(source.ds["text"])
+    if args.smoke:
+        texts = texts[:100]
+    # Interleave the measurements so drift on a shared machine hits all of them alike.
+    raw, w0, w2 = [], [], []
+    for _ in range(1 if args.smoke else 2):
+        raw.append(raw_encode_rate(tokenizer, texts))
+        w0.append(pipeline_rate(tokenizer, 0, tokens))
+        w2.append(pipeline_rate(tokenizer, 2, tokens))
+    result = {
+        "raw_encode_tokens_per_s": max(raw),
+        "workers0_tokens_per_s": max(w0),
+        "workers2_tokens_per_s": max(w2),
+        "streaming_workers0_tokens_per_s": pipeline_rate(tokenizer, 0, tokens, streaming=True),
+        "state_bytes_per_rank": {
+            "map_1rank": state_bytes(tokenizer, 1, False),
+            "map_2ranks": state_bytes(tokenizer, 2, False),
+            "map_1rank_2workers": state_bytes(tokenizer, 1, False, workers=2),
+            "streaming_2ranks": state_bytes(tokenizer, 2, True),
+        },
+    }
+    result["workers0_over_raw"] = (
+        result["workers0_tokens_per_s"] / result["raw_encode_tokens_per_s"]
+    )
+    result["workers2_over_workers0"] = (
+        result["workers2_tokens_per_s"] / result["workers0_tokens_per_s"]
+    )
+
+    print(f"{'measure':<34}{'value':>14}")
+    for key in ("raw_encode_tokens_per_s", "workers0_tokens_per_s", "workers2_tokens_per_s",
+                "streaming_workers0_tokens_per_s"):  # fmt: skip
+        print(f"{key:<34}{result[key]:>14,.0f}")
+    print(f"{'workers0 / raw (target >= 0.85)':<34}{result['workers0_over_raw']:>14.3f}")
+    print(f"{'workers2 / workers0 (target >= 1.6)':<34}{result['workers2_over_workers0']:>14.3f}")
+    for key, value in result["state_bytes_per_rank"].items():
+        print(f"{'state bytes/rank ' + key:<34}{value:>14,}  (target <= 16,384 + 4/buffered token)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Per-step cost of checkpointing and data loading in the training loop.
+
+    python scripts/bench_step.py [--steps 300] [--rounds 2] [--smoke] [--json out.json]
+
+Trains the debug model (one process, one thread) alternately with checkpointing off
+and on (interval 100), --rounds times each, and compares the median step time of the
+steady-state steps (the save steps themselves excluded: their cost is measured by
+bench_checkpoint.py). Also reports data-wait time as a share of step time.
+Targets: on/off within 2%; data wait <= 2% of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(steps: int, checkpoint: bool, folder: Path) -> list[dict]:
+    shutil.rmtree(folder, ignore_errors=True)
+    cmd = [sys.executable, "train.py", "--job.config_file", "train_configs/debug_model.toml",
+           "--job.dump_folder", str(folder), "--training.steps", str(steps), "--metrics.log_freq", "1",
+           "--lr_scheduler.warmup_steps", "10"]  # fmt: skip
+    if checkpoint:
+        cmd += ["--checkpoint.enable_checkpoint", "--checkpoint.interval", "100"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    with open(folder / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def steady(records: list[dict], interval: int = 100) -> list[dict]:
+    # Skip warm-up, and the steps right after a save (the save itself runs after
+    # the step's metrics are taken, so it shows in neither).
+    return [r for r in records if r["step"] > 10 and (r["step"] - 1) % interval != 0]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.rounds = 30, 1
+    root = Path(tempfile.mkdtemp(prefix="bench_step_"))
+    step_ms = {"off": [], "on": []}
+    wait_share = []
+    try:
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                records = steady(run(args.steps, mode == "on", root / mode))
+                step_ms[mode] += [r["step_ms"] for r in records]
+                wait_share += [r["data_wait_ms"] / r["step_ms"] for r in records]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in step_ms.items()}
+    result = {
+        "steps_per_run": args.steps,
+        "rounds": args.rounds,
+        "median_step_ms_checkpoint_off": med["off"],
+        "median_step_ms_checkpoint_on": med["on"],
+        "on_over_off": med["on"] / med["off"],
+        "median_data_wait_share": statistics.median(wait_share),
+        "p90_data_wait_share": statistics.quantiles(wait_share, n=10)[-1],
+    }
+    print(f"median step, checkpointing off      {med['off']:8.2f} ms")
+    print(f"median step, checkpointing on (100) {med['on']:8.2f} ms")
+    print(f"on / off                            {result['on_over_off']:8.3f}   (target <= 1.02)")
+    print(
+        f"data wait / step, median            {result['median_data_wait_share']:8.3%}   (target <= 2%)"
+    )
+    print(f"data wait / step, p90               {result['p90_data_wait_share']:8.3%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
