@@ -149,6 +149,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+        checkpoint.wait_for_staging()  # an async save may still be copying these parameters
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()

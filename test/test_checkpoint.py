@@ -98,7 +98,7 @@ def test_async_checkpoint_resumes_exactly(tmp_path):
     reference = losses(tmp_path)
     shutil.rmtree(tmp_path / "checkpoint" / "step-10")
     proc = train(tmp_path, *common)
-    assert "step-5" in proc.stderr and "writing in the background" in proc.stderr
+    assert "step-5" in proc.stderr and "staging and writing in the background" in proc.stderr
     assert losses(tmp_path) == reference
     assert complete_steps(str(tmp_path / "checkpoint")) == [5, 10]
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -184,6 +185,8 @@ class CheckpointManager:
             "rng": RNGState(dims.rank),
         }
         self._pending = None  # (future, step) of an async save not yet finalized
+        self._staging = None  # future of its in-memory copy
+        self._stager = None
         if self.enabled:
             check_writable(self.folder)
 
@@ -207,12 +210,16 @@ class CheckpointManager:
         begin = time.perf_counter()
         if self.async_mode == "async":
             with self._save_errors(step):
-                future = dcp.async_save(
-                    state, checkpoint_id=partial, process_group=self.dims.cpu_group
+                response = dcp.async_save(
+                    state,
+                    checkpoint_id=partial,
+                    process_group=self.dims.cpu_group,
+                    async_stager=self._async_stager(),
                 )
-            self._pending = (future, step)
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, step)
             logger.info(
-                "checkpoint step-%d staged in %.2fs, writing in the background",
+                "checkpoint step-%d handed off in %.2fs, staging and writing in the background",
                 step,
                 time.perf_counter() - begin,
             )
@@ -222,8 +229,30 @@ class CheckpointManager:
                 self._finalize(step)
             logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)
 
+    def _async_stager(self):
+        # One stager for the whole run: it keeps its CPU copy buffers between saves,
+        # and stages in a background thread so the save returns at once.
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+    def wait_for_staging(self):
+        """Call before the optimizer step: staging copies the parameters it would change."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
     def wait(self):
         """Block until a pending async save is on disk and finalized."""
+        self.wait_for_staging()
         if self._pending is not None:
             future, step = self._pending
             self._pending = None
@@ -285,6 +314,9 @@ class CheckpointManager:
 
     def close(self):
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     # ---- loading --------------------------------------------------------------------
     def load(self) -> int:
