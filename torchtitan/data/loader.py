@@ -56,7 +56,9 @@ class ParallelDataLoader(Stateful):
             num_workers=num_workers,
             collate_fn=collate,
             snapshot_every_n_steps=snapshot_every_n_steps,
-            prefetch_factor=2 if num_workers else None,
+            prefetch_factor=4
+            if num_workers
+            else None,  # keeps both workers busy with in-order delivery
             persistent_workers=num_workers > 0,
             generator=generator,
         )

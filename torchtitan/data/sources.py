@@ -151,13 +151,24 @@ class MapSource:
             raise DataError(f"dataset {spec.name!r} has no documents; point it at data")
         _check_column(spec, text_field, self.ds.column_names)
         self.id_field = id_field if id_field in self.ds.column_names else None
-        self._columns = [text_field] + ([self.id_field] if self.id_field else [])
+        self._view = self.ds.select_columns(
+            [text_field] + ([self.id_field] if self.id_field else [])
+        )
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def order(self, epoch: int) -> np.ndarray:
         return _epoch_order(len(self.ds), self.seed, self.spec.name, epoch, self.shuffle)
+
+    def documents(self, indices: list[int]) -> list[tuple[str, object]]:
+        """(doc_id, text) of several rows, read in one call (a row at a time costs ~0.3 ms)."""
+        try:
+            rows = self._view[[int(i) for i in indices]]
+        except UnicodeDecodeError:
+            return [self.document(i) for i in indices]  # find the undecodable one
+        ids = rows[self.id_field] if self.id_field else [f"row{i}" for i in indices]
+        return [(str(d), t) for d, t in zip(ids, rows[self.text_field])]
 
     def document(self, index: int) -> tuple[str, object]:
         try:
@@ -229,6 +240,9 @@ def open_source(
     return cls(spec, text_field, id_field, seed, shuffle)
 
 
+READ_AHEAD = 8  # documents a map-style cursor reads per call
+
+
 class MapCursor:
     """Position of one virtual shard in a map-style source: (epoch, index into the shard).
 
@@ -241,6 +255,7 @@ class MapCursor:
         self.num_shards = num_shards
         self.epoch = 0
         self.pos = 0
+        self._ahead: dict[tuple[int, int], tuple[str, object]] = {}
 
     def shard_size(self) -> int:
         n = len(self.source)
@@ -250,8 +265,16 @@ class MapCursor:
         """The document at the cursor, or None at the end of the epoch."""
         if self.pos >= self.shard_size():
             return None
-        index = self.source.order(self.epoch)[self.shard + self.pos * self.num_shards]
-        return self.source.document(index)
+        key = (self.epoch, self.pos)
+        if key not in self._ahead:
+            # Read the next few documents of this shard together; they are derived
+            # from the position, so they are never part of the state.
+            stop = min(self.pos + READ_AHEAD, self.shard_size())
+            order = self.source.order(self.epoch)
+            indices = [order[self.shard + p * self.num_shards] for p in range(self.pos, stop)]
+            docs = self.source.documents(indices)
+            self._ahead = {(self.epoch, p): d for p, d in zip(range(self.pos, stop), docs)}
+        return self._ahead[key]
 
     def advance(self):
         self.pos += 1
