@@ -132,3 +132,9 @@ def test_elastic_chain_ranks_and_workers(tmp_path):
     assert "resharding data state from 1x2 to 2x0" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 16))
     assert_exactly_once(tmp_path)
+
+
+def test_ddp_resumes_exactly(tmp_path):
+    """The DDP wrapper (instead of FSDP2) checkpoints and resumes bit-exactly too."""
+    args = ["--steps", "10", "--interval", "5", "--delete", "1", "--training.data_parallel", "ddp"]
+    assert "step-5" in resume_script(tmp_path, *args).stdout
