@@ -16,12 +16,13 @@ import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from torchtitan import REPO_ROOT
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 _PATH_SUFFIXES = (".parquet", ".json", ".jsonl", ".txt")
 

@@ -1,9 +1,9 @@
 """Device and process-group setup, and data-parallel wrapping (FSDP2 or DDP).
 
 Owns: choosing the device and backend from what is present (CUDA + NCCL, else CPU +
-gloo), initializing and tearing down the default process group, the small
-collectives the trainer needs (mean of a scalar over ranks, agreeing on an error),
-and wrapping the model for data parallelism.
+gloo), initializing and tearing down the default process group and a gloo group for
+CPU-side work, the small collectives the trainer needs (a barrier, the mean of a
+scalar over ranks), and wrapping the model for data parallelism.
 
 Never: build the model, hold training state, or read the config beyond its arguments.
 """
@@ -29,10 +29,6 @@ class ParallelDims:
     # A gloo group of its own for CPU-side work: checkpoint traffic and error agreement.
     # ``dcp.async_save`` on the default group deadlocks while training collectives run.
     cpu_group: object = field(default=None, repr=False)
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
 
     @property
     def is_main(self) -> bool:
@@ -75,15 +71,6 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def barrier(dims: ParallelDims):
     if dist.is_initialized():
         dist.barrier(group=dims.cpu_group)
-
-
-def any_rank_failed(dims: ParallelDims, failed: bool) -> bool:
-    """True on every rank if any rank reports a failure, so none waits on one that stopped."""
-    if not dist.is_initialized():
-        return failed
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dims.cpu_group)
-    return bool(flag.item())
 
 
 def apply_data_parallel(model: nn.Module, mode: str, dims: ParallelDims) -> nn.Module:

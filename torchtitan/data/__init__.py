@@ -7,8 +7,6 @@ data-parallel rank; ``data_fingerprint`` records what the data stream depends on
 from __future__ import annotations
 
 import math
-import os
-import zlib
 
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
@@ -60,24 +58,12 @@ def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDat
     )
 
 
-def _file_signature(path: str) -> list:
-    """Size and CRC32 of the first and last MiB: cheap, and catches any edit that moves bytes."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        crc = zlib.crc32(f.read(1 << 20))
-        if size > 1 << 20:
-            f.seek(max(1 << 20, size - (1 << 20)))
-            crc = zlib.crc32(f.read(), crc)
-    return [os.path.basename(path), size, crc]
-
-
 def data_fingerprint(cfg, tokenizer) -> dict:
     """Everything the order and content of the data stream depends on."""
     t = cfg.training
     return {
         "sources": [
-            {"name": s.name, "weight": s.weight, "files": [_file_signature(f) for f in s.files]}
-            for s in source_specs(t)
+            {"name": s.name, "weight": s.weight, "files": s.fingerprint()} for s in source_specs(t)
         ],
         "tokenizer_sha256": tokenizer.sha256(),
         "seq_len": t.seq_len,

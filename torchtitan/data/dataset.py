@@ -179,9 +179,6 @@ class TokenDataset(IterableDataset, Stateful):
                 "skipped": skipped,
             }
 
-    def skipped_documents(self) -> int:
-        return sum(s.skipped for s in (self._shards or {}).values())
-
     # ---- state ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         c, n = self.consumer()

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan import REPO_ROOT
+
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Registry of bundled datasets: name -> folders (relative to the repo root).
 DATASET_REGISTRY: dict[str, list[str]] = {
@@ -60,13 +61,20 @@ class SourceSpec:
     def __post_init__(self):
         self.fmt = _file_format(self.files, self.name)
 
-    def fingerprint(self) -> list[dict]:
-        """What the data stream depends on: each file's path, size and mtime."""
-        out = []
-        for f in self.files:
-            st = os.stat(f)
-            out.append({"file": f, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        return out
+    def fingerprint(self) -> list[list]:
+        """Per file: name, size, and CRC32 of its first and last MiB (cheap, and any edit
+        that moves bytes shows)."""
+        return [_file_signature(f) for f in self.files]
+
+
+def _file_signature(path: str) -> list:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(1 << 20, size - (1 << 20)))
+            crc = zlib.crc32(f.read(), crc)
+    return [os.path.basename(path), size, crc]
 
 
 def _file_format(files: list[str], name: str) -> str:

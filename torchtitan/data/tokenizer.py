@@ -14,7 +14,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from torchtitan import REPO_ROOT
+
 DEFAULT_TOKENIZER_PATH = str(REPO_ROOT / "data" / "tokenizer" / "tokenizer.model")
 
 _FIX = (
