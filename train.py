@@ -157,7 +157,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
 
         if provenance is not None:
             provenance.write(train_state.step, batch["spans"])
-        if metrics.should_log(train_state.step, t.steps):
+        if metrics.should_log(train_state.step, last_step):
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             step_s = time.perf_counter() - step_start
             metrics.log(
@@ -171,7 +171,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
                     "data_wait_ms": 1000 * dataloader.last_wait_s,
                     "memory_gib": memory_gib(dims.device),
                     "tokens_seen": train_state.tokens_seen,
-                    "skipped_documents": dataloader.skipped_documents(),
+                    "skipped_documents": parallel.sum_over_ranks(dataloader.skipped_documents()),
                 },
             )
         if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):

@@ -68,6 +68,15 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return (t / dist.get_world_size()).item()
 
 
+def sum_over_ranks(value: int) -> int:
+    """The sum of an integer count over all ranks."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return int(t.item())
+
+
 def barrier(dims: ParallelDims):
     if dist.is_initialized():
         dist.barrier(group=dims.cpu_group)
