@@ -6,8 +6,6 @@ data-parallel rank; ``data_fingerprint`` records what the data stream depends on
 
 from __future__ import annotations
 
-import math
-
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.sources import DataError, SourceSpec, resolve_source
@@ -47,15 +45,7 @@ def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDat
         id_field=t.id_field,
         bad_data=t.bad_data,
     )
-    # Loader snapshots only at steps where checkpoints are written (every interval,
-    # the last step and the stop step), so saving needs no replay and steps between cost nothing.
-    ck = cfg.checkpoint
-    snapshot = (
-        math.gcd(ck.interval, t.steps, max(0, t.stop_at_step)) if ck.enable_checkpoint else t.steps
-    )
-    return ParallelDataLoader(
-        dataset, t.batch_size, num_workers=t.num_workers, snapshot_every_n_steps=snapshot
-    )
+    return ParallelDataLoader(dataset, t.batch_size, num_workers=t.num_workers)
 
 
 def data_fingerprint(cfg, tokenizer) -> dict:

@@ -9,6 +9,10 @@ of ranks or workers: consumer ``c`` of ``P`` owns shards ``c, c+P, c+2P, ...`` a
 visits them round-robin. Resuming on another layout hands every saved shard
 state to its new owner, so each token is still read exactly once.
 
+Every sample carries the state of its shard *after* that sample (a position: a
+few numbers per source), so whoever receives the sample knows the shard's state
+without asking the process that produced it.
+
 Never: touch torch.distributed, the DataLoader or checkpoint files.
 """
 
@@ -102,8 +106,13 @@ class TokenDataset(IterableDataset, Stateful):
             raise DataError(
                 "no data source configured; set training.dataset or training.dataset_path"
             )
+        # A source may come opened already (tests share one across many datasets);
+        # its order must then be the one this dataset would have opened.
         self.sources = [
-            open_source(s, text_field, id_field, seed, shuffle, streaming) for s in sources
+            open_source(s, text_field, id_field, seed, shuffle, streaming)
+            if isinstance(s, SourceSpec)
+            else _check_opened(s, seed, shuffle, streaming, text_field)
+            for s in sources
         ]
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -120,13 +129,33 @@ class TokenDataset(IterableDataset, Stateful):
         self._shards: dict[int, VirtualShard] | None = None
         self._pending: dict[int, dict] = {}  # shard states to apply when shards are built
         self._next = 0  # round-robin position among owned shards
+        self._next_by_consumer: dict[int, int] = {}  # restored round-robin positions
+        # Worker w of a rank plays consumer (w + worker_rotation) % workers: a loader
+        # resumed after k batches starts with the worker whose turn it was.
+        self.worker_rotation = 0
 
     # ---- layout -------------------------------------------------------------------
     def consumer(self) -> tuple[int, int]:
         """(this consumer's index, number of consumers) over ranks x workers."""
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        worker = (worker + self.worker_rotation) % workers
         return self.dp_rank * workers + worker, self.dp_world * workers
+
+    def rank_shards(self, num_workers: int) -> list[int]:
+        """Every virtual shard owned by one of this rank's ``num_workers`` consumers."""
+        workers = max(1, num_workers)
+        consumers = self.dp_world * workers
+        first = self.dp_rank * workers
+        return sorted(
+            v for c in range(first, first + workers) for v in range(c, self.data_shards, consumers)
+        )
+
+    def initial_shard_state(self) -> dict:
+        """The state of a shard that has emitted nothing (the same for every shard)."""
+        shard = VirtualShard(0, self.data_shards, self.sources, self.tokenizer, self.seq_len + 1,
+                             self.seed, self.bad_data)  # fmt: skip
+        return shard.state_dict()
 
     def owned_shards(self) -> list[int]:
         c, n = self.consumer()
@@ -161,6 +190,7 @@ class TokenDataset(IterableDataset, Stateful):
         shards = self._build_shards()
         order = sorted(shards)
         consumer = self.consumer()[0]
+        self._next = self._next_by_consumer.pop(consumer, self._next)
         # Running total of skipped documents, kept in O(1) per sample.
         seen = {v: shards[v].skipped for v in order}
         skipped = sum(seen.values())
@@ -177,6 +207,9 @@ class TokenDataset(IterableDataset, Stateful):
                 "spans": spans,
                 "consumer": consumer,
                 "skipped": skipped,
+                "shard": v,
+                "shard_state": shards[v].state_dict(),
+                "next": self._next,
             }
 
     # ---- state ----------------------------------------------------------------------
@@ -208,14 +241,21 @@ class TokenDataset(IterableDataset, Stateful):
             )
         self.load_shard_states(state["shards"], next_index=state["next"])
 
-    def load_shard_states(self, shard_states: dict[int, dict], next_index: int = 0):
+    def load_shard_states(
+        self,
+        shard_states: dict[int, dict],
+        next_index: int = 0,
+        next_by_consumer: dict[int, int] | None = None,
+    ):
         """Set the state of virtual shards by index (this consumer takes the ones it owns).
 
-        Used directly when resharding: any consumer layout can load any shard states.
+        Any consumer layout can load any shard states; ``next_by_consumer`` restores
+        the round-robin position of each consumer when the layout is unchanged.
         """
         self._pending = {int(v): s for v, s in shard_states.items()}
         self._shards = None
         self._next = next_index
+        self._next_by_consumer = {int(c): int(i) for c, i in (next_by_consumer or {}).items()}
 
     def __getstate__(self):
         # Workers get shard *states*, not live shards (a streaming iterator does not pickle).
@@ -225,6 +265,16 @@ class TokenDataset(IterableDataset, Stateful):
             pending.update({v: s.state_dict() for v, s in self._shards.items()})
             state["_pending"], state["_shards"] = pending, None
         return state
+
+
+def _check_opened(source, seed: int, shuffle: bool, streaming: bool, text_field: str):
+    opened_as = (source.seed, source.shuffle, source.streaming, source.text_field)
+    if opened_as != (seed, shuffle, streaming, text_field):
+        raise DataError(
+            f"source {source.spec.name!r} was opened as (seed, shuffle, streaming, text_field)="
+            f"{opened_as}; the dataset wants {(seed, shuffle, streaming, text_field)}"
+        )
+    return source
 
 
 def collate(samples: list[dict]) -> dict:
@@ -238,4 +288,7 @@ def collate(samples: list[dict]) -> dict:
         "spans": [s["spans"] for s in samples],
         "consumer": samples[-1]["consumer"],
         "skipped": samples[-1]["skipped"],
+        # Where each shard stands after this batch: the loader's checkpoint state.
+        "shard_states": {s["shard"]: s["shard_state"] for s in samples},
+        "next": samples[-1]["next"],
     }

@@ -1,13 +1,16 @@
-"""The data-parallel-aware loader: torchdata's StatefulDataLoader over a TokenDataset.
+"""The data-parallel-aware loader: a torch DataLoader over a TokenDataset, with its own state.
 
 Owns: batching, worker processes, and the loader state as checkpointed: one entry
 per data-parallel rank (``dp_rank_<r>``, since DCP de-duplicates equal keys across
-ranks) holding the pickled StatefulDataLoader state and the layout it was saved
-at. Pickled bytes, because a fresh StatefulDataLoader has no state of its own that
-DCP could load into in place.
+ranks) holding the layout it was saved at, the state of every virtual shard the
+rank owns, each consumer's round-robin position and which worker's batch is next.
 
-On a layout change (ranks, workers) it reads *every* old rank's entry and hands
-the virtual-shard states to the dataset, which gives each to its new owner.
+The state is *owned here*, not read out of a DataLoader: every batch carries the
+post-batch state of the shards it came from (see dataset.py), and the loader
+keeps the latest one per shard as batches are handed to the trainer. So a
+checkpoint holds exactly what was consumed, whatever workers have prefetched;
+saving costs no round-trip to the workers and no replay; and resuming, on the
+same layout or another one, is the same path: give each shard state to its owner.
 
 Never: decide which data a shard reads (dataset.py) or touch checkpoint files.
 """
@@ -20,49 +23,32 @@ import time
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader
 
-from torchtitan.data.dataset import STATE_KIND, TokenDataset, collate
+from torchtitan.data.dataset import TokenDataset, collate
 from torchtitan.data.sources import DataError
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "dp_rank_"
+STATE_VERSION = 2
 
 
 class ParallelDataLoader(Stateful):
     """Batches for one data-parallel rank, with a per-rank checkpoint entry."""
 
-    def __init__(
-        self,
-        dataset: TokenDataset,
-        batch_size: int,
-        *,
-        num_workers: int = 0,
-        snapshot_every_n_steps: int = 1,
-    ):
+    def __init__(self, dataset: TokenDataset, batch_size: int, *, num_workers: int = 0):
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.dp_rank, self.dp_world = dataset.dp_rank, dataset.dp_world
-        # The loader's own generator: its iterator draws a base seed when it starts, and
-        # from the global RNG that draw would shift dropout masks after a resume.
-        generator = torch.Generator().manual_seed(dataset.seed + dataset.dp_rank)
-        # Snapshots only where checkpoints are taken: a snapshot costs a state
-        # round-trip from every worker, and state_dict() at a snapshot step needs no replay.
-        self.loader = StatefulDataLoader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            collate_fn=collate,
-            snapshot_every_n_steps=snapshot_every_n_steps,
-            prefetch_factor=4
-            if num_workers
-            else None,  # keeps both workers busy with in-order delivery
-            persistent_workers=num_workers > 0,
-            generator=generator,
-        )
+        self._loader: DataLoader | None = None
         self._iter = None
+        # The consumed position: shard -> state after the last batch it gave the trainer
+        # (shards absent here have emitted nothing since the start or the load).
+        self._shard_states: dict[int, dict] = {}
+        self._next: dict[int, int] = {}  # consumer -> round-robin position among its shards
+        self._turn = 0  # index (among this rank's workers) of the consumer whose batch is next
         self._skipped: dict[int, int] = {}
         self.last_wait_s = 0.0
 
@@ -75,15 +61,36 @@ class ParallelDataLoader(Stateful):
             "seq_len": self.dataset.seq_len,
         }
 
+    def _start(self):
+        # The loader's own generator: with workers the iterator draws a base seed when
+        # it starts, and from the global RNG that draw would shift dropout masks after
+        # a resume.
+        generator = torch.Generator().manual_seed(self.dataset.seed + self.dp_rank)
+        self.dataset.worker_rotation = self._turn
+        workers = self.num_workers
+        self._loader = DataLoader(
+            self.dataset,
+            batch_size=self.batch_size,
+            num_workers=workers,
+            collate_fn=collate,
+            prefetch_factor=4 if workers else None,  # keeps both workers busy, in order
+            persistent_workers=workers > 0,
+            generator=generator,
+        )
+        self._iter = iter(self._loader)
+
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
         start = time.perf_counter()
         if self._iter is None:
-            self._iter = iter(self.loader)
+            self._start()
         batch = next(self._iter)
         self.last_wait_s = time.perf_counter() - start
+        self._shard_states.update(batch["shard_states"])
+        self._next[batch["consumer"]] = batch["next"]
+        self._turn = (self._turn + 1) % max(1, self.num_workers)
         self._skipped[batch["consumer"]] = batch["skipped"]
         return batch
 
@@ -93,11 +100,37 @@ class ParallelDataLoader(Stateful):
 
     # ---- state ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        entry = {"layout": self.layout(), "loader": self.loader.state_dict()}
+        """This rank's entry. Cost: O(shards this rank owns), no worker round-trip."""
+        initial = None
+        shards = {}
+        for v in self.dataset.rank_shards(self.num_workers):
+            if v not in self._shard_states and initial is None:
+                initial = self.dataset.initial_shard_state()
+            shards[v] = self._shard_states.get(v, initial)
+        entry = {
+            "version": STATE_VERSION,
+            "layout": self.layout(),
+            "shards": shards,
+            "next": dict(self._next),
+            "turn": self._turn,
+        }
         return {f"{KEY_PREFIX}{self.dp_rank}": pickle.dumps(entry)}
 
+    def seek(self, shard_states: dict[int, dict]):
+        """Place this rank's shards at the given states, as if trained to them (for tools and
+        benchmarks that need a far-along state without the hours of training)."""
+        owned = set(self.dataset.rank_shards(self.num_workers))
+        self._shard_states = {int(v): s for v, s in shard_states.items() if int(v) in owned}
+        self._next, self._turn = {}, 0
+        self.dataset.load_shard_states(self._shard_states)
+        self._loader = self._iter = None
+
     def load_state_dict(self, state_dict: dict):
-        """Load from the entries of one or all old ranks (all are needed to reshard)."""
+        """Load from the entries of one or all old ranks (all are needed to reshard).
+
+        Cost: unpickling the entries given (a few KB per old rank); the shards'
+        documents are read lazily by their new owners, one per shard and source.
+        """
         entries = {
             int(k[len(KEY_PREFIX) :]): pickle.loads(v)
             for k, v in state_dict.items()
@@ -105,6 +138,13 @@ class ParallelDataLoader(Stateful):
         }
         if not entries:
             raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
+        versions = {e.get("version") for e in entries.values()}
+        if versions != {STATE_VERSION}:
+            raise DataError(
+                f"the checkpoint's dataloader state has format {sorted(map(str, versions))}, this "
+                f"version reads {STATE_VERSION}; resume with the version that wrote it, or pass "
+                "--checkpoint.exclude_from_loading dataloader to restart the data"
+            )
         old = next(iter(entries.values()))["layout"]
         new = self.layout()
         _check_compatible(old, new)
@@ -114,47 +154,43 @@ class ParallelDataLoader(Stateful):
                     f"the checkpoint has no dataloader entry for dp_rank_{self.dp_rank} "
                     f"(it has {sorted(entries)}); was it written by another job?"
                 )
-            self.loader.load_state_dict(entries[self.dp_rank]["loader"])
+            mine = entries[self.dp_rank]
+            shard_states, self._next, self._turn = mine["shards"], mine["next"], mine["turn"]
         else:
-            self._reshard(entries, old, new)
-        self._iter = None
+            shard_states = _all_shard_states(entries, old, new)
+            self._next, self._turn = {}, 0
+        owned = set(self.dataset.rank_shards(self.num_workers))
+        self._shard_states = {v: s for v, s in shard_states.items() if v in owned}
+        self.dataset.load_shard_states(shard_states, next_by_consumer=self._next)
+        self._loader = self._iter = None  # workers must start from the loaded state
 
-    def _reshard(self, entries: dict[int, dict], old: dict, new: dict):
-        missing = sorted(set(range(old["dp_world"])) - set(entries))
-        if missing:
-            raise DataError(
-                f"cannot reshard data state: entries of old ranks {missing} are missing"
-            )
-        shard_states: dict[int, dict] = {}
-        for rank in sorted(entries):
-            loader_state = entries[rank]["loader"]
-            if loader_state.get("_steps_since_snapshot", 0):
-                raise DataError(
-                    f"cannot reshard data state of old rank {rank}: it was saved "
-                    f"{loader_state['_steps_since_snapshot']} batches after the loader's last "
-                    "snapshot; resume at the old layout once, or from a checkpoint at an interval step"
-                )
-            for state in _dataset_states(loader_state):
-                for v, s in state["shards"].items():
-                    if int(v) in shard_states:
-                        raise DataError(f"virtual shard {v} appears twice in the saved data state")
-                    shard_states[int(v)] = s
-        logger.info(
-            "resharding data state from %dx%d to %dx%d (ranks x workers; %d virtual shards)",
-            old["dp_world"],
-            old["num_workers"],
-            new["dp_world"],
-            new["num_workers"],
-            len(shard_states),
+
+def _all_shard_states(entries: dict[int, dict], old: dict, new: dict) -> dict[int, dict]:
+    """The union of every old rank's shard states; each shard exactly once."""
+    missing = sorted(set(range(old["dp_world"])) - set(entries))
+    if missing:
+        raise DataError(f"cannot reshard data state: entries of old ranks {missing} are missing")
+    shard_states: dict[int, dict] = {}
+    for rank in sorted(entries):
+        for v, s in entries[rank]["shards"].items():
+            if int(v) in shard_states:
+                raise DataError(f"virtual shard {v} appears twice in the saved data state")
+            shard_states[int(v)] = s
+    logger.info(
+        "resharding data state from %dx%d to %dx%d (ranks x workers; %d virtual shards)",
+        old["dp_world"],
+        old["num_workers"],
+        new["dp_world"],
+        new["num_workers"],
+        len(shard_states),
+    )
+    # A shard absent here would silently restart from its beginning: insist on all.
+    absent = sorted(set(range(new["data_shards"])) - set(shard_states))
+    if absent:
+        raise DataError(
+            f"cannot reshard data state: virtual shards {absent[:10]} have no saved state"
         )
-        # Shards never iterated before the save carry their initial state; any shard
-        # absent here would silently restart, so insist on all of them.
-        absent = sorted(set(range(new["data_shards"])) - set(shard_states))
-        if absent:
-            raise DataError(
-                f"cannot reshard data state: virtual shards {absent[:10]} have no saved state"
-            )
-        self.dataset.load_shard_states(shard_states)
+    return shard_states
 
 
 def _check_compatible(old: dict, new: dict):
@@ -181,14 +217,3 @@ def _check_compatible(old: dict, new: dict):
             f"global batch size changed from {old_global} ({old['dp_world']} ranks x "
             f"{old['batch_size']}) to {new_global} ({new['dp_world']} x {new['batch_size']}); {hint}"
         )
-
-
-def _dataset_states(obj) -> list[dict]:
-    """Every TokenDataset state inside a StatefulDataLoader state (main process or workers)."""
-    if isinstance(obj, dict):
-        if obj.get("kind") == STATE_KIND:
-            return [obj]
-        return [s for v in obj.values() for s in _dataset_states(v)]
-    if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _dataset_states(v)]
-    return []

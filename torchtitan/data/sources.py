@@ -215,11 +215,22 @@ class StreamSource:
         self.id_field = id_field
         self.seed = seed
         self.shuffle = shuffle
+        self._opened: dict[int, object] = {}
         first = self.open(0)
         _check_column(spec, text_field, list(first.column_names or [text_field]))
 
     def open(self, epoch: int):
-        """The HF IterableDataset of one epoch: the file order is the shuffled part."""
+        """The HF IterableDataset of one epoch: the file order is the shuffled part.
+
+        Opened once per epoch and shared by every shard's cursor (each splits it), so a
+        start or a resume costs one ``load_dataset`` per source, not one per shard.
+        """
+        if epoch not in self._opened:
+            self._opened = {e: d for e, d in self._opened.items() if e == epoch - 1}
+            self._opened[epoch] = self._load(epoch)
+        return self._opened[epoch]
+
+    def _load(self, epoch: int):
         import datasets
 
         order = _epoch_order(len(self.spec.files), self.seed, self.spec.name, epoch, self.shuffle)
@@ -234,6 +245,10 @@ class StreamSource:
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
             raise DataError(f"dataset {self.spec.name!r} could not be read: {e!r}") from e
+
+    def __getstate__(self):
+        # Loader workers open their own: an opened stream is not worth pickling.
+        return {**self.__dict__, "_opened": {}}
 
     def document_of(self, row: dict) -> tuple[str, object]:
         text = row.get(self.text_field)
