@@ -11,23 +11,19 @@ import os
 import random
 import sys
 import time
-import warnings
 
-# torchdata 0.11 calls a deprecated torch API on import; the warning is noise.
-warnings.filterwarnings("ignore", message=".*set_vital.*")
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from torchtitan import parallel  # noqa: E402
-from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
-from torchtitan.config import JobConfig, load_config_or_exit, resolve_path  # noqa: E402
-from torchtitan.data import DataError, build_dataloader, data_fingerprint  # noqa: E402
-from torchtitan.data.tokenizer import Tokenizer, TokenizerError  # noqa: E402
-from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib  # noqa: E402
-from torchtitan.models import build_model, count_parameters  # noqa: E402
-from torchtitan.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from torchtitan import parallel
+from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.config import JobConfig, load_config_or_exit, resolve_path
+from torchtitan.data import DataError, build_dataloader, data_fingerprint
+from torchtitan.data.tokenizer import Tokenizer, TokenizerError
+from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib
+from torchtitan.models import build_model, count_parameters
+from torchtitan.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("torchtitan")
 
@@ -38,11 +34,15 @@ USER_ERRORS = (CheckpointError, DataError, TokenizerError, ValueError, OSError)
 def setup_logging(rank: int):
     import datasets
 
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
+    # The project's own logger, with a handler made anew on each call: main() may run
+    # several times in one process (tests), and stderr may have been replaced meanwhile.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
     # Progress bars from every rank would bury the training log.
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_warning()

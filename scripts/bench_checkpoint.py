@@ -23,15 +23,14 @@ import time
 import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: E402
+from torchtitan.models import build_model, count_parameters
 
-from torchtitan.models import build_model, count_parameters  # noqa: E402
+warnings.filterwarnings("ignore")  # DCP's "saving in a single process" notices
 
 VOCAB = {"debugmodel": 4096, "125M": 32000}
 

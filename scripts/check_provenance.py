@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.provenance import check_exactly_once, read_provenance  # noqa: E402
+from torchtitan.provenance import check_exactly_once, read_provenance
 
 
 def main(argv=None) -> int:

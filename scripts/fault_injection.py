@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from torchtitan import REPO_ROOT as REPO
+from torchtitan.runs import DEBUG_CONFIG, losses, run_env
 
 
 @dataclass
@@ -108,16 +109,12 @@ def kill(proc: subprocess.Popen, target: str, rng: random.Random):
     proc.wait()
 
 
-def losses(dump: Path) -> dict[int, float]:
-    lines = (dump / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
-
-
 def launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=run_env(), stdout=open(log, "a"), stderr=subprocess.STDOUT
+    )
 
 
 def trial(
@@ -159,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--interval", type=int, default=4)
-    p.add_argument("--config", default="train_configs/debug_model.toml")
+    p.add_argument("--config", default=DEBUG_CONFIG)
     p.add_argument("--dump-folder", default="outputs/fault_injection")
     p.add_argument("--timeout", type=float, default=300)
     args, extra = p.parse_known_args(argv)

@@ -22,7 +22,8 @@ from pathlib import Path
 import datasets
 import sentencepiece as spm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from torchtitan import REPO_ROOT
+
 DEFAULT_CORPUS = REPO_ROOT / "data" / "corpus"
 DEFAULT_OUTPUT = REPO_ROOT / "data" / "tokenizer" / "tokenizer.model"
 

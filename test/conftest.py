@@ -1,23 +1,32 @@
-"""Shared fixtures: the real tokenizer, small real-text corpora, and a torchrun launcher."""
+"""Shared fixtures: the real tokenizer, small real-text corpora, and ways to run training.
+
+Training runs either in-process (``train_here``: one rank, ``train.main(argv)``, no
+interpreter start-up) or as real multi-process jobs (``torchrun``). Metrics and
+provenance are read back strictly (a duplicated step fails the read).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
-import socket
 import subprocess
-import sys
-import warnings
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-warnings.filterwarnings("ignore", message=".*set_vital.*")
+import train as train_script
+from torchtitan import REPO_ROOT
+from torchtitan.data.sources import open_source, resolve_source
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchtitan.provenance import check_exactly_once, read_provenance
+from torchtitan.runs import DEBUG_CONFIG, read_records
+from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
+from torchtitan.runs import torchrun as _torchrun
 
-from torchtitan.data.sources import resolve_source  # noqa: E402
-from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
+CONFIG = ["--job.config_file", DEBUG_CONFIG]
 
 
 @pytest.fixture(scope="session")
@@ -69,24 +78,56 @@ def second_corpus(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("second") / "kjv", bundled_documents("kjv", 16))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@cache
+def opened(corpus: str, seed: int = 7, shuffle: bool = True, streaming: bool = False):
+    """One opened source per corpus and order, shared by every dataset a test builds."""
+    return open_source(resolve_source(path=corpus), "text", "id", seed, shuffle, streaming)
 
 
 def torchrun(
-    args: list[str], nproc: int = 2, timeout: int = 300, script: str = "train.py"
+    args: list, nproc: int = 2, timeout: int = 300, script: str = "train.py"
 ) -> subprocess.CompletedProcess:
     """Launch a real multi-process job; returns the finished process (check returncode)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}", str(REPO / script), *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return _torchrun(nproc, list(args), script=script, timeout=timeout)
+
+
+def train(dump, *extra, nproc=2, expect_ok=True) -> subprocess.CompletedProcess:
+    """The debug config as a real ``nproc``-rank torchrun job."""
+    proc = torchrun([*CONFIG, "--job.dump_folder", str(dump), *map(str, extra)], nproc=nproc)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def run_main(argv: list) -> tuple[int, str]:
+    """``train.main(argv)`` in this process: (exit status, what it wrote to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = train_script.main([str(a) for a in argv])
+        except SystemExit as e:  # config errors exit before anything is built
+            status = e.code
+    return status, err.getvalue()
+
+
+def train_here(dump, *extra, expect_ok=True) -> tuple[int, str]:
+    """The debug config as one in-process rank (no interpreter start-up)."""
+    status, log = run_main([*CONFIG, "--job.dump_folder", dump, *extra])
+    if expect_ok:
+        assert status == 0, log[-4000:]
+    return status, log
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
 
 
 def read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_records(path)
+
+
+def assert_exactly_once(dump):
+    reports = check_exactly_once(read_provenance(str(Path(dump) / "provenance")))
+    assert reports and all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), (
+        reports
+    )

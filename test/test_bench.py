@@ -1,28 +1,57 @@
-"""Benchmarks are not tests: this only checks that each runs in smoke mode and reports its fields."""
+"""Benchmarks are not tests: each runs here in smoke mode, and what it reports must make sense
+(speeds positive, ratios finite, the state it claims to measure actually in effect)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
 
-FIELDS = {
-    "bench_data.py": {
-        "raw_encode_tokens_per_s",
-        "workers0_over_raw",
-        "workers2_over_workers0",
-        "state_bytes_per_rank",
-    },
-    "bench_resume.py": {"median_1pct_s", "median_99pct_s", "ratio_99_over_1"},
-    "bench_step.py": {"on_over_off", "median_data_wait_share"},
-    "bench_checkpoint.py": {"save_mb_per_s", "load_mb_per_s", "async_blocked_over_sync"},
+
+def positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def check_data(r: dict):
+    assert positive(r["raw_encode_tokens_per_s"], r["workers0_tokens_per_s"],
+                    r["workers2_tokens_per_s"], r["streaming_workers0_tokens_per_s"])  # fmt: skip
+    assert r["workers0_over_raw"] == r["workers0_tokens_per_s"] / r["raw_encode_tokens_per_s"]
+    assert 0 < r["workers0_over_raw"] < 1.5, "the pipeline cannot out-tokenize the tokenizer"
+    assert all(200 < b < 16_384 for b in r["state_bytes_per_rank"].values()), (
+        "a position, not tokens"
+    )
+
+
+def check_resume(r: dict):
+    assert positive(r["median_1pct_s"], r["median_99pct_s"], r["ratio_99_over_1"])
+    first = r["first_document"]
+    assert first["1%"] != first["99%"], "the 99% state was not applied"
+
+
+def check_step(r: dict):
+    assert r["checkpoints_written"] > 0, "the 'on' run must actually checkpoint"
+    assert positive(r["median_step_ms_checkpoint_off"], r["median_step_ms_checkpoint_on"])
+    assert 0 <= r["median_data_wait_share"] <= 1
+
+
+def check_checkpoint(r: dict):
+    assert positive(r["save_mb_per_s"], r["load_mb_per_s"], r["checkpoint_mb"])
+    assert r["async_blocked_s"] < r["sync_save_s"], "async must block less than a sync save"
+
+
+CHECKS = {
+    "bench_data.py": check_data,
+    "bench_resume.py": check_resume,
+    "bench_step.py": check_step,
+    "bench_checkpoint.py": check_checkpoint,
 }
 
 
-@pytest.mark.parametrize("script", sorted(FIELDS))
+@pytest.mark.parametrize("script", sorted(CHECKS))
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", "--json", str(out)]
@@ -31,5 +60,23 @@ def test_benchmark_smoke(script, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    row = result[0] if isinstance(result, list) else result
-    assert FIELDS[script] <= set(row), proc.stdout
+    CHECKS[script](result[0] if isinstance(result, list) else result)
+
+
+NONSENSE = [
+    (check_data, {"raw_encode_tokens_per_s": 1.0, "workers0_tokens_per_s": 1.0,
+                  "workers2_tokens_per_s": 1.0, "streaming_workers0_tokens_per_s": 1.0,
+                  "workers0_over_raw": 1.0, "state_bytes_per_rank": {"map": 10**6}}),
+    (check_resume, {"median_1pct_s": 1.0, "median_99pct_s": 1.0, "ratio_99_over_1": 1.0,
+                    "first_document": {"1%": "a", "99%": "a"}}),
+    (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
+                  "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1}),
+    (check_checkpoint, {"save_mb_per_s": 1.0, "load_mb_per_s": 1.0, "checkpoint_mb": 1.0,
+                        "async_blocked_s": 2.0, "sync_save_s": 1.0}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("check,result", NONSENSE, ids=[c.__name__ for c, _ in NONSENSE])
+def test_the_checks_reject_a_result_that_makes_no_sense(check, result):
+    with pytest.raises(AssertionError):
+        check(result)

@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, free_port
+from conftest import CONFIG, REPO, error_lines, run_main, train_here
 from test_data import make, take
 
 from torchtitan.data.sources import DataError, resolve_source
-
-CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
+from torchtitan.runs import run_env, torchrun_command
 
 
 def write(path, rows: list[dict] | None = None, raw: bytes | None = None):
@@ -94,32 +93,24 @@ def test_long_documents_tokenize_as_one_string_would(tokenizer):
 # ---- bad config and environment ---------------------------------------------------------
 
 
-def run_single(*args, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "train.py", *CONFIG, *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300, **kw)  # fmt: skip
-
-
-def error_lines(proc) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if "error:" in line]
-
-
 def test_bad_config_and_environment_give_one_clear_line(tmp_path):
-    proc = run_single("--training.seq_len", 5000, "--job.dump_folder", tmp_path / "a")
-    assert proc.returncode == 1 and "max_seq_len 4096" in error_lines(proc)[0]
+    status, log = train_here(tmp_path / "a", "--training.seq_len", 5000, expect_ok=False)
+    assert status == 1 and "max_seq_len 4096" in error_lines(log)[0]
 
     not_a_model = tmp_path / "tok.model"
     not_a_model.write_text("not a sentencepiece model")
-    proc = run_single("--model.tokenizer_path", not_a_model, "--job.dump_folder", tmp_path / "b")
-    assert proc.returncode == 1 and str(not_a_model) in error_lines(proc)[0]
+    status, log = train_here(tmp_path / "b", "--model.tokenizer_path", not_a_model,
+                             expect_ok=False)  # fmt: skip
+    assert status == 1 and str(not_a_model) in error_lines(log)[0]
 
     blocker = tmp_path / "file"
     blocker.write_text("a file where a folder should be")
-    proc = run_single("--job.dump_folder", blocker / "run", "--checkpoint.enable_checkpoint")
-    assert proc.returncode == 1 and "is not writable" in error_lines(proc)[0]
+    status, log = train_here(blocker / "run", "--checkpoint.enable_checkpoint", expect_ok=False)
+    assert status == 1 and "is not writable" in error_lines(log)[0]
 
-    proc = run_single("--checkpoint.interval", 0)
-    assert proc.returncode == 2 and "checkpoint.interval" in proc.stderr
+    status, log = run_main([*CONFIG, "--checkpoint.interval", 0])
+    assert status == 2 and "checkpoint.interval" in log
+    assert "Traceback" not in log
 
 
 def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
@@ -127,13 +118,12 @@ def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-           "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=small_disk,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    cmd = torchrun_command(2, [*CONFIG, "--job.dump_folder", tmp_path, "--training.steps", 4,
+                               "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2])  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_disk, env=run_env())  # fmt: skip
     assert proc.returncode != 0
-    errors = error_lines(proc)
+    errors = error_lines(proc.stderr)
     assert len(errors) == 2 and all(
         "saving checkpoint step-2" in e and "free space" in e for e in errors
     )
@@ -148,7 +138,7 @@ def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
 def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path):
     """CI-sized fault injection: 1 trial, 2 kills, the first during a checkpoint write."""
     cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "1", "--kills", "2",
-           "--steps", "9", "--interval", "3", "--seed", "1", "--dump-folder", str(tmp_path)]  # fmt: skip
+           "--steps", "6", "--interval", "2", "--seed", "1", "--dump-folder", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "kills 2" in proc.stdout and "mismatched steps 0" in proc.stdout

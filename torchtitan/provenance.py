@@ -13,14 +13,19 @@ Never: write provenance, or read the data itself.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from torchtitan.runs import read_records
+
 
 def read_provenance(folder: str) -> dict[int, dict[int, list]]:
-    """{rank: {step: sequences}} from a run's provenance folder."""
+    """{rank: {step: sequences}} from a run's provenance folder.
+
+    Strict: a step recorded twice in one rank's file (a resume that did not trim
+    it) raises ``RunRecordError`` instead of one record silently replacing the other.
+    """
     files = sorted(glob.glob(os.path.join(folder, "rank*.jsonl")))
     if not files:
         raise FileNotFoundError(
@@ -29,10 +34,7 @@ def read_provenance(folder: str) -> dict[int, dict[int, list]]:
     out = {}
     for path in files:
         rank = int(os.path.basename(path)[len("rank") : -len(".jsonl")])
-        with open(path) as f:
-            out[rank] = {
-                rec["step"]: rec["sequences"] for rec in map(json.loads, filter(str.strip, f))
-            }
+        out[rank] = {rec["step"]: rec["sequences"] for rec in read_records(path)}
     return out
 
 

@@ -1,5 +1,7 @@
 """The acceptance test: a resumed run continues bit for bit where the first one stopped.
 
+Run as ``python scripts/deterministic_resume.py [options] [--section.key value ...]``.
+
 Default mode:
   1. train --steps (30) with a checkpoint every --interval (5) on --nproc (2) ranks;
   2. delete the last --delete (3) checkpoints (steps 30, 25, 20);
@@ -23,54 +25,43 @@ Extra ``--section.key value`` arguments are passed to every run, e.g.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from torchtitan import REPO_ROOT
+from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.runs import DEBUG_CONFIG, losses, run_env, torchrun_command
 
-from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# launcher(nproc, argv) -> (exit status, log text): how one training job is run.
+Launcher = Callable[[int, list[str]], tuple[int, str]]
 
 
-def launch(nproc: int, dump: str, args, extra: list[str], overrides: list[str]):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}", str(REPO / "train.py"),
+def torchrun_launcher(nproc: int, argv: list[str]) -> tuple[int, str]:
+    """Each job in its own ``torchrun`` (the default; tests may run 1-rank jobs in-process)."""
+    cmd = torchrun_command(nproc, argv)
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env(), capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def launch(launcher: Launcher, nproc: int, dump: str, args, extra: list[str], overrides: list[str]):
+    argv = [
         "--job.config_file", args.config, "--job.dump_folder", dump,
         "--training.steps", str(args.steps), "--checkpoint.enable_checkpoint",
         "--checkpoint.interval", str(args.interval), "--metrics.log_freq", "1",
         "--metrics.data_provenance", *overrides, *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+    status, log = launcher(nproc, argv)
     with open(os.path.join(dump, "runs.log"), "a") as f:
-        f.write(f"$ {' '.join(cmd)}\n{log}\n")
+        f.write(f"$ train.py {' '.join(argv)}\n{log}\n")
     for line in log.splitlines():
         if "loaded checkpoint" in line or "resharding" in line or "error" in line.lower():
             print("  " + line.strip())
-    if proc.returncode != 0:
+    if status != 0:
         print(log[-4000:])
-        raise SystemExit(
-            f"training exited with status {proc.returncode}; full log in {dump}/runs.log"
-        )
-
-
-def losses(dump: str) -> dict[int, float]:
-    with open(os.path.join(dump, "metrics.jsonl")) as f:
-        return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}
+        raise SystemExit(f"training exited with status {status}; full log in {dump}/runs.log")
 
 
 def delete_last_checkpoints(dump: str, count: int) -> list[int]:
@@ -129,15 +120,17 @@ def plot(reference: dict[int, float], resumed: dict[int, float], resume_step: in
     print(f"plot: {path}")
 
 
-def main(argv=None) -> int:
+def main(argv=None, launcher: Launcher = torchrun_launcher) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="deterministic_resume.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--delete", type=int, default=3, help="checkpoints to delete before resuming")
-    p.add_argument("--config", default="train_configs/debug_model.toml")
+    p.add_argument("--config", default=DEBUG_CONFIG)
     p.add_argument("--dump-folder", default="outputs/deterministic_resume")
     p.add_argument("--resume-every", action="store_true", help="restart at every checkpoint")
     p.add_argument(
@@ -154,16 +147,23 @@ def main(argv=None) -> int:
         reference_dump = dump + "-reference"
         shutil.rmtree(reference_dump, ignore_errors=True)
         os.makedirs(reference_dump)
-        launch(args.nproc, reference_dump, args, extra, batch)
+        launch(launcher, args.nproc, reference_dump, args, extra, batch)
         for stop in range(args.interval, args.steps + 1, args.interval):
-            launch(args.nproc, dump, args, extra, [*batch, "--training.stop_at_step", str(stop)])
+            launch(
+                launcher,
+                args.nproc,
+                dump,
+                args,
+                extra,
+                [*batch, "--training.stop_at_step", str(stop)],
+            )
         reference, resumed, resume_step = losses(reference_dump), losses(dump), 0
         ok = compare(reference, resumed, range(1, args.steps + 1))
         ok &= sequences_by_step(
             read_provenance(os.path.join(reference_dump, "provenance"))
         ) == sequences_by_step(read_provenance(os.path.join(dump, "provenance")))
     else:
-        launch(args.nproc, dump, args, extra, batch)
+        launch(launcher, args.nproc, dump, args, extra, batch)
         reference = losses(dump)
         first_provenance = sequences_by_step(read_provenance(os.path.join(dump, "provenance")))
         deleted = delete_last_checkpoints(dump, args.delete)
@@ -173,7 +173,14 @@ def main(argv=None) -> int:
         global_batch = args.batch_size * args.nproc
         if global_batch % nproc:
             raise SystemExit(f"global batch {global_batch} does not split over {nproc} ranks")
-        launch(nproc, dump, args, extra, ["--training.batch_size", str(global_batch // nproc)])
+        launch(
+            launcher,
+            nproc,
+            dump,
+            args,
+            extra,
+            ["--training.batch_size", str(global_batch // nproc)],
+        )
         resumed = losses(dump)
         if args.resume_nproc and args.resume_nproc != args.nproc:
             print(
@@ -192,7 +199,3 @@ def main(argv=None) -> int:
     plot(reference, resumed, resume_step, os.path.join(dump, "loss_curves.png"))
     print("\nPASS: resumed run is exact" if ok else "\nFAIL: the resumed run differs")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

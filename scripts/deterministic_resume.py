@@ -1,0 +1,14 @@
+"""The acceptance test: a resumed run continues bit for bit where the first one stopped.
+
+    python scripts/deterministic_resume.py [--steps 30] [--interval 5] [--delete 3]
+        [--resume-every | --resume-nproc M] [--section.key value ...]
+
+See ``torchtitan/resume_check.py`` for what is compared. Exit status 0 only on success.
+"""
+
+import sys
+
+from torchtitan.resume_check import main
+
+if __name__ == "__main__":
+    sys.exit(main())
