@@ -143,3 +143,13 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "kills 2" in proc.stdout and "mismatched steps 0" in proc.stdout
     assert "kills during a save 0" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_fault_injection_campaign(tmp_path):
+    """3 trials x 3 kills at random moments (all ranks or one, in a step or a save)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "3", "--kills", "3",
+           "--steps", "12", "--interval", "3", "--seed", "0", "--dump-folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "mismatched steps 0" in proc.stdout and "kills 0" not in proc.stdout
