@@ -18,17 +18,19 @@ import torch.nn.functional as F
 
 from torchtitan import parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
-from torchtitan.config import JobConfig, load_config_or_exit, resolve_path
+from torchtitan.config import ConfigError, JobConfig, load_config_or_exit, resolve_path
 from torchtitan.data import DataError, build_dataloader, data_fingerprint
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib
 from torchtitan.models import build_model, count_parameters
 from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.preemption import Preemption
 
 logger = logging.getLogger("torchtitan")
 
-# Errors that mean "the inputs are wrong", reported as one line, not a traceback.
-USER_ERRORS = (CheckpointError, DataError, TokenizerError, ValueError, OSError)
+# The project's own errors: the inputs are wrong. Reported as one line, not a traceback;
+# anything else is a bug and keeps its traceback.
+USER_ERRORS = (CheckpointError, ConfigError, DataError, TokenizerError)
 
 
 def setup_logging(rank: int):
@@ -63,7 +65,7 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
     # seed checkpoint once with --checkpoint.create_seed_checkpoint and load it.)
     model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device=dims.device)
     if cfg.training.seq_len > model.args.max_seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"training.seq_len {cfg.training.seq_len} exceeds the max_seq_len "
             f"{model.args.max_seq_len} of model flavor {cfg.model.flavor!r}; lower --training.seq_len"
         )
@@ -78,7 +80,7 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
 
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
     if dims.world_size != 1:
-        raise ValueError(
+        raise ConfigError(
             "checkpoint.create_seed_checkpoint runs in one process: launch it without torchrun"
         )
     model = build_model(
@@ -138,6 +140,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     )
     model.train()
     last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
+    preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
     while train_state.step < last_step:
         step_start = time.perf_counter()
         batch = next(dataloader)
@@ -169,6 +172,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
                     "tokens_per_s": tokens_per_step / step_s,
                     "step_ms": 1000 * step_s,
                     "data_wait_ms": 1000 * dataloader.last_wait_s,
+                    # the previous step's stop agreement (save on preemption)
+                    "stop_check_ms": 1000 * preemption.last_check_s,
                     "memory_gib": memory_gib(dims.device),
                     "tokens_seen": train_state.tokens_seen,
                     "skipped_documents": parallel.sum_over_ranks(dataloader.skipped_documents()),
@@ -176,7 +181,16 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
             )
         if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):
             checkpoint.save(train_state.step)
+        elif preemption.requested():
+            checkpoint.save(train_state.step)
+            checkpoint.close()
+            logger.warning(
+                "preempted at step %d: checkpoint step-%d written (%s)",
+                train_state.step, train_state.step, preemption.received or "signal to another rank",
+            )  # fmt: skip
+            break
 
+    preemption.close()
     checkpoint.close()
     metrics.close()
     if provenance is not None:
@@ -192,13 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, dims)
     except USER_ERRORS as e:
-        # Every rank meets the same input, so every rank says what is wrong.
-        sys.stderr.write(f"[rank{dims.rank}] error: {e}\n")  # one write: ranks' lines stay whole
-        sys.stderr.flush()
-        return 1
+        # Tell the other ranks first: this rank's exit is what breaks their collectives.
+        parallel.report_failure(dims, str(e))
+        return _one_line(dims, str(e))
+    except Exception:
+        peer = parallel.failed_peer(dims)
+        if peer is None:
+            raise  # a bug, or a failure of this rank's own: keep the traceback
+        return _one_line(dims, f"stopped because rank {peer[0]} failed: {peer[1]}")
     finally:
         parallel.destroy_distributed()
     return 0
+
+
+def _one_line(dims: parallel.ParallelDims, message: str) -> int:
+    sys.stderr.write(f"[rank{dims.rank}] error: {message}\n")  # one write: lines stay whole
+    sys.stderr.flush()
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,125 +1,172 @@
-"""DCP save/load cost, and how long a save blocks training: sync versus async.
+"""How long CheckpointManager makes the training loop wait, as train.py drives it.
 
-    python scripts/bench_checkpoint.py [--flavors debugmodel,125M] [--smoke] [--json out.json]
+    python scripts/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--saves 3] [--smoke] [--json out.json]
 
-For each flavor (125M with a 32,000-token vocab has 134 M parameters), builds the
-model and an AdamW optimizer with its state, then in one process:
-  sync   time blocked in ``dcp.save``
-  async  time the loop is blocked by ``dcp.async_save``: the call, plus the wait for the
-         background staging copy after one forward/backward (the next optimizer step
-         must not change parameters still being copied); steady state (second save)
-  load   time of ``dcp.load`` into a fresh state dict
-and reports MB/s and the ratio async-blocked / sync (target <= 0.2 at >= 100 M params).
+For each rank count (a torchrun job of that many CPU ranks, gloo, FSDP2), builds the
+model (125M with a 32,000-token vocab: 134 M parameters) and AdamW through the
+project's own builders, then runs the training loop's calls exactly as train.py
+makes them: forward/backward, ``wait_for_staging()`` before the optimizer step,
+``save()`` every ``interval`` steps, ``close()`` at the end. Measured on rank 0:
+
+  blocked     every moment the loop spends inside CheckpointManager calls: save()
+              (including, in sync mode, the write, the checksums and finalization;
+              in async mode the wait for an earlier save), wait_for_staging();
+              close() is reported apart (the end of a job)
+  integrity   each rank's CRC32 of its own files (the slowest rank)
+  fsync       each rank's fsync of its own files (the slowest rank; durability, not integrity)
+  save        a sync save, end to end
+
+Reports per rank count: sync blocked/save, async blocked/save, async/sync (target
+<= 0.05 at >= 100 M parameters), integrity/save (target <= 0.10, flat in ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-from torchtitan.models import build_model, count_parameters
-
-warnings.filterwarnings("ignore")  # DCP's "saving in a single process" notices
+from torchtitan import REPO_ROOT
+from torchtitan.runs import run_env, torchrun_command
 
 VOCAB = {"debugmodel": 4096, "125M": 32000}
 
 
-def folder_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+def rank_main(args) -> dict:
+    """One rank of the measured job (run under torchrun)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
 
+    from torchtitan import parallel
+    from torchtitan.checkpoint import CheckpointManager, TrainState
+    from torchtitan.config import parse_args
+    from torchtitan.models import build_model, count_parameters
+    from torchtitan.optim import build_lr_scheduler, build_optimizer
 
-def state_of(flavor: str):
+    dims = parallel.init_distributed()
     torch.manual_seed(0)
-    model = build_model(flavor, VOCAB.get(flavor, 4096), device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randint(0, 100, (1, 16))).float().mean().backward()
-    opt.step()
-    return model, {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, opt),
-    }
+    vocab = VOCAB[args.flavor]
+    model = build_model(args.flavor, vocab, device=dims.device)
+    params = count_parameters(model)
+    model = parallel.apply_data_parallel(model, "fsdp", dims)
+    result = {"flavor": args.flavor, "parameters": params, "ranks": dims.world_size}
+    for mode in ("disabled", "async"):
+        cfg = parse_args([
+            "--job.dump_folder", os.path.join(args.root, f"{mode}-{dims.world_size}"),
+            "--checkpoint.enable_checkpoint", "--checkpoint.async_mode", mode,
+            "--checkpoint.interval", str(args.interval), "--checkpoint.keep_latest_k", "1",
+            "--training.steps", str(args.interval * args.saves), "--lr_scheduler.warmup_steps", "1",
+        ])  # fmt: skip
+        optimizer = build_optimizer(model, cfg)
+        scheduler = build_lr_scheduler(optimizer, cfg)
+        state = TrainState()
+        manager = CheckpointManager(cfg, dims, model=model, optimizer=optimizer,
+                                    lr_scheduler=scheduler, dataloader=None, train_state=state,
+                                    fingerprint={})  # fmt: skip
+        blocked, saves, integrity, fsync, step_s = 0.0, [], [], [], []
+        tokens = torch.randint(
+            0, vocab, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(0)
+        )
+        while state.step < cfg.training.steps:
+            begin = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+            t = time.perf_counter()
+            manager.wait_for_staging()
+            blocked += time.perf_counter() - t
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            step_s.append(time.perf_counter() - begin)
+            if manager.should_save(state.step):
+                t = time.perf_counter()
+                manager.save(state.step)
+                elapsed = time.perf_counter() - t
+                blocked += elapsed
+                saves.append(elapsed)
+                if mode == "disabled":
+                    integrity.append(manager.last_checksum_s)
+                    fsync.append(manager.last_fsync_s)
+        t = time.perf_counter()
+        manager.close()
+        close_s = time.perf_counter() - t
+        worst = [(0.0, 0.0)]
+        if mode == "disabled":  # the slowest rank's share
+            mine = (statistics.median(integrity), statistics.median(fsync))
+            worst = [None] * dims.world_size
+            dist.all_gather_object(worst, mine, group=dims.cpu_group)
+        key = "sync" if mode == "disabled" else "async"
+        result[f"{key}_blocked_s"] = blocked
+        result[f"{key}_save_calls_s"] = saves
+        result[f"{key}_close_s"] = close_s
+        result[f"{key}_median_step_s"] = statistics.median(step_s)
+        if key == "sync":
+            result["sync_save_s"] = statistics.median(saves)
+            result["integrity_s"] = max(w[0] for w in worst)
+            result["fsync_s"] = max(w[1] for w in worst)
+    checkpoint = Path(args.root) / f"disabled-{dims.world_size}" / "checkpoint"
+    result["checkpoint_mb"] = (
+        sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2**20
+    )
+    result["async_blocked_over_sync"] = result["async_blocked_s"] / result["sync_blocked_s"]
+    result["integrity_over_save"] = result["integrity_s"] / result["sync_save_s"]
+    parallel.destroy_distributed()
+    return result
 
 
-def train_work(model: torch.nn.Module):
-    """A forward and backward pass: what a training step does before its optimizer step."""
-    model(torch.randint(0, 100, (2, 128))).float().mean().backward()
-
-
-def bench(flavor: str, root: Path) -> dict:
-    model, state = state_of(flavor)
-    sync_dir = root / f"{flavor}-sync"
-    start = time.perf_counter()
-    dcp.save(state, checkpoint_id=str(sync_dir), no_dist=True)
-    sync_s = time.perf_counter() - start
-
-    # As CheckpointManager does: one stager for the run, staging in the background; the
-    # loop blocks for the call, then (if staging is not done) before the optimizer step.
-    stager = DefaultStager(StagingOptions(False, False, True, False))
-    blocked = []
-    for i in range(2):  # the first save allocates the staging buffers, later ones reuse them
-        start = time.perf_counter()
-        response = dcp.async_save(state, checkpoint_id=str(root / f"{flavor}-async{i}"), no_dist=True,
-                                  async_stager=stager)  # fmt: skip
-        call_s = time.perf_counter() - start
-        train_work(model)
-        start = time.perf_counter()
-        response.staging_completion.result()
-        blocked.append(call_s + time.perf_counter() - start)
-        response.upload_completion.result()
-    stager.close()
-    async_blocked_s = blocked[-1]
-
-    _, fresh = state_of(flavor)
-    start = time.perf_counter()
-    dcp.load(fresh, checkpoint_id=str(sync_dir), no_dist=True)
-    load_s = time.perf_counter() - start
-    assert all(torch.equal(fresh["model"][k], state["model"][k]) for k in state["model"])
-    mb = folder_mb(sync_dir)
-    return {
-        "flavor": flavor,
-        "parameters": count_parameters(model),
-        "checkpoint_mb": mb,
-        "sync_save_s": sync_s,
-        "async_blocked_s": async_blocked_s,
-        "async_blocked_first_save_s": blocked[0],
-        "load_s": load_s,
-        "save_mb_per_s": mb / sync_s,
-        "load_mb_per_s": mb / load_s,
-        "async_blocked_over_sync": async_blocked_s / sync_s,
-    }
+def run_job(ranks: int, args, root: str) -> dict:
+    out = Path(root) / f"result-{ranks}.json"
+    argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
+            "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", root, "--json", str(out)]  # fmt: skip
+    env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
+    proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/bench_checkpoint.py"),
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return json.loads(out.read_text())
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--flavors", default="debugmodel,125M")
-    p.add_argument("--smoke", action="store_true", help="debugmodel only")
+    p.add_argument("--flavor", default="125M", choices=sorted(VOCAB))
+    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--interval", type=int, default=6, help="steps between saves")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--smoke", action="store_true", help="debugmodel, 2 ranks, 2 saves")
     p.add_argument("--json", default="")
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--root", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    flavors = ["debugmodel"] if args.smoke else args.flavors.split(",")
-    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
-    try:
-        rows = [bench(f, root) for f in flavors]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    print(f"{'flavor':<12}{'params':>14}{'MB':>9}{'save s':>9}{'save MB/s':>11}{'load s':>9}{'load MB/s':>11}"
-          f"{'async blk s':>13}{'async/sync':>12}")  # fmt: skip
+    if args.rank_main:
+        result = rank_main(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
+    if args.smoke:
+        args.flavor, args.ranks, args.saves, args.interval = "debugmodel", "2", 2, 2
+    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
+        rows = [run_job(int(r), args, root) for r in args.ranks.split(",")]
+    print(f"{'flavor':<11}{'params':>13}{'ranks':>6}{'MB':>8}{'save s':>8}{'sync blk s':>11}"
+          f"{'async blk s':>12}{'async/sync':>11}{'crc s':>8}{'crc/save':>9}{'fsync s':>9}")  # fmt: skip
     for r in rows:
-        print(f"{r['flavor']:<12}{r['parameters']:>14,}{r['checkpoint_mb']:>9.1f}{r['sync_save_s']:>9.2f}"
-              f"{r['save_mb_per_s']:>11.0f}{r['load_s']:>9.2f}{r['load_mb_per_s']:>11.0f}"
-              f"{r['async_blocked_s']:>13.3f}{r['async_blocked_over_sync']:>12.3f}")  # fmt: skip
+        print(f"{r['flavor']:<11}{r['parameters']:>13,}{r['ranks']:>6}{r['checkpoint_mb']:>8.0f}"
+              f"{r['sync_save_s']:>8.2f}{r['sync_blocked_s']:>11.2f}{r['async_blocked_s']:>12.3f}"
+              f"{r['async_blocked_over_sync']:>11.3f}{r['integrity_s']:>8.3f}{r['integrity_over_save']:>9.3f}"
+              f"{r['fsync_s']:>9.3f}")  # fmt: skip
+    print(
+        "targets: async/sync <= 0.05 at >= 100 M parameters; integrity/save <= 0.10, flat in ranks"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -36,11 +36,13 @@ def check_step(r: dict):
     assert r["checkpoints_written"] > 0, "the 'on' run must actually checkpoint"
     assert positive(r["median_step_ms_checkpoint_off"], r["median_step_ms_checkpoint_on"])
     assert 0 <= r["median_data_wait_share"] <= 1
+    assert 0 < r["stop_check_share"] < 1, "the 2-rank job pays for its stop agreement"
 
 
 def check_checkpoint(r: dict):
-    assert positive(r["save_mb_per_s"], r["load_mb_per_s"], r["checkpoint_mb"])
-    assert r["async_blocked_s"] < r["sync_save_s"], "async must block less than a sync save"
+    assert positive(r["sync_save_s"], r["checkpoint_mb"], r["integrity_s"])
+    assert r["async_blocked_s"] < r["sync_blocked_s"], "async must block the loop less than sync"
+    assert 0 < r["integrity_over_save"] < 1, "checksumming is part of the save"
 
 
 CHECKS = {
@@ -70,9 +72,10 @@ NONSENSE = [
     (check_resume, {"median_1pct_s": 1.0, "median_99pct_s": 1.0, "ratio_99_over_1": 1.0,
                     "first_document": {"1%": "a", "99%": "a"}}),
     (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
-                  "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1}),
-    (check_checkpoint, {"save_mb_per_s": 1.0, "load_mb_per_s": 1.0, "checkpoint_mb": 1.0,
-                        "async_blocked_s": 2.0, "sync_save_s": 1.0}),
+                  "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1,
+                  "stop_check_share": 0.01}),
+    (check_checkpoint, {"sync_save_s": 1.0, "checkpoint_mb": 1.0, "integrity_s": 0.1,
+                        "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1}),
 ]  # fmt: skip
 
 

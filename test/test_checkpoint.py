@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
-from conftest import error_lines, losses, torchrun, train_here
+from conftest import error_lines, losses, read_jsonl, torchrun, train_here
 
-from torchtitan.checkpoint import MANIFEST, complete_steps, verify_checkpoint
+from torchtitan.checkpoint import MANIFEST, PENDING, complete_steps, verify_checkpoint
 
 CK = ["--checkpoint.enable_checkpoint"]
 
@@ -111,15 +112,105 @@ def test_a_flipped_byte_is_caught_by_the_checksum(trained, tmp_path):
     assert "fails its checksum" in verify_checkpoint(str(dump / "checkpoint" / "step-7"))
 
 
-def test_incomplete_checkpoint_is_ignored_and_removed(trained, tmp_path):
+def as_if_killed_before_the_rename(folder, step: int):
+    """Turn a finished step-N back into the step-N.partial a kill after DCP's write leaves."""
+    final, partial = folder / f"step-{step}", folder / f"step-{step}.partial"
+    manifest = json.loads((final / MANIFEST).read_text())
+    del manifest["files"]
+    (final / PENDING).write_text(json.dumps(manifest))
+    (final / MANIFEST).unlink()
+    os.rename(final, partial)
+    return partial
+
+
+def test_a_written_checkpoint_is_finished_on_restart_never_deleted(trained, tmp_path):
+    """Killed after every byte was written but before the rename: the restart finishes
+    step-7 and resumes from it (nothing to re-run). Negative control: the same partial
+    without one data file is an interrupted write, and is removed."""
     dump = copy_run(trained, tmp_path)
     folder = dump / "checkpoint"
-    os.rename(folder / "step-7", folder / "step-7.partial")  # as if killed before the rename
+    as_if_killed_before_the_rename(folder, 7)
+    _, log = train_here(dump, "--training.steps", 8, *CK)
+    assert "finishing checkpoint" in log and "loaded checkpoint" in log and "step-7" in log
+    assert "training steps 8..8" in log
+    assert verify_checkpoint(str(folder / "step-7")) is None
+
+    dump = copy_run(trained, tmp_path / "b")
+    folder = dump / "checkpoint"
+    partial = as_if_killed_before_the_rename(folder, 7)
+    (partial / "__0_0.distcp").unlink()
     _, log = train_here(dump, "--training.steps", 7, *CK)
-    assert "ignoring and removing incomplete checkpoint" in log
-    assert "step-6" in log
+    assert "ignoring and removing incomplete checkpoint" in log and "step-6" in log
     assert losses(dump)[7] == losses(trained)[7]
     assert complete_steps(str(folder)) == [6, 7]
+
+
+def test_an_async_save_is_durable_without_a_later_save(tmp_path):
+    """Async: step-N is renamed and complete as soon as its write ends, with the loop
+    still running and no further save or close (a kill now would resume from it)."""
+    import torch
+
+    from torchtitan.checkpoint import CheckpointManager, TrainState
+    from torchtitan.config import parse_args
+    from torchtitan.models import build_model
+    from torchtitan.parallel import init_distributed
+
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), *CK, "--checkpoint.async_mode", "async"])
+    model = build_model("debugmodel", 4096, device="cpu")
+    manager = CheckpointManager(
+        cfg, init_distributed(), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        lr_scheduler=None, dataloader=None, train_state=TrainState(step=3), fingerprint={},
+    )  # fmt: skip
+    manager.save(3)
+    deadline = time.monotonic() + 60
+    while complete_steps(str(tmp_path / "checkpoint")) != [3] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert complete_steps(str(tmp_path / "checkpoint")) == [3], "finalized in the background"
+    assert verify_checkpoint(str(tmp_path / "checkpoint" / "step-3")) is None
+    manager.close()
+
+
+def test_weights_only_checkpoints_do_not_become_the_resume_point(tmp_path):
+    """A run ending in a weights-only step-6, extended to 9 steps: it resumes from the
+    full step-3 (not from scratch), the weights-only step is moved aside, and
+    keep_latest_k counts only full checkpoints."""
+    common = [*CK, "--checkpoint.interval", 3, "--checkpoint.keep_latest_k", 2]
+    train_here(tmp_path, "--training.steps", 6, *common, "--checkpoint.model_weights_only")
+    _, log = train_here(tmp_path, "--training.steps", 9, *common)
+    assert "not resuming from step-6: it holds model weights only" in log
+    assert "loaded checkpoint" in log and "step-3" in log and "training steps 4..9" in log
+    assert sorted(losses(tmp_path)) == list(range(1, 10))
+    folder = tmp_path / "checkpoint"
+    assert complete_steps(str(folder)) == [6, 9]
+    assert (folder / "step-6.abandoned").is_dir(), "moved aside, not deleted"
+
+
+def test_load_step_abandons_the_newer_timeline(trained, tmp_path):
+    """Resume at step-6 of a run that reached 7, stop at 6 again: the next automatic
+    resume takes the new timeline's step, not the abandoned step-7."""
+    dump = copy_run(trained, tmp_path)
+    folder = dump / "checkpoint"
+    _, log = train_here(dump, "--training.steps", 7, *CK, "--checkpoint.load_step", 6,
+                        "--training.stop_at_step", 6)  # fmt: skip
+    assert "moved" in log and "step-7.abandoned" in log
+    assert complete_steps(str(folder)) == [6] and (folder / "step-7.abandoned").is_dir()
+    _, log = train_here(dump, "--training.steps", 7, *CK)
+    assert "training steps 7..7" in log
+
+
+def test_the_config_wins_for_lr_schedule_and_steps(tmp_path):
+    """Resumed with a new peak LR and a longer schedule, step 11 trains at the LR that
+    config gives from scratch (the checkpoint holds the schedule's step count only)."""
+    train_here(tmp_path / "a", "--training.steps", 10, *CK, "--checkpoint.interval", 5)
+    new = ["--training.steps", 20, "--optimizer.lr", 1e-4, "--optimizer.weight_decay", 0.05]
+    _, log = train_here(tmp_path / "a", *new, *CK, "--checkpoint.interval", 5)
+    assert "config changed since" in log and "optimizer.lr: 0.0008 -> 0.0001" in log
+    assert "training.steps: 10 -> 20" in log
+    train_here(tmp_path / "b", *new)
+    lr = {p.name: {r["step"]: r["lr"] for r in read_jsonl(p / "metrics.jsonl")}
+          for p in (tmp_path / "a", tmp_path / "b")}  # fmt: skip
+    assert lr["a"][11] == lr["b"][11] and lr["a"][20] == lr["b"][20]
+    assert lr["a"][10] != lr["b"][10], "steps before the resume followed the old config"
 
 
 def test_changed_data_settings_are_refused(trained, tmp_path):
@@ -129,3 +220,56 @@ def test_changed_data_settings_are_refused(trained, tmp_path):
     errors = error_lines(log)
     assert status == 1 and len(errors) == 1
     assert "seed: 42 -> 43" in errors[0] and "accept_data_change" in errors[0]
+
+
+def test_fingerprint_keys_files_by_their_path_under_the_source(tmp_path):
+    """FineWeb-style a/000 and b/000 stay distinct, so an edit to either one shows."""
+    from torchtitan.checkpoint import fingerprint_diff
+    from torchtitan.data.sources import resolve_source
+
+    root = tmp_path / "src"
+    for sub in ("a", "b"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "000.jsonl").write_text(json.dumps({"text": f"document in {sub}"}) + "\n")
+
+    def fingerprint(path: str) -> dict:
+        return {
+            "sources": [
+                {"name": "s", "weight": 1.0, "files": resolve_source(path=path).fingerprint()}
+            ]
+        }
+
+    before = fingerprint(str(root))
+    assert [f[0] for f in before["sources"][0]["files"]] == ["a/000.jsonl", "b/000.jsonl"]
+    assert fingerprint(str(root / "*" / "*.jsonl")) == before, "a glob names files the same way"
+    (root / "a" / "000.jsonl").write_text(json.dumps({"text": "document in A"}) + "\n")
+    assert fingerprint_diff(before, fingerprint(str(root))) == [
+        "source 's' file a/000.jsonl changed"
+    ]
+
+
+def test_moving_the_data_between_two_halves_of_a_run(tiny_corpus, tmp_path, monkeypatch):
+    """The document order comes from the data's identity, not its path: a run whose corpus
+    moves to another folder (and is then named by a relative path) resumes bit-exactly,
+    the fingerprint agreeing, with the same documents in the same order."""
+    first, second = tmp_path / "mnt1" / "corpus", tmp_path / "mnt2" / "corpus"
+    shutil.copytree(tiny_corpus, first)
+    common = ["--training.steps", 6, *CK, "--checkpoint.interval", 3, "--metrics.data_provenance",
+              "--training.data_shards", 4, "--training.seq_len", 32]  # fmt: skip
+    train_here(tmp_path / "ref", *common, "--training.dataset_path", first)
+    shutil.copytree(tmp_path / "ref", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    shutil.move(first, second)
+    monkeypatch.chdir(tmp_path / "mnt2")
+    _, log = train_here(tmp_path / "run", *common, "--training.dataset_path", "./corpus")
+    assert "loaded checkpoint" in log and "step-3" in log
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    assert read_jsonl(tmp_path / "run" / "provenance" / "rank0.jsonl") == read_jsonl(
+        tmp_path / "ref" / "provenance" / "rank0.jsonl"
+    )
+    # Negative control: renaming a file changes the data's identity, and the resume is refused.
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    os.rename(second / "part-001.jsonl", second / "part-009.jsonl")
+    status, log = train_here(tmp_path / "run", *common, "--training.dataset_path", "./corpus",
+                             expect_ok=False)  # fmt: skip
+    assert status == 1 and "file part-009.jsonl added" in error_lines(log)[0]

@@ -8,13 +8,18 @@ in-process through ``train.main`` (same code, no interpreter start-up).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import (
+    CONFIG,
     REPO,
     assert_exactly_once,
     error_lines,
@@ -26,8 +31,13 @@ from conftest import (
 )
 
 from torchtitan import metrics
+from torchtitan.checkpoint import complete_steps, own_files, read_manifest
+from torchtitan.config import parse_args, resolve_path
+from torchtitan.data import document_lengths
+from torchtitan.provenance import check_complete, read_provenance
+from torchtitan.provenance_check import main as provenance_check
 from torchtitan.resume_check import main as resume_check
-from torchtitan.runs import RunRecordError
+from torchtitan.runs import RunRecordError, run_env, torchrun_command
 
 
 def in_process(nproc: int, argv: list[str]) -> tuple[int, str]:
@@ -118,42 +128,118 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
 # ---- elastic: other layouts, every token once -----------------------------------------
 
 
-def test_elastic_chain_ranks_and_workers(tmp_path):
-    """2 ranks x 0 workers -> 1 rank x 2 workers -> 2 ranks x 0 workers, global batch 8.
-
-    Covers save at 2 -> resume at 1, save at 1 -> resume at 2, workers 0 -> 2 and 2 -> 0,
-    and the exactly-once provenance check over the whole chain."""
+def test_elastic_chain_ranks_and_workers(tmp_path, dozen_corpus):
+    """2 ranks x 0 workers -> 1 rank x 3 workers -> 2 ranks x 0 workers, global batch 8, on a
+    12-document corpus with the automatic shard count (12): 3 consumers is a layout the
+    old rule skewed. Several epochs pass; the provenance checker proves every token read
+    once and nothing skipped (every document of each finished epoch read whole)."""
     common = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
-              "--metrics.data_provenance"]  # fmt: skip
+              "--metrics.data_provenance", "--training.dataset_path", dozen_corpus,
+              "--training.seq_len", 32]  # fmt: skip
     train(tmp_path, *common, "--training.stop_at_step", 3, "--training.batch_size", 4)
     proc = train(tmp_path, *common, "--training.stop_at_step", 6, "--training.batch_size", 8,
-                 "--training.num_workers", 2, nproc=1)  # fmt: skip
-    assert "resharding data state from 2x0 to 1x2" in proc.stderr
+                 "--training.num_workers", 3, nproc=1)  # fmt: skip
+    assert (
+        "resharding data state from 2x0 to 1x3 (ranks x workers; 12 virtual shards)" in proc.stderr
+    )
     proc = train(tmp_path, *common, "--training.batch_size", 4)
-    assert "resharding data state from 1x2 to 2x0" in proc.stderr
+    assert "resharding data state from 1x3 to 2x0" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))
     assert_exactly_once(tmp_path)
+    config = [*CONFIG, *map(str, common)]
+    assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
+    provenance = read_provenance(str(tmp_path / "provenance"))
+    lengths = document_lengths(parse_args(config), tokenizer_of(config))
+    report = check_complete(provenance, lengths, 12)["shakespeare"]
+    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
 
 
-# ---- DDP, and errors on every rank ------------------------------------------------------
+def tokenizer_of(config: list[str]):
+    from torchtitan.data.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_path(parse_args(config).model.tokenizer_path))
 
 
-def test_ddp_resumes_exactly_and_a_damaged_checkpoint_stops_every_rank(tmp_path):
-    """DDP (instead of FSDP2) checkpoints and resumes bit-exactly on 2 ranks; a damaged
-    shard then stops both ranks with one line each that names the file and the fix."""
-    common = ["--training.steps", 4, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2,
+# ---- preemption, DDP, and errors on every rank -----------------------------------------
+
+
+def run_until_step(dump, args: list, step: int) -> subprocess.Popen:
+    """Start a 2-rank job in its own process group; return once it has logged ``step``."""
+    proc = subprocess.Popen(torchrun_command(2, [*CONFIG, "--job.dump_folder", dump, *args]),
+                            cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if json.loads((dump / "metrics.jsonl").read_text().splitlines()[-1])["step"] >= step:
+                return proc
+        time.sleep(0.005)
+    proc.kill()
+    raise AssertionError(f"the job never reached step {step}: {proc.communicate()[0][-3000:]}")
+
+
+def test_sigterm_saves_the_step_and_the_relaunch_is_exact_ddp(tmp_path):
+    """SIGTERM to the whole process group of a 2-rank DDP job mid-run: every rank stops
+    after the same step N, writes step-N, says so in one line; the relaunch continues
+    bit-exactly (losses equal an uninterrupted run). Then a damaged shard stops both
+    ranks with one line each naming the file and the fix."""
+    common = ["--training.steps", 24, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
               "--training.data_parallel", "ddp"]  # fmt: skip
-    train(tmp_path, *common)
-    reference = losses(tmp_path)
-    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
-    proc = train(tmp_path, *common)
-    assert "step-2" in proc.stderr and "loaded checkpoint" in proc.stderr
-    assert losses(tmp_path) == reference
+    train(tmp_path / "reference", *common)
+    dump = tmp_path / "preempted"
+    proc = run_until_step(dump, common, 3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    lines = [line for line in out.splitlines() if "preempted at step" in line]
+    assert len(lines) == 2, out[-3000:]
+    step = int(lines[0].split("preempted at step ")[1].split(":")[0])
+    assert all(f"preempted at step {step}: checkpoint step-{step} written" in x for x in lines)
+    assert 3 <= step < 24 and step in complete_steps(str(dump / "checkpoint"))
+    proc = train(dump, *common)
+    assert f"step-{step}" in proc.stderr and "loaded checkpoint" in proc.stderr
+    assert losses(dump) == losses(tmp_path / "reference")
 
-    shard = tmp_path / "checkpoint" / "step-4" / "__1_0.distcp"
+    # Each rank digested what it wrote: the two ranks' own files are the manifest's files.
+    path = str(dump / "checkpoint" / "step-24")
+    mine = [set(own_files(path, r)) for r in (0, 1)]
+    assert not mine[0] & mine[1] and mine[0] | mine[1] == set(read_manifest(path)["files"])
+
+    previous = max(s for s in complete_steps(str(dump / "checkpoint")) if s < 24)
+    shard = dump / "checkpoint" / "step-24" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = train(tmp_path, *common, expect_ok=False)
+    proc = train(dump, *common, expect_ok=False)
     errors = error_lines(proc.stderr)
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
     assert {e.split("]")[0] for e in errors} == {"[rank0", "[rank1"}
-    assert all("__1_0.distcp" in e and "--checkpoint.load_step 2" in e for e in errors)
+    assert all("__1_0.distcp" in e and f"--checkpoint.load_step {previous}" in e for e in errors)
+
+
+def test_one_ranks_data_error_stops_every_rank_with_one_line(tmp_path):
+    """Only rank 0 meets the empty document; rank 1 goes on into the forward pass. Rank 0
+    prints its error, rank 1 one line naming rank 0, and no frame of the project's code
+    appears in any traceback (torchrun's own summary is all there is)."""
+    docs = [{"id": f"d{i}", "text": "" if i == 0 else f"Line {i} of a document.\n" * 30}
+            for i in range(12)]  # fmt: skip
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    proc = train(tmp_path / "run", "--training.dataset_path", tmp_path / "data",
+                 "--training.data_shards", 2, "--training.shuffle", "false",
+                 "--training.bad_data", "error", expect_ok=False)  # fmt: skip
+    errors = error_lines(proc.stderr)
+    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
+    assert errors[0].startswith("[rank0] error: document 'd0'")
+    assert errors[1].startswith("[rank1] error: stopped because rank 0 failed: document 'd0'")
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
+    assert not [f for f in frames if "torchtitan" in f or "train.py" in f], frames
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Only the project's own error types become one line; a ValueError from a bug does not."""
+    import train as train_script
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(train_script, "build_optimizer", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        run_main([*CONFIG, "--training.steps", 1])

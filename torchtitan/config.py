@@ -138,9 +138,10 @@ class Training:
     id_field: str = _opt("id", "column holding the document id")
     num_workers: int = _opt(0, "dataloader worker processes per rank", ge=0)
     data_shards: int = _opt(
-        64,
-        "number of virtual data shards; fixes the data order independently of ranks and workers",
-        ge=1,
+        0,
+        "virtual data shards; fix the data order independently of ranks and workers. 0: chosen "
+        "at the start of a run from the corpus and the layout, and kept by its checkpoints",
+        ge=0,
     )
     stop_at_step: int = _opt(
         -1,
@@ -179,6 +180,11 @@ class Checkpoint:
     create_seed_checkpoint: bool = _opt(False, "write the step-0 checkpoint and exit")
     fallback_on_corruption: bool = _opt(False, "resume from an older checkpoint if one is corrupt")
     accept_data_change: bool = _opt(False, "resume even if the data fingerprint changed")
+    save_on_signal: list[str] = _opt(
+        ["SIGTERM", "SIGUSR1"],
+        "signals on which every rank saves the current step and exits (empty: none)",
+        choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"],
+    )
 
 
 @dataclass

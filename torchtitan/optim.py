@@ -1,8 +1,10 @@
 """Optimizer and learning-rate schedule.
 
 Owns: building the optimizer named in the config, and the LR schedule (linear
-warmup, then linear or cosine decay to ``min_lr_ratio``, or constant). Both are
-torch objects whose ``state_dict`` the checkpoint saves as is.
+warmup, then linear or cosine decay to ``min_lr_ratio``, or constant). The schedule
+is a function of the step and the config; its checkpointed state is the step count
+alone, so a resume with a new ``optimizer.lr``, ``lr_scheduler.*`` or
+``training.steps`` follows the new config from the resumed step on.
 
 Never: step them (train.py does) or touch parameters.
 """
@@ -12,6 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.config import ConfigError
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
@@ -19,7 +24,7 @@ _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torc
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     opt = cfg.optimizer
     if opt.name not in _OPTIMIZERS:
-        raise ValueError(f"optimizer.name {opt.name!r}: choose one of {sorted(_OPTIMIZERS)}")
+        raise ConfigError(f"optimizer.name {opt.name!r}: choose one of {sorted(_OPTIMIZERS)}")
     if opt.name == "SGD":
         return torch.optim.SGD(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
     # foreach=True: one fused kernel per group, and the same arithmetic on every run.
@@ -47,17 +52,43 @@ def lr_factor(step: int, warmup: int, total: int, decay_type: str, min_ratio: fl
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-class _Schedule:
-    """A picklable LR lambda (a closure would not survive a checkpoint of its config)."""
+class LRSchedule(Stateful):
+    """Sets every param group's ``lr`` to ``peak_lr * lr_factor(step, ...)``.
 
-    def __init__(self, warmup: int, total: int, decay_type: str, min_ratio: float):
-        self.args = (warmup, total, decay_type, min_ratio)
+    Its state is ``{"step": n}``: the peak LR and the shape come from the config of
+    the run that loads it, never from the checkpoint.
+    """
 
-    def __call__(self, step: int) -> float:
-        return lr_factor(step, *self.args)
+    def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, warmup: int, total: int,
+                 decay_type: str, min_ratio: float):  # fmt: skip
+        self.optimizer = optimizer
+        self.peak_lr = peak_lr
+        self.shape = (warmup, total, decay_type, min_ratio)
+        self.step_count = 0
+        self._apply()
+
+    def _apply(self):
+        lr = self.peak_lr * lr_factor(self.step_count, *self.shape)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_last_lr(self) -> list[float]:
+        """The LR of each param group for the coming optimizer step."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def step(self):
+        self.step_count += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state_dict: dict):
+        self.step_count = int(state_dict["step"])
+        self._apply()
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LRSchedule:
     sched = cfg.lr_scheduler
-    fn = _Schedule(sched.warmup_steps, cfg.training.steps, sched.decay_type, sched.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    return LRSchedule(optimizer, cfg.optimizer.lr, sched.warmup_steps, cfg.training.steps,
+                      sched.decay_type, sched.min_lr_ratio)  # fmt: skip

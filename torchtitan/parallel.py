@@ -1,9 +1,11 @@
 """Device and process-group setup, and data-parallel wrapping (FSDP2 or DDP).
 
 Owns: choosing the device and backend from what is present (CUDA + NCCL, else CPU +
-gloo), initializing and tearing down the default process group and a gloo group for
-CPU-side work, the small collectives the trainer needs (a barrier, the mean of a
-scalar over ranks), and wrapping the model for data parallelism.
+gloo), initializing and tearing down the default process group and two gloo groups
+for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
+small collectives the trainer needs (a barrier, the mean of a scalar over ranks, a
+flag raised on any rank), telling the other ranks which rank failed and why (one key
+in the job's c10d store), and wrapping the model for data parallelism.
 
 Never: build the model, hold training state, or read the config beyond its arguments.
 """
@@ -11,12 +13,15 @@ Never: build the model, hold training state, or read the config beyond its argum
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from torchtitan.config import ConfigError
 
 
 @dataclass
@@ -29,6 +34,10 @@ class ParallelDims:
     # A gloo group of its own for CPU-side work: checkpoint traffic and error agreement.
     # ``dcp.async_save`` on the default group deadlocks while training collectives run.
     cpu_group: object = field(default=None, repr=False)
+    # Control traffic from the training thread (the stop agreement), apart from the
+    # checkpoint group that a background save may be using at the same moment.
+    control_group: object = field(default=None, repr=False)
+    store: object = field(default=None, repr=False)  # the job's c10d store (torchrun), if any
 
     @property
     def is_main(self) -> bool:
@@ -50,8 +59,60 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
         # agreement) run next to NCCL on GPUs.
         pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
         dist.init_process_group(pg_backend, timeout=timedelta(seconds=timeout_s))
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-    return ParallelDims(rank, world, local_rank, device, backend, group)
+    if not dist.is_initialized():
+        return ParallelDims(rank, world, local_rank, device, backend)
+    return ParallelDims(
+        rank, world, local_rank, device, backend,
+        cpu_group=dist.new_group(backend="gloo"),
+        control_group=dist.new_group(backend="gloo"),
+        store=_job_store(),
+    )  # fmt: skip
+
+
+def _job_store():
+    """A client of the rendezvous store torchrun started (MASTER_ADDR:MASTER_PORT)."""
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=timedelta(seconds=30))  # fmt: skip
+    except (KeyError, ValueError, RuntimeError):
+        return None  # no store to share errors through: ranks then report only their own
+
+
+def _failure_key() -> str:
+    # torchrun keeps its store across restarts of the worker group: one key per attempt.
+    return f"torchtitan/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def report_failure(dims: ParallelDims, message: str):
+    """Record that this rank failed, and why, for the other ranks (the first report wins)."""
+    if dims.store is None:
+        return
+    try:
+        dims.store.compare_set(_failure_key(), "", f"{dims.rank}\n{message}")
+    except RuntimeError:
+        pass  # the store is gone: the job is ending anyway
+
+
+def failed_peer(dims: ParallelDims, wait_s: float = 5.0) -> tuple[int, str] | None:
+    """(rank, message) of the first rank that reported a failure, if another one did.
+
+    Called after a collective broke: the failing rank reports before it exits, and
+    its exit is what breaks the collective, so the report is normally there already;
+    ``wait_s`` covers a report still in flight. Cost: one store lookup per poll.
+    """
+    if dims.store is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if dims.store.check([_failure_key()]):
+                rank, _, message = dims.store.get(_failure_key()).decode().partition("\n")
+                return (int(rank), message) if int(rank) != dims.rank else None
+        except RuntimeError:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def destroy_distributed():
@@ -77,6 +138,15 @@ def sum_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def any_rank(dims: ParallelDims, flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one small gloo all-reduce)."""
+    if dims.control_group is None:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims.control_group)
+    return bool(t.item())
+
+
 def barrier(dims: ParallelDims):
     if dist.is_initialized():
         dist.barrier(group=dims.cpu_group)
@@ -98,4 +168,4 @@ def apply_data_parallel(model: nn.Module, mode: str, dims: ParallelDims) -> nn.M
 
         device_ids = [dims.device.index] if dims.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    raise ValueError(f"training.data_parallel {mode!r}: choose 'fsdp' or 'ddp'")
+    raise ConfigError(f"training.data_parallel {mode!r}: choose 'fsdp' or 'ddp'")
