@@ -9,7 +9,8 @@
    folder exists). After each kill the same command is launched again; the job
    resumes from its latest complete checkpoint.
 3. The trial's final per-step losses (``metrics.jsonl``, which a resume trims to the
-   resumed step) must equal the reference's exactly.
+   resumed step) must equal the reference's exactly, and its data provenance must pass
+   the checker: every token once, nothing skipped (``torchtitan/provenance_check.py``).
 
 Prints trials, kills, kills during a save, resumes and mismatches; exits 1 on any
 mismatch or failed launch. Extra ``--section.key value`` arguments go to every run.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
+from torchtitan.provenance_check import main as check_provenance
 from torchtitan.runs import DEBUG_CONFIG, losses, run_env
 
 
@@ -40,6 +42,7 @@ class Tally:
     kills_during_save: int = 0
     resumes: int = 0
     mismatches: int = 0
+    provenance_failures: int = 0
 
 
 def command(args, dump: Path, extra: list[str]) -> list[str]:
@@ -47,7 +50,8 @@ def command(args, dump: Path, extra: list[str]) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
         str(REPO / "train.py"), "--job.config_file", args.config, "--job.dump_folder", str(dump),
         "--training.steps", str(args.steps), "--checkpoint.enable_checkpoint",
-        "--checkpoint.interval", str(args.interval), "--metrics.log_freq", "1", *extra,
+        "--checkpoint.interval", str(args.interval), "--metrics.log_freq", "1",
+        "--metrics.data_provenance", *extra,
     ]  # fmt: skip
 
 
@@ -179,10 +183,14 @@ def main(argv=None) -> int:
         ]
         tally.mismatches += len(bad)
         print(f"  trial {i}: {'exact' if not bad else f'MISMATCH at steps {bad}'}")
+        config = ["--job.config_file", args.config, *extra]
+        if check_provenance([str(root / f"trial-{i}" / "provenance"), *config]) != 0:
+            tally.provenance_failures += 1
 
     print(f"\ntrials {tally.trials}  kills {tally.kills}  kills during a save {tally.kills_during_save}  "
-          f"resumes {tally.resumes}  mismatched steps {tally.mismatches}")  # fmt: skip
-    ok = tally.mismatches == 0
+          f"resumes {tally.resumes}  mismatched steps {tally.mismatches}  "
+          f"provenance failures {tally.provenance_failures}")  # fmt: skip
+    ok = tally.mismatches == 0 and tally.provenance_failures == 0
     print("PASS: every trial matches the reference bit for bit" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -73,6 +73,14 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dozen_corpus(tmp_path_factory) -> Path:
+    """12 very short real documents: 12 automatic shards, so 1, 2, 3, 4, 6 or 12 consumers."""
+    return write_jsonl(
+        tmp_path_factory.mktemp("dozen") / "shakespeare", bundled_documents("shakespeare", 12, 300)
+    )
+
+
+@pytest.fixture(scope="session")
 def second_corpus(tmp_path_factory) -> Path:
     """16 short real documents (KJV) in two jsonl files, for mixing."""
     return write_jsonl(tmp_path_factory.mktemp("second") / "kjv", bundled_documents("kjv", 16))

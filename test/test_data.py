@@ -45,7 +45,7 @@ def first_epoch_coverage(samples: list[dict]) -> dict[str, list[tuple[int, int]]
     """Spans per document read in epoch 0."""
     out: dict[str, list] = defaultdict(list)
     for sample in samples:
-        for _, doc_id, start, end, epoch in sample["spans"]:
+        for _, doc_id, start, end, epoch, _ in sample["spans"]:
             if epoch == 0:
                 out[doc_id].append((start, end))
     return out
@@ -84,7 +84,7 @@ def test_spans_point_at_the_tokens(small_corpus, tokenizer):
     docs = doc_tokens(small_corpus, tokenizer)
     for s in take(make(small_corpus, tokenizer), 30):
         window = torch.cat([s["input"], s["label"][-1:]]).tolist()
-        expected = [t for _, doc_id, a, b, _ in s["spans"] for t in docs[doc_id][a:b]]
+        expected = [t for _, doc_id, a, b, _, _ in s["spans"] for t in docs[doc_id][a:b]]
         assert window == expected
 
 
@@ -169,7 +169,7 @@ def test_exactly_once_check_sees_duplicates_and_holes():
     from torchtitan.provenance import check_exactly_once
 
     def report(*spans):
-        seqs = [[["src", doc, a, b, e]] for doc, a, b, e in spans]
+        seqs = [[["src", doc, a, b, e, 0]] for doc, a, b, e in spans]
         return check_exactly_once({0: {1: seqs}})["src"]
 
     fine = report(("d", 0, 10, 0), ("d", 10, 25, 0), ("d", 0, 5, 1))  # a new epoch reads again
@@ -179,11 +179,34 @@ def test_exactly_once_check_sees_duplicates_and_holes():
     assert report(("d", 3, 10, 0)).gaps == 1, "a document must be read from its start"
 
 
+def test_completeness_check_sees_a_skipped_document(tiny_corpus, tokenizer):
+    """Two ranks read several epochs; check_complete finds every document of every finished
+    epoch read whole. Negative controls: a document dropped from one epoch, and a second
+    partly read document in a shard, are each reported."""
+    from torchtitan.provenance import check_complete
+
+    lengths = {"shakespeare": {k: len(v) for k, v in doc_tokens(tiny_corpus, tokenizer).items()}}
+    provenance = {}
+    for rank in range(2):
+        ds = make(tiny_corpus, tokenizer, dp_rank=rank, dp_world=2, data_shards=4)
+        provenance[rank] = {step: [s["spans"]] for step, s in enumerate(take(ds, 60))}
+    report = check_complete(provenance, lengths, 4)["shakespeare"]
+    assert len(report.finished_epochs) >= 2 and (report.missing, report.partial) == (0, 0)
+
+    doc = provenance[0][0][0][0][1]
+    dropped = {r: {k: [[sp for sp in seq if not (sp[1] == doc and sp[4] == 0)] for seq in v]
+                   for k, v in steps.items()} for r, steps in provenance.items()}  # fmt: skip
+    assert check_complete(dropped, lengths, 4)["shakespeare"].missing >= 1
+    cut = {r: {k: [[sp if sp[2] > 0 or sp[1] != doc else [*sp[:3], 1, *sp[4:]] for sp in seq]
+               for seq in v] for k, v in steps.items()} for r, steps in provenance.items()}  # fmt: skip
+    assert check_complete(cut, lengths, 4)["shakespeare"].partial >= 1
+
+
 # ---- shuffling and looping --------------------------------------------------------------
 
 
 def doc_order(samples) -> list[str]:
-    return [doc for s in samples for _, doc, a, _, _ in s["spans"] if a == 0]
+    return [doc for s in samples for _, doc, a, *_ in s["spans"] if a == 0]
 
 
 def test_shuffle_is_seeded_and_differs_per_epoch(tiny_corpus, tokenizer):
@@ -238,7 +261,7 @@ def test_mixing_restores_exactly(small_corpus, second_corpus, tokenizer):
 def epoch_coverage(samples: list[dict], epoch: int) -> dict[str, list[tuple[int, int]]]:
     out: dict[str, list] = defaultdict(list)
     for sample in samples:
-        for _, doc_id, start, end, e in sample["spans"]:
+        for _, doc_id, start, end, e, _ in sample["spans"]:
             if e == epoch:
                 out[doc_id].append((start, end))
     return out
@@ -279,6 +302,58 @@ def test_reshard_reads_every_token_exactly_once(small_corpus, tokenizer, before,
         assert_exactly_once(epoch_coverage(run(drop_shard=5), 0), lengths)
 
 
+def test_every_shard_advances_at_the_same_rate_or_the_layout_is_refused(small_corpus, tokenizer):
+    """4 consumers over 8 shards: after every consumer took n sequences, the shards' counts
+    differ by at most one. Negative control: 3 consumers over 8 shards (the dataset allows
+    it) skew by far more, and the loader refuses that layout up front, naming what works."""
+
+    def spread(consumers: int, n: int) -> int:
+        emitted = {}
+        for c in range(consumers):
+            ds = make(small_corpus, tokenizer, dp_rank=c, dp_world=consumers, data_shards=8)
+            take(ds, n)
+            emitted.update({v: s["emitted"] for v, s in ds.state_dict()["shards"].items()})
+        return max(emitted.values()) - min(emitted.values())
+
+    assert spread(4, 13) <= 1
+    assert spread(3, 13) > 1
+    ds = make(small_corpus, tokenizer, dp_rank=0, dp_world=3, data_shards=8)
+    with pytest.raises(DataError, match=r"among \[1, 2, 4, 8\], or data_shards a multiple of 3"):
+        ParallelDataLoader(ds, 2)
+
+
+def test_automatic_shard_count_fits_clusters_and_tiny_corpora():
+    from torchtitan.data import auto_data_shards
+
+    for consumers, documents in [(1024, 100_000), (48, 10**6), (2, 2221), (2, 24), (1, 5)]:
+        v = auto_data_shards(consumers, documents)
+        assert v % consumers == 0 and consumers <= v <= documents, (consumers, documents, v)
+    assert auto_data_shards(2, 24) % 3 == 0, "a small corpus still admits 3 consumers"
+    with pytest.raises(DataError, match="fewer than the 8 data consumers"):
+        auto_data_shards(8, 5)
+
+
+def test_a_shard_without_usable_documents_is_skipped_on_every_run(tmp_path, tokenizer):
+    """Shard 1 of 4 holds only empty documents: its consumer skips it, deterministically,
+    so a restore lands on the same sequence of shards."""
+    import json
+
+    docs = [{"id": f"d{i}", "text": "" if i % 4 == 1 else f"Line {i} of a document.\n" * 6}
+            for i in range(16)]  # fmt: skip
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    ds = make(tmp_path, tokenizer, data_shards=4, shuffle=False)
+    it = iter(ds)
+    samples, states = [], []
+    for _ in range(20):
+        states.append(ds.state_dict())
+        samples.append(next(it))
+    assert {sp[5] for s in samples for sp in s["spans"]} == {0, 2, 3}
+    for k in (0, 1, 5, 11):
+        fresh = make(tmp_path, tokenizer, data_shards=4, shuffle=False)
+        fresh.load_state_dict(states[k])
+        assert [s["spans"] for s in take(fresh, 5)] == [s["spans"] for s in samples[k : k + 5]]
+
+
 def test_too_many_consumers_is_a_clear_error(small_corpus, tokenizer):
     ds = make(small_corpus, tokenizer, data_shards=4, dp_rank=0, dp_world=5)
     with pytest.raises(DataError, match="raise training.data_shards to at least 5"):
@@ -305,7 +380,7 @@ def test_loader_resumes_exactly_and_workers_do_not_duplicate(small_corpus, token
     reference = [next(first) for _ in range(8)]
     spans = [sp for b in batches + reference for seq in b["spans"] for sp in seq]
     coverage = defaultdict(list)
-    for _, doc, a, b, _ in spans:
+    for _, doc, a, b, *_ in spans:
         coverage[doc].append((a, b))
     for doc, cov in coverage.items():
         cov.sort()

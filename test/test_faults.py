@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CONFIG, REPO, error_lines, run_main, train_here
+from conftest import CONFIG, REPO, bundled_documents, error_lines, run_main, train_here
 from test_data import make, take
 
 from torchtitan.data.sources import DataError, resolve_source
@@ -65,15 +65,15 @@ def test_empty_files_and_empty_datasets(tmp_path, tokenizer):
         resolve_source(path=str(empty))
 
 
-def test_a_20_mb_document_packs_and_restores(tmp_path, tokenizer):
+def test_a_5_mb_document_packs_and_restores(tmp_path, tokenizer):
     line = "And thus the whirligig of time brings in his revenges.\n"
-    huge = {"id": "huge", "text": line * (20_000_000 // len(line))}
+    huge = {"id": "huge", "text": line * (5_000_000 // len(line))}
     folder = write(tmp_path / "d" / "a.jsonl", [huge, *GOOD])
     ds = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
     it = iter(ds)
     take(ds, 3, it)
     state = ds.state_dict()
-    assert len(json.dumps(state)) < 1000, "the state holds a position, not the 20 MB buffer"
+    assert len(json.dumps(state)) < 1000, "the state holds a position, not the 5 MB buffer"
     reference = take(ds, 2, it)
     fresh = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
     fresh.load_state_dict(state)
@@ -81,13 +81,52 @@ def test_a_20_mb_document_packs_and_restores(tmp_path, tokenizer):
     assert reference[0]["spans"][0][1] == "huge" and reference[0]["spans"][0][2] == 3 * 2048
 
 
+LONG_TEXT = ("  Leading spaces,\ttabs \u2028 and\r\nCRLF;\n\n\n" * 4000) + "no final newline"
+
+
 def test_long_documents_tokenize_as_one_string_would(tokenizer):
     from torchtitan.data import packing
 
-    text = ("  Leading spaces,\ttabs \u2028 and\r\nCRLF;\n\n\n" * 4000) + "no final newline"
-    assert len(text) > packing.LONG_DOCUMENT_CHARS
-    expected = tokenizer.encode(text, bos=True, eos=True)
-    assert packing.encode_document(tokenizer, text).tolist() == expected
+    assert len(LONG_TEXT) > packing.LONG_DOCUMENT_CHARS
+    assert tokenizer.splits_at_newlines, "the bundled tokenizer takes the fast path"
+    expected = tokenizer.encode(LONG_TEXT, bos=True, eos=True)
+    assert packing.encode_document(tokenizer, LONG_TEXT).tolist() == expected
+
+
+def test_a_dummy_prefix_tokenizer_never_takes_the_line_by_line_path(tmp_path):
+    """A Llama-2-style SentencePiece model (dummy prefix on) would tokenize each line as a
+    new input; the tokenizer refuses the fast path and the tokens match the whole text.
+    Negative control: forcing the fast path on this model changes the tokens."""
+    import sentencepiece as spm
+
+    from torchtitan.data import packing
+    from torchtitan.data.tokenizer import Tokenizer
+
+    text = "\n".join(d["text"] for d in bundled_documents("shakespeare", 40))
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_prefix=str(tmp_path / "llama2ish"),
+        vocab_size=400, model_type="bpe", add_dummy_prefix=True, byte_fallback=True,
+        bos_id=1, eos_id=2, unk_id=0, user_defined_symbols=["\n"], minloglevel=2,
+    )  # fmt: skip
+    tok = Tokenizer(tmp_path / "llama2ish.model")
+    assert not tok.splits_at_newlines
+    whole = tok.encode(LONG_TEXT, bos=True, eos=True)
+    assert packing.encode_document(tok, LONG_TEXT).tolist() == whole
+    tok.splits_at_newlines = True  # the old behaviour, for this model
+    assert packing.encode_document(tok, LONG_TEXT).tolist() != whole
+
+
+def test_a_small_partly_bad_corpus_trains_out_of_the_box(tmp_path):
+    """67 documents, some empty, null or not strings, default settings: the shard count is
+    sized to the corpus at start, shards left with no usable document are skipped, and
+    training runs (this used to stop at the first batch with 64 shards)."""
+    rows = [{"id": f"d{i}", "text": f"Document {i} of a small corpus.\n" * 5} for i in range(67)]
+    for i in range(0, 67, 7):
+        rows[i]["text"] = [None, "", "   ", 17][i % 4]
+    folder = write(tmp_path / "d" / "small.jsonl", rows)
+    _, log = train_here(tmp_path / "run", "--training.dataset_path", folder,
+                        "--training.steps", 3, "--training.seq_len", 64)  # fmt: skip
+    assert "done: 3 steps" in log
 
 
 # ---- bad config and environment ---------------------------------------------------------
@@ -135,21 +174,28 @@ def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
 # ---- SIGKILL anywhere -------------------------------------------------------------------
 
 
-def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path):
-    """CI-sized fault injection: 1 trial, 2 kills, the first during a checkpoint write."""
+def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_corpus):
+    """CI-sized fault injection with async saves: 1 trial, 2 kills, the first during a
+    checkpoint write (the slow campaign covers sync saves too). On a 12-document corpus
+    epochs end, so the provenance check proves nothing was skipped across the kills."""
     cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "1", "--kills", "2",
-           "--steps", "6", "--interval", "2", "--seed", "1", "--dump-folder", str(tmp_path)]  # fmt: skip
+           "--steps", "6", "--interval", "2", "--seed", "1", "--dump-folder", str(tmp_path / "fi"),
+           "--checkpoint.async_mode", "async", "--training.dataset_path", str(dozen_corpus),
+           "--training.seq_len", "64"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "kills 2" in proc.stdout and "mismatched steps 0" in proc.stdout
+    assert "provenance failures 0" in proc.stdout and "nothing skipped" in proc.stdout
     assert "kills during a save 0" not in proc.stdout
 
 
 @pytest.mark.slow
-def test_fault_injection_campaign(tmp_path):
+@pytest.mark.parametrize("mode", ["disabled", "async"], ids=["sync", "async"])
+def test_fault_injection_campaign(tmp_path, mode):
     """3 trials x 3 kills at random moments (all ranks or one, in a step or a save)."""
     cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "3", "--kills", "3",
-           "--steps", "12", "--interval", "3", "--seed", "0", "--dump-folder", str(tmp_path)]  # fmt: skip
+           "--steps", "12", "--interval", "3", "--seed", "0", "--dump-folder", str(tmp_path),
+           "--checkpoint.async_mode", mode]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "mismatched steps 0" in proc.stdout and "kills 0" not in proc.stdout

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
-from torchtitan.data.sources import DataError, SourceSpec, resolve_source
+from torchtitan.data.packing import document_problem, encode_document
+from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 
 __all__ = [
     "DataError",
@@ -16,28 +17,79 @@ __all__ = [
     "TokenDataset",
     "build_dataloader",
     "data_fingerprint",
+    "document_lengths",
     "source_specs",
 ]
 
 
 def source_specs(training) -> list[SourceSpec]:
-    """The configured sources: a weighted mix, a local path, or a registry name."""
+    """The configured sources: a weighted mix, a local path, or a registry name.
+
+    Names label provenance, so two sources of a mix never share one.
+    """
     if training.datasets:
-        return [resolve_source(d.name, d.path, d.weight) for d in training.datasets]
-    if training.dataset_path:
-        return [resolve_source(path=training.dataset_path)]
-    return [resolve_source(name=training.dataset)]
+        specs = [resolve_source(d.name, d.path, d.weight) for d in training.datasets]
+    elif training.dataset_path:
+        specs = [resolve_source(path=training.dataset_path)]
+    else:
+        specs = [resolve_source(name=training.dataset)]
+    names = [s.name for s in specs]
+    for i, spec in enumerate(specs):
+        if names.count(spec.name) > 1:
+            spec.name = f"{spec.name}#{i}"
+    return specs
+
+
+# The automatic shard count: a multiple of the consumer count with as many divisors as
+# possible (so that many layouts can resume it), up to this many shards per consumer
+# or SHARDS_CAP in all, whichever is larger, and never more than the documents.
+SHARDS_PER_CONSUMER = 8
+SHARDS_CAP = 512
+
+
+def auto_data_shards(consumers: int, documents: int) -> int:
+    """The virtual shard count for ``consumers`` (ranks x workers) over a corpus whose
+    smallest source has ``documents`` documents. Raises DataError if it cannot be done."""
+    if documents < consumers:
+        raise DataError(
+            f"the smallest source has {documents} documents, fewer than the {consumers} data "
+            "consumers (ranks x max(1, workers)); use fewer ranks or workers, or more documents"
+        )
+    limit = min(documents, max(consumers * SHARDS_PER_CONSUMER, SHARDS_CAP))
+    multiples = range(consumers, limit + 1, consumers)
+    return max(multiples, key=lambda v: (_divisor_count(v), v))
+
+
+def _divisor_count(n: int) -> int:
+    count, d = 0, 1
+    while d * d <= n:
+        if n % d == 0:
+            count += 1 if d * d == n else 2
+        d += 1
+    return count
 
 
 def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDataLoader:
+    """The loader of one data-parallel rank. With ``training.data_shards = 0`` the shard
+    count is chosen here from the corpus and the layout; a resume takes the checkpoint's
+    (see ``ParallelDataLoader.load_state_dict``). Cost: opening the sources (for a
+    streaming parquet source, reading each file's footer)."""
     t = cfg.training
+    sources = [
+        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming)
+        for s in source_specs(t)
+    ]
+    consumers = dp_world * max(1, t.num_workers)
+    shards = t.data_shards or auto_data_shards(
+        consumers, min(src.document_count() for src in sources)
+    )
     dataset = TokenDataset(
-        source_specs(t),
+        sources,
         tokenizer,
         t.seq_len,
         dp_rank=dp_rank,
         dp_world=dp_world,
-        data_shards=t.data_shards,
+        data_shards=shards,
         seed=t.seed,
         shuffle=t.shuffle,
         streaming=t.streaming,
@@ -45,7 +97,9 @@ def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDat
         id_field=t.id_field,
         bad_data=t.bad_data,
     )
-    return ParallelDataLoader(dataset, t.batch_size, num_workers=t.num_workers)
+    return ParallelDataLoader(
+        dataset, t.batch_size, num_workers=t.num_workers, auto_shards=t.data_shards == 0
+    )
 
 
 def data_fingerprint(cfg, tokenizer) -> dict:
@@ -53,7 +107,8 @@ def data_fingerprint(cfg, tokenizer) -> dict:
     t = cfg.training
     return {
         "sources": [
-            {"name": s.name, "weight": s.weight, "files": s.fingerprint()} for s in source_specs(t)
+            {"name": s.name, "identity": s.identity(), "weight": s.weight, "files": s.fingerprint()}
+            for s in source_specs(t)
         ],
         "tokenizer_sha256": tokenizer.sha256(),
         "seq_len": t.seq_len,
@@ -63,3 +118,26 @@ def data_fingerprint(cfg, tokenizer) -> dict:
         "streaming": t.streaming,
         "text_field": t.text_field,
     }
+
+
+def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
+    """{source name: {document id: tokens with BOS/EOS}} of every usable document, read
+    the way the run reads them (map-style or streaming). For checking provenance.
+
+    Cost: reads and tokenizes every document once: O(corpus).
+    """
+    t = cfg.training
+    out = {}
+    for spec in source_specs(t):
+        src = open_source(spec, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming)
+        if src.streaming:
+            docs = (src.document_of(row) for row in src.open(0))
+        else:
+            docs = (d for i in range(0, len(src), 256)
+                    for d in src.documents(range(i, min(i + 256, len(src)))))  # fmt: skip
+        out[spec.name] = {
+            doc_id: len(encode_document(tokenizer, text))
+            for doc_id, text in docs
+            if document_problem(text) is None
+        }
+    return out

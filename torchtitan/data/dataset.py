@@ -19,6 +19,7 @@ Never: touch torch.distributed, the DataLoader or checkpoint files.
 from __future__ import annotations
 
 import bisect
+import logging
 import random
 
 import numpy as np
@@ -26,8 +27,10 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 
-from torchtitan.data.packing import DocumentPacker
+from torchtitan.data.packing import DocumentPacker, EmptyShard
 from torchtitan.data.sources import DataError, SourceSpec, make_cursor, open_source
+
+logger = logging.getLogger(__name__)
 
 STATE_KIND = "token_dataset/v1"
 
@@ -123,7 +126,7 @@ class TokenDataset(IterableDataset, Stateful):
         for src in self.sources:
             if not src.streaming and len(src) < data_shards:
                 raise DataError(
-                    f"dataset {src.spec.name!r} has {len(src)} documents, fewer than "
+                    f"dataset {src.spec.where!r} has {len(src)} documents, fewer than "
                     f"training.data_shards={data_shards}; lower training.data_shards"
                 )
         self._shards: dict[int, VirtualShard] | None = None
@@ -194,10 +197,25 @@ class TokenDataset(IterableDataset, Stateful):
         # Running total of skipped documents, kept in O(1) per sample.
         seen = {v: shards[v].skipped for v in order}
         skipped = sum(seen.values())
+        # Shards with no usable document are skipped at their turn: which ones is a fact
+        # of the data, so a resumed run finds the same ones at the same turns.
+        empty: set[int] = set()
         while True:
             v = order[self._next]
-            tokens, spans = shards[v].next_sequence()
             self._next = (self._next + 1) % len(order)
+            if v in empty:
+                continue
+            try:
+                tokens, spans = shards[v].next_sequence()
+            except EmptyShard as e:
+                empty.add(v)
+                logger.warning("skipping virtual shard %d: %s", v, e)
+                if len(empty) == len(order):
+                    raise DataError(
+                        f"no usable document in any of the virtual shards {order} of consumer "
+                        f"{consumer}; add usable documents, or use fewer shards (training.data_shards)"
+                    ) from e
+                continue
             now = shards[v].skipped
             skipped, seen[v] = skipped + now - seen[v], now
             window = torch.from_numpy(tokens.astype(np.int64))

@@ -37,11 +37,22 @@ STATE_VERSION = 2
 class ParallelDataLoader(Stateful):
     """Batches for one data-parallel rank, with a per-rank checkpoint entry."""
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, *, num_workers: int = 0):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_size: int,
+        *,
+        num_workers: int = 0,
+        auto_shards: bool = False,
+    ):
         self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.dp_rank, self.dp_world = dataset.dp_rank, dataset.dp_world
+        # The shard count was chosen for this run (training.data_shards = 0): a resume
+        # adopts the checkpoint's instead.
+        self.auto_shards = auto_shards
+        check_equal_rates(dataset.data_shards, self.dp_world, num_workers)
         self._loader: DataLoader | None = None
         self._iter = None
         # The consumed position: shard -> state after the last batch it gave the trainer
@@ -146,6 +157,13 @@ class ParallelDataLoader(Stateful):
                 "--checkpoint.exclude_from_loading dataloader to restart the data"
             )
         old = next(iter(entries.values()))["layout"]
+        if self.auto_shards and old["data_shards"] != self.dataset.data_shards:
+            check_equal_rates(old["data_shards"], self.dp_world, self.num_workers)
+            logger.info(
+                "virtual shards: %d, as the checkpoint was started with (training.data_shards = 0)",
+                old["data_shards"],
+            )
+            self.dataset.data_shards = old["data_shards"]
         new = self.layout()
         _check_compatible(old, new)
         if (old["dp_world"], old["num_workers"]) == (new["dp_world"], new["num_workers"]):
@@ -163,6 +181,25 @@ class ParallelDataLoader(Stateful):
         self._shard_states = {v: s for v, s in shard_states.items() if v in owned}
         self.dataset.load_shard_states(shard_states, next_by_consumer=self._next)
         self._loader = self._iter = None  # workers must start from the loaded state
+
+
+def check_equal_rates(data_shards: int, dp_world: int, num_workers: int):
+    """Refuse a layout whose consumers would own unequal numbers of shards.
+
+    Consumers visit their shards round-robin, so a consumer with fewer shards would read
+    each of them faster: parts of the corpus would start a new epoch while others are
+    still unread. With ``consumers | data_shards`` every shard advances at the same rate.
+    """
+    consumers = dp_world * max(1, num_workers)
+    if data_shards % consumers == 0:
+        return
+    fits = [c for c in range(1, data_shards + 1) if data_shards % c == 0]
+    raise DataError(
+        f"{consumers} data consumers ({dp_world} ranks x {max(1, num_workers)}) do not divide "
+        f"training.data_shards={data_shards}, so some shards would be read faster than others; "
+        f"use a ranks x max(1, workers) count among {fits}, or data_shards a multiple of "
+        f"{consumers} (0 chooses one at the start of a run)"
+    )
 
 
 def _all_shard_states(entries: dict[int, dict], old: dict, new: dict) -> dict[int, dict]:

@@ -18,6 +18,10 @@ from torchtitan.data.sources import BadText, DataError
 BAD_DATA_POLICIES = ("skip", "error")
 
 
+class EmptyShard(DataError):
+    """A virtual shard whose documents are all unusable (a whole pass found none)."""
+
+
 class DocumentPacker:
     """Cuts the documents of one cursor, in order, into windows of tokens.
 
@@ -28,7 +32,7 @@ class DocumentPacker:
 
     def __init__(self, cursor, tokenizer, source_name: str, bad_data: str = "skip"):
         if bad_data not in BAD_DATA_POLICIES:
-            raise ValueError(f"bad_data policy {bad_data!r}: choose one of {BAD_DATA_POLICIES}")
+            raise DataError(f"bad_data policy {bad_data!r}: choose one of {BAD_DATA_POLICIES}")
         self.cursor = cursor
         self.tokenizer = tokenizer
         self.source_name = source_name
@@ -39,15 +43,14 @@ class DocumentPacker:
         self._doc_id: str | None = None
 
     def take(self, n: int) -> tuple[np.ndarray, list[list]]:
-        """The next ``n`` tokens and their spans ``[source, doc_id, start, end, epoch]``."""
+        """The next ``n`` tokens and their spans ``[source, doc_id, start, end, epoch, shard]``."""
         parts, spans = [], []
         while n > 0:
             tokens = self._current_tokens()
             k = min(n, len(tokens) - self.offset)
             parts.append(tokens[self.offset : self.offset + k])
-            spans.append(
-                [self.source_name, self._doc_id, self.offset, self.offset + k, self.cursor.epoch]
-            )
+            spans.append([self.source_name, self._doc_id, self.offset, self.offset + k,
+                          self.cursor.epoch, self.cursor.shard])  # fmt: skip
             self.offset += k
             n -= k
             if self.offset == len(tokens):
@@ -65,7 +68,7 @@ class DocumentPacker:
                 # Two epoch ends with no usable document in between: this shard has none.
                 epoch_ends += 1
                 if epoch_ends > 1:
-                    raise DataError(
+                    raise EmptyShard(
                         f"dataset {self.source_name!r} has no usable document in virtual shard "
                         f"{self.cursor.shard} of {self.cursor.num_shards}; lower "
                         "training.data_shards or add documents"
@@ -87,7 +90,7 @@ class DocumentPacker:
             self.cursor.advance()
 
     def _tokenize(self, doc_id: str, text) -> np.ndarray | None:
-        problem = _document_problem(text)
+        problem = document_problem(text)
         if problem is None:
             try:
                 return encode_document(self.tokenizer, text)
@@ -109,15 +112,15 @@ class DocumentPacker:
         self._tokens = self._doc_id = None
 
 
-# Above this size a document is encoded line by line: SentencePiece is ~5x slower on
-# one huge string than on its lines, and since "\n" is a user-defined piece of the
-# tokenizer, no token spans a newline, so the tokens are the same.
+# Above this size a document is encoded line by line where the tokenizer proves that
+# gives the same tokens (``Tokenizer.splits_at_newlines``): SentencePiece is ~5x slower
+# on one huge string than on its lines. Tokens never depend on a document's length.
 LONG_DOCUMENT_CHARS = 1 << 17
 
 
 def encode_document(tokenizer, text: str) -> np.ndarray:
     """``[BOS] + encode(text) + [EOS]`` as int32."""
-    if len(text) <= LONG_DOCUMENT_CHARS:
+    if len(text) <= LONG_DOCUMENT_CHARS or not getattr(tokenizer, "splits_at_newlines", False):
         return np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=np.int32)
     parts = text.split("\n")
     lines = [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
@@ -125,7 +128,7 @@ def encode_document(tokenizer, text: str) -> np.ndarray:
     return np.concatenate([np.asarray(x, dtype=np.int32) for x in ids])
 
 
-def _document_problem(text) -> str | None:
+def document_problem(text) -> str | None:
     if isinstance(text, BadText):
         return text.reason
     if text is None:

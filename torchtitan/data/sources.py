@@ -51,20 +51,46 @@ class BadText:
 
 @dataclass
 class SourceSpec:
-    """One source of documents: a name (for provenance), its files and its weight."""
+    """One source of documents: a name (provenance, logs), its files and its weight.
+
+    ``root`` is the folder the files are named relative to (the folder given, or the
+    fixed part of a glob): ``a/000.parquet`` and ``b/000.parquet`` stay distinct.
+    ``location`` is the path as the user wrote it (for messages only). The document
+    order depends on ``identity()``, never on where the files are mounted.
+    """
 
     name: str
     files: list[str]
     weight: float = 1.0
+    root: str = ""
+    location: str = ""
+    named: bool = True  # the name was given (registry, or name = ... in a mix)
     fmt: str = field(init=False)
 
     def __post_init__(self):
-        self.fmt = _file_format(self.files, self.name)
+        self.fmt = _file_format(self.files, self.where)
+
+    @property
+    def where(self) -> str:
+        """How messages name the source: the path as given, else the name."""
+        return self.location or self.name
+
+    def relative_name(self, path: str) -> str:
+        return os.path.relpath(path, self.root) if self.root else os.path.basename(path)
+
+    def identity(self) -> str:
+        """What seeds this source's document order: its given name, or else its files'
+        paths relative to the root and their sizes. Moving or re-mounting the data, or
+        writing ./data for data, keeps it. Cost: one stat per file."""
+        if self.named:
+            return f"name:{self.name}"
+        listing = "\n".join(f"{self.relative_name(f)}\t{os.path.getsize(f)}" for f in self.files)
+        return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
     def fingerprint(self) -> list[list]:
-        """Per file: name, size, and CRC32 of its first and last MiB (cheap, and any edit
-        that moves bytes shows)."""
-        return [_file_signature(f) for f in self.files]
+        """Per file: its path relative to ``root``, size, and CRC32 of its first and last
+        MiB (cheap, and any edit that moves bytes shows). Cost: O(files), 2 MiB read each."""
+        return [[self.relative_name(f), *_file_signature(f)] for f in self.files]
 
 
 def _file_signature(path: str) -> list:
@@ -74,7 +100,25 @@ def _file_signature(path: str) -> list:
         if size > 1 << 20:
             f.seek(max(1 << 20, size - (1 << 20)))
             crc = zlib.crc32(f.read(), crc)
-    return [os.path.basename(path), size, crc]
+    return [size, crc]
+
+
+def source_root(path: str) -> str:
+    """The folder a path's files are named relative to: the folder itself, a file's
+    folder, or the part of a glob before its first wildcard."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p
+    if p.is_dir():
+        return str(p)
+    if p.is_file():
+        return str(p.parent)
+    fixed = []
+    for part in Path(path).parts:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return str(Path(*fixed)) if fixed else "."
 
 
 def _file_format(files: list[str], name: str) -> str:
@@ -115,16 +159,25 @@ def resolve_files(path: str) -> list[str]:
 
 
 def resolve_source(name: str = "", path: str = "", weight: float = 1.0) -> SourceSpec:
-    """A registry name or a local path -> SourceSpec."""
+    """A registry name, or a local path (optionally with a name of the user's) -> SourceSpec.
+
+    An unnamed path source is named after its root folder for provenance.
+    """
     if path:
-        return SourceSpec(name=path, files=resolve_files(path), weight=weight)
+        root = source_root(path)
+        return SourceSpec(
+            name=name or Path(root).resolve().name or "data", files=resolve_files(path),
+            weight=weight, root=root, location=path, named=bool(name),
+        )  # fmt: skip
     if name not in DATASET_REGISTRY:
         raise DataError(
             f"unknown dataset {name!r}; choose one of {sorted(DATASET_REGISTRY)} "
             "or set training.dataset_path"
         )
     files = [f for folder in DATASET_REGISTRY[name] for f in resolve_files(str(REPO_ROOT / folder))]
-    return SourceSpec(name=name, files=files, weight=weight)
+    return SourceSpec(
+        name=name, files=files, weight=weight, root=str(REPO_ROOT / "data" / "corpus")
+    )
 
 
 def _load_kwargs(spec: SourceSpec) -> dict:
@@ -149,14 +202,15 @@ class MapSource:
         self.text_field = text_field
         self.seed = seed
         self.shuffle = shuffle
+        self._identity = spec.identity()
         try:
             self.ds = datasets.load_dataset(
                 spec.fmt, data_files=spec.files, split="train", **_load_kwargs(spec)
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
-            raise DataError(f"dataset {spec.name!r} could not be read: {e!r}") from e
+            raise DataError(f"dataset {spec.where!r} could not be read: {e!r}") from e
         if len(self.ds) == 0:
-            raise DataError(f"dataset {spec.name!r} has no documents; point it at data")
+            raise DataError(f"dataset {spec.where!r} has no documents; point it at data")
         _check_column(spec, text_field, self.ds.column_names)
         self.id_field = id_field if id_field in self.ds.column_names else None
         self._view = self.ds.select_columns(
@@ -166,8 +220,11 @@ class MapSource:
     def __len__(self) -> int:
         return len(self.ds)
 
+    def document_count(self) -> int:
+        return len(self.ds)
+
     def order(self, epoch: int) -> np.ndarray:
-        return _epoch_order(len(self.ds), self.seed, self.spec.name, epoch, self.shuffle)
+        return _epoch_order(len(self.ds), self.seed, self._identity, epoch, self.shuffle)
 
     def documents(self, indices: list[int]) -> list[tuple[str, object]]:
         """(doc_id, text) of several rows, read in one call (a row at a time costs ~0.3 ms)."""
@@ -188,18 +245,18 @@ class MapSource:
 
 
 @lru_cache(maxsize=8)
-def _epoch_order(n: int, seed: int, name: str, epoch: int, shuffle: bool) -> np.ndarray:
+def _epoch_order(n: int, seed: int, identity: str, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     # zlib.crc32 rather than hash(): str hashes are salted per process.
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), epoch])
+    rng = np.random.default_rng([seed, zlib.crc32(identity.encode()), epoch])
     return rng.permutation(n)
 
 
 def _check_column(spec: SourceSpec, text_field: str, columns: list[str]):
     if text_field not in columns:
         raise DataError(
-            f"dataset {spec.name!r} has no column {text_field!r} (columns: {columns}); "
+            f"dataset {spec.where!r} has no column {text_field!r} (columns: {columns}); "
             "set training.text_field to the column that holds the text"
         )
 
@@ -215,6 +272,7 @@ class StreamSource:
         self.id_field = id_field
         self.seed = seed
         self.shuffle = shuffle
+        self._identity = spec.identity()
         self._opened: dict[int, object] = {}
         first = self.open(0)
         _check_column(spec, text_field, list(first.column_names or [text_field]))
@@ -233,7 +291,7 @@ class StreamSource:
     def _load(self, epoch: int):
         import datasets
 
-        order = _epoch_order(len(self.spec.files), self.seed, self.spec.name, epoch, self.shuffle)
+        order = _epoch_order(len(self.spec.files), self.seed, self._identity, epoch, self.shuffle)
         files = [self.spec.files[i] for i in order]
         try:
             return datasets.load_dataset(
@@ -244,11 +302,20 @@ class StreamSource:
                 **_load_kwargs(self.spec),
             )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
-            raise DataError(f"dataset {self.spec.name!r} could not be read: {e!r}") from e
+            raise DataError(f"dataset {self.spec.where!r} could not be read: {e!r}") from e
 
     def __getstate__(self):
         # Loader workers open their own: an opened stream is not worth pickling.
         return {**self.__dict__, "_opened": {}}
+
+    def document_count(self) -> int:
+        """Documents in the source without reading it: parquet footers' row counts; for
+        text files one per file; for JSON lines a lower bound of one per file."""
+        if self.spec.fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return sum(pq.ParquetFile(f).metadata.num_rows for f in self.spec.files)
+        return len(self.spec.files)
 
     def document_of(self, row: dict) -> tuple[str, object]:
         text = row.get(self.text_field)
@@ -359,7 +426,7 @@ class StreamCursor:
             except UnicodeDecodeError as e:
                 # The reader cannot continue past it, so this one cannot be skipped.
                 raise DataError(
-                    f"dataset {self.source.spec.name!r} has invalid UTF-8 ({e}); fix the file "
+                    f"dataset {self.source.spec.where!r} has invalid UTF-8 ({e}); fix the file "
                     "(e.g. iconv -c -f utf-8 -t utf-8), or read it map-style (training.streaming "
                     "false), which skips and counts such documents"
                 ) from e

@@ -48,6 +48,33 @@ def _load_processor(path: str, model: bytes, num_threads: int) -> spm.SentencePi
     return processor
 
 
+def _newline_is_a_boundary(model: bytes, processor: spm.SentencePieceProcessor) -> bool:
+    """Whether encoding a text line by line gives exactly the tokens of the whole text.
+
+    True when the model proves it: "\\n" is a user-defined piece (always one token, so
+    no piece spans a newline), no dummy prefix is added at the start of each input,
+    whitespace is not collapsed and normalization is the identity. A probe text is
+    also encoded both ways as a check of that reasoning.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    norm = proto.normalizer_spec
+    user_newline = any(
+        p.piece == "\n" and p.type == sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+        for p in proto.pieces
+    )
+    if not user_newline or norm.add_dummy_prefix or norm.remove_extra_whitespaces:
+        return False
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        return False
+    probe = "  Leading spaces,\ttabs\n\nand\r\nCRLF;\n x\u0301\n\u2028end"
+    lines = [p + "\n" for p in probe.split("\n")[:-1]] + [probe.split("\n")[-1]]
+    split = [t for ids in processor.encode(lines) for t in ids]
+    return split == processor.encode(probe)
+
+
 class Tokenizer:
     """A SentencePiece model loaded from `path`.
 
@@ -66,6 +93,7 @@ class Tokenizer:
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
         self.pad_id: int = self._sp.pad_id()
+        self.splits_at_newlines: bool = _newline_is_a_boundary(model, self._sp)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         return self._sp.encode(text, add_bos=bos, add_eos=eos)

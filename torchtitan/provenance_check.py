@@ -1,0 +1,66 @@
+"""Check a run's data provenance: every token at most once, no holes, nothing skipped.
+
+    python scripts/check_provenance.py <dump_folder>/provenance [--job.config_file X.toml --section.key value ...]
+
+Per source: tokens consumed, tokens consumed twice within one epoch, gaps inside
+documents. Given the run's config (the same ``--section.key`` arguments as training),
+it also reads every document with the run's tokenizer and proves completeness: every
+document of a finished epoch was read whole, and each virtual shard holds at most one
+partly read document, at the stop. Exit status 1 on any failure. Resumed runs are
+fine: the trainer drops the provenance lines of steps that a resume re-ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torchtitan.provenance import check_complete, check_exactly_once, read_provenance, spans_of
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="check_provenance.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("folder", help="provenance folder (<dump_folder>/provenance)")
+    args, config_args = parser.parse_known_args(argv)
+    provenance = read_provenance(args.folder)
+    steps = {s for per_rank in provenance.values() for s in per_rank}
+    print(f"{len(provenance)} rank files, steps {min(steps)}..{max(steps)}")
+    print(f"{'source':<28}{'doc reads':>10}{'tokens':>12}{'twice':>10}{'gaps':>8}")
+    bad = False
+    for source, r in sorted(check_exactly_once(provenance).items()):
+        print(f"{source:<28}{r.documents:>10}{r.tokens:>12}{r.duplicate_tokens:>10}{r.gaps:>8}")
+        for example in r.examples:
+            print(f"    {example}")
+        bad |= bool(r.duplicate_tokens or r.gaps)
+    if config_args:
+        bad |= not _completeness(provenance, config_args)
+    else:
+        print("completeness not checked: pass the run's config (--job.config_file ...)")
+    print("FAIL" if bad else "OK: every token consumed exactly once, no gaps, nothing skipped")
+    return 1 if bad else 0
+
+
+def _completeness(provenance, config_args: list[str]) -> bool:
+    from torchtitan.config import parse_args, resolve_path
+    from torchtitan.data import document_lengths
+    from torchtitan.data.tokenizer import Tokenizer
+
+    cfg = parse_args(config_args)
+    lengths = document_lengths(cfg, Tokenizer(resolve_path(cfg.model.tokenizer_path)))
+    shards = cfg.training.data_shards
+    if not shards:  # chosen at the run's start: every shard has read by now, or none finished
+        shards = 1 + max(span[5] for span in spans_of(provenance))
+        print(f"virtual shards: {shards} (the highest shard index in the provenance, plus one)")
+    reports = check_complete(provenance, lengths, shards)
+    print(f"{'source':<28}{'documents':>10}{'finished epochs':>17}{'missing':>9}{'partial':>9}")
+    ok = True
+    for source, r in sorted(reports.items()):
+        print(f"{source:<28}{len(lengths[source]):>10}{len(r.finished_epochs):>17}"
+              f"{r.missing:>9}{r.partial:>9}")  # fmt: skip
+        for example in r.examples:
+            print(f"    {example}")
+        ok &= not (r.missing or r.partial)
+    return ok
