@@ -20,6 +20,7 @@ from torchtitan import parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit, resolve_path
 from torchtitan.data import DataError, build_dataloader, data_fingerprint
+from torchtitan.data.dataset import segment_lengths
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib
 from torchtitan.models import build_model, count_parameters
@@ -141,14 +142,21 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     model.train()
     last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
     preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
+    block_causal = cfg.model.attention_mask == "block_causal"
+    epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last log line
     while train_state.step < last_step:
         step_start = time.perf_counter()
         batch = next(dataloader)
         inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
         train_state.step += 1
         train_state.tokens_seen += tokens_per_step
+        epoch_starts += [[train_state.step, *e] for e in batch["epoch_starts"]]
 
-        logits = model(inputs)
+        if block_causal:
+            positions = batch["positions"].to(dims.device)
+            logits = model(inputs, positions, segment_lengths(batch["document_ids"]))
+        else:
+            logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
@@ -178,7 +186,9 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
                     "tokens_seen": train_state.tokens_seen,
                     "skipped_documents": parallel.sum_over_ranks(dataloader.skipped_documents()),
                 },
+                epoch_starts=sorted(parallel.gather_to_main(dims, epoch_starts)),
             )
+            epoch_starts = []
         if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):
             checkpoint.save(train_state.step)
         elif preemption.requested():

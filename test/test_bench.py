@@ -1,5 +1,8 @@
 """Benchmarks are not tests: each runs here in smoke mode, and what it reports must make sense
-(speeds positive, ratios finite, the state it claims to measure actually in effect)."""
+(speeds positive, ratios finite, the state it claims to measure actually in effect).
+
+The smoke runs start several processes each, so they are in the ``slow`` tier (CI runs
+it as its second command); the checks' own negative controls run in the fast tier."""
 
 from __future__ import annotations
 
@@ -45,7 +48,13 @@ def check_checkpoint(r: dict):
     assert 0 < r["integrity_over_save"] < 1, "checksumming is part of the save"
 
 
+def check_attention(r: dict):
+    assert r["flavor"] == "debugmodel" and positive(r["causal_ms"], r["block_causal_ms"])
+    assert r["block_over_causal"] == r["block_causal_ms"] / r["causal_ms"]
+
+
 CHECKS = {
+    "bench_attention.py": check_attention,
     "bench_data.py": check_data,
     "bench_resume.py": check_resume,
     "bench_step.py": check_step,
@@ -53,6 +62,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CHECKS))
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "result.json"
@@ -66,6 +76,8 @@ def test_benchmark_smoke(script, tmp_path):
 
 
 NONSENSE = [
+    (check_attention, {"flavor": "debugmodel", "causal_ms": 0.0, "block_causal_ms": 1.0,
+                       "block_over_causal": 1.0}),
     (check_data, {"raw_encode_tokens_per_s": 1.0, "workers0_tokens_per_s": 1.0,
                   "workers2_tokens_per_s": 1.0, "streaming_workers0_tokens_per_s": 1.0,
                   "workers0_over_raw": 1.0, "state_bytes_per_rank": {"map": 10**6}}),

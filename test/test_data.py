@@ -146,6 +146,25 @@ def _next_source_state(state: dict) -> dict:
     return state["shards"][v]["sources"][0]
 
 
+def test_batches_carry_per_document_positions_and_ids(small_corpus, tokenizer):
+    """Positions restart at 0 where a document starts (and at the sequence start for a
+    document continued from the previous sequence); document ids step at each boundary;
+    both agree with the spans, token for token."""
+    loader = ParallelDataLoader(make(small_corpus, tokenizer, data_shards=1), 4)
+    for _ in range(10):
+        batch = next(loader)
+        for row, spans in enumerate(batch["spans"]):
+            expected_pos, expected_ids = [], []
+            for i, (_, _, start, end, *_) in enumerate(spans):
+                expected_pos += list(range(end - start))
+                expected_ids += [i] * (end - start)
+            assert batch["positions"][row].tolist() == expected_pos[:SEQ]
+            assert batch["document_ids"][row].tolist() == expected_ids[:SEQ]
+            starts = [i for i, sp in enumerate(spans) if sp[2] == 0]
+            assert all(batch["positions"][row][sum(e - s for _, _, s, e, *_ in spans[:i])] == 0
+                       for i in starts if sum(e - s for _, _, s, e, *_ in spans[:i]) < SEQ)  # fmt: skip
+
+
 def test_state_holds_positions_not_tokens(small_corpus, tokenizer):
     """With one shard read in file order, the state after n windows is the document the
     next token comes from and the offset into it, computed here from the documents."""

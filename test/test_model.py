@@ -276,3 +276,37 @@ def test_sequence_longer_than_max_seq_len_raises():
 def test_invalid_model_args_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelArgs(**bad)
+
+
+# ---- document-aware attention -------------------------------------------------------------
+
+
+def _debug_model():
+    torch.manual_seed(0)
+    return build_model("debugmodel", 4096, device="cpu")
+
+
+def test_causal_attention_is_unchanged():
+    """The default path gives, to the bit, what it gave before block_causal existed."""
+    model = _debug_model()
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    assert repr(logits.double().sum().item()) == "141.25898322135419"
+    assert logits[1, 63, :4].tolist() == [
+        -0.006928370799869299, -0.07391928881406784, 0.03574099391698837, 0.20381948351860046,
+    ]  # fmt: skip
+
+
+def test_block_causal_logits_of_a_document_do_not_depend_on_its_neighbours():
+    """A document's logits are identical (fp32, torch.equal) alone in a sequence or packed
+    between two others. Negative control: plain causal attention over the packed
+    sequence lets the document see its predecessor, and the logits change."""
+    model = _debug_model()
+    tokens = torch.randint(0, 4096, (3, 40), generator=torch.Generator().manual_seed(2))
+    doc, before, after = tokens[0, :20], tokens[1, :30], tokens[2, :14]
+    packed = torch.cat([before, doc, after]).unsqueeze(0)
+    positions = torch.cat([torch.arange(30), torch.arange(20), torch.arange(14)]).unsqueeze(0)
+    together = model(packed, positions, [[30, 20, 14]])[0, 30:50]
+    alone = model(doc.unsqueeze(0), torch.arange(20).unsqueeze(0), [[20]])[0]
+    assert torch.equal(together, alone)
+    assert not torch.equal(model(packed)[0, 30:50], alone)

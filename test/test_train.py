@@ -92,6 +92,17 @@ def test_resume_check_passes_and_fails_when_a_component_is_not_restored(tmp_path
     assert check(tmp_path, *common, "--checkpoint.exclude_from_loading", "optimizer") == 1
 
 
+def test_block_causal_resumes_exactly_mid_document(tmp_path):
+    """block_causal (with dropout): the resumed run is bit-exact, and the resume lands in
+    the middle of a document that spans two sequences."""
+    common = ["--steps", "6", "--interval", "3", "--delete", "1", "--model.dropout", "0.1",
+              "--model.attention_mask", "block_causal", "--training.data_shards", "4"]  # fmt: skip
+    assert check(tmp_path, *common) == 0
+    provenance = read_provenance(str(tmp_path / "dr" / "provenance"))
+    first_after_resume = provenance[0][4][0][0]  # step 4, first sequence, first span
+    assert first_after_resume[2] > 0, "the resume continues a document from step 3"
+
+
 def test_resume_at_every_checkpoint_across_epochs(tmp_path, tiny_corpus):
     """A new process at every checkpoint on a corpus of ~1 step per epoch, so resumes land
     before, at and after epoch boundaries; every step and its data equal one uninterrupted
@@ -102,6 +113,18 @@ def test_resume_at_every_checkpoint_across_epochs(tmp_path, tiny_corpus):
         "--training.seq_len", "32",
     ]  # fmt: skip
     assert check(tmp_path, *args) == 0
+    # Epoch starts are reported (shard, source, epoch), the same in the resumed chain.
+    events = {
+        name: [e for r in read_jsonl(tmp_path / name / "metrics.jsonl") for e in r.get("epoch_starts", [])]
+        for name in ("dr", "dr-reference")
+    }  # fmt: skip
+    expected, seen = [], set()  # from the provenance: each shard's first span of a new epoch
+    for step, sequences in sorted(read_provenance(str(tmp_path / "dr" / "provenance"))[0].items()):
+        for source, _, _, _, epoch, shard in (sp for seq in sequences for sp in seq):
+            if epoch >= 1 and (shard, epoch) not in seen:
+                seen.add((shard, epoch))
+                expected.append([step, shard, source, epoch])
+    assert events["dr"] == events["dr-reference"] == sorted(expected) and expected
     assert check(tmp_path, *args, "--checkpoint.exclude_from_loading", "rng") == 1
 
 

@@ -100,6 +100,12 @@ class Model:
         "SentencePiece model; relative paths are tried in the current directory, then the repo root",
     )
     dropout: float = _opt(0.0, "dropout probability", ge=0.0, lt=1.0)
+    attention_mask: str = _opt(
+        "causal",
+        "causal: every token sees the whole sequence before it; block_causal: only its own "
+        "document, with RoPE positions restarting at each document",
+        choices=["causal", "block_causal"],
+    )
 
 
 @dataclass

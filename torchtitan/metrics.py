@@ -72,9 +72,13 @@ class MetricLogger:
     def should_log(self, step: int, last_step: int) -> bool:
         return step % self.log_freq == 0 or step == last_step or step == 1
 
-    def log(self, step: int, values: dict):
+    def log(self, step: int, values: dict, epoch_starts: list | None = None):
+        """One step's values; ``epoch_starts`` lists ``[step, shard, source, epoch]`` of every
+        virtual shard that began a new pass over its documents since the last log line."""
         if self.rank != 0:
             return
+        for at, shard, source, epoch in epoch_starts or []:
+            logger.info("step %d: virtual shard %d of %s starts epoch %d", at, shard, source, epoch)
         logger.info(
             "step %5d  loss %.4f  grad_norm %.4f  lr %.2e  tok/s %.0f  step %.1fms  data %.1fms  mem %.2fGiB",
             step,
@@ -87,8 +91,11 @@ class MetricLogger:
             values["memory_gib"],
         )
         # json writes a float with repr(), so the loss reads back bit-exact.
+        record = {"step": step, **values}
+        if epoch_starts:
+            record["epoch_starts"] = epoch_starts
         with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps({"step": step, **values}) + "\n")
+            f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(f"train/{key}", value, step)

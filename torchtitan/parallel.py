@@ -147,6 +147,15 @@ def any_rank(dims: ParallelDims, flag: bool) -> bool:
     return bool(t.item())
 
 
+def gather_to_main(dims: ParallelDims, items: list) -> list:
+    """Every rank's ``items``, concatenated on rank 0 (empty elsewhere); control group."""
+    if dims.control_group is None:
+        return list(items)
+    out = [None] * dims.world_size if dims.is_main else None
+    dist.gather_object(items, out, dst=0, group=dims.control_group)
+    return [item for part in (out or []) for item in part]
+
+
 def barrier(dims: ParallelDims):
     if dist.is_initialized():
         dist.barrier(group=dims.cpu_group)

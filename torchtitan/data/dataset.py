@@ -59,10 +59,13 @@ class VirtualShard:
         u = random.Random(f"mix/{self.seed}/{self.index}/{self.emitted}").random()
         return min(bisect.bisect_right(self._cumulative, u), len(self.packers) - 1)
 
-    def next_sequence(self) -> tuple[np.ndarray, list[list]]:
-        tokens, spans = self.packers[self._choose_source()].take(self.window)
+    def next_sequence(self) -> tuple[np.ndarray, list[list], list[list]]:
+        """The next window, its spans, and ``[shard, source, epoch]`` if it began an epoch."""
+        packer = self.packers[self._choose_source()]
+        tokens, spans = packer.take(self.window)
         self.emitted += 1
-        return tokens, spans
+        started = packer.started_epoch
+        return tokens, spans, ([[self.index, packer.source_name, started]] if started else [])
 
     @property
     def skipped(self) -> int:
@@ -206,7 +209,7 @@ class TokenDataset(IterableDataset, Stateful):
             if v in empty:
                 continue
             try:
-                tokens, spans = shards[v].next_sequence()
+                tokens, spans, epoch_starts = shards[v].next_sequence()
             except EmptyShard as e:
                 empty.add(v)
                 logger.warning("skipping virtual shard %d: %s", v, e)
@@ -228,6 +231,7 @@ class TokenDataset(IterableDataset, Stateful):
                 "shard": v,
                 "shard_state": shards[v].state_dict(),
                 "next": self._next,
+                "epoch_starts": epoch_starts,
             }
 
     # ---- state ----------------------------------------------------------------------
@@ -295,18 +299,43 @@ def _check_opened(source, seed: int, shuffle: bool, streaming: bool, text_field:
     return source
 
 
+def document_layout(spans: list[list], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per input token: its position in its document within this sequence (0 at every
+    document start, and at the sequence start for a document continued from the
+    previous one), and the index of its document in the sequence. From the spans alone:
+    no tokenization. Positions stay below ``length``, whatever the document's size."""
+    sizes = [end - start for _, _, start, end, *_ in spans]
+    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])[:length]
+    document_ids = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)[:length]
+    return positions, document_ids
+
+
+def segment_lengths(document_ids: torch.Tensor) -> list[list[int]]:
+    """Per row of ``document_ids`` [B, T]: the lengths of its runs of equal ids."""
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids]
+
+
 def collate(samples: list[dict]) -> dict:
-    """Stack inputs and labels; keep the ragged provenance spans as a list per sample."""
+    """Stack inputs and labels; keep the ragged provenance spans as a list per sample.
+
+    Also ``positions`` and ``document_ids`` [B, T] from the spans, for document-aware
+    attention (``model.attention_mask = "block_causal"``).
+    """
     # input and label are views of one tensor: half the memory, and one shared-memory
     # transfer per batch from a worker instead of two.
     windows = torch.stack([torch.cat([s["input"], s["label"][-1:]]) for s in samples])
+    length = windows.shape[1] - 1
+    layouts = [document_layout(s["spans"], length) for s in samples]
     return {
         "input": windows[:, :-1],
         "label": windows[:, 1:],
+        "positions": torch.from_numpy(np.stack([p for p, _ in layouts])),
+        "document_ids": torch.from_numpy(np.stack([d for _, d in layouts])),
         "spans": [s["spans"] for s in samples],
         "consumer": samples[-1]["consumer"],
         "skipped": samples[-1]["skipped"],
         # Where each shard stands after this batch: the loader's checkpoint state.
         "shard_states": {s["shard"]: s["shard_state"] for s in samples},
         "next": samples[-1]["next"],
+        "epoch_starts": [e for s in samples for e in s["epoch_starts"]],
     }

@@ -39,11 +39,16 @@ class DocumentPacker:
         self.bad_data = bad_data
         self.offset = 0  # tokens of the current document already emitted
         self.skipped = 0
+        self.started_epoch: int | None = None
         self._tokens: np.ndarray | None = None
         self._doc_id: str | None = None
 
     def take(self, n: int) -> tuple[np.ndarray, list[list]]:
-        """The next ``n`` tokens and their spans ``[source, doc_id, start, end, epoch, shard]``."""
+        """The next ``n`` tokens and their spans ``[source, doc_id, start, end, epoch, shard]``.
+
+        ``started_epoch`` is then the epoch these tokens began, if they began one.
+        """
+        epoch = self.cursor.epoch
         parts, spans = [], []
         while n > 0:
             tokens = self._current_tokens()
@@ -56,6 +61,7 @@ class DocumentPacker:
             if self.offset == len(tokens):
                 self.cursor.advance()
                 self.offset, self._tokens = 0, None
+        self.started_epoch = self.cursor.epoch if self.cursor.epoch != epoch else None
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), spans
 
     def _current_tokens(self) -> np.ndarray:

@@ -11,6 +11,7 @@ torch's global generators so that checkpointing torch's RNG state is enough to
 resume a run exactly.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -153,14 +154,21 @@ def rope_cos_sin(head_dim: int, max_seq_len: int, theta: float, device=None):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x [B, T, H, D] by position-dependent angles."""
+    """Rotate channel pairs (2i, 2i+1) of x [B, T, H, D] by position-dependent angles.
+
+    ``cos``/``sin`` are the tables ([max_seq_len, D/2]: positions 0..T-1 for every row)
+    or already gathered per token ([B, T, D/2]: per-document positions).
+    """
     B, T, H, D = x.shape
     # The rotation is done in fp32 (the tables are fp32) so bf16 activations
     # do not lose the small angles of high positions.
     xf = x.float().reshape(B, T, H, D // 2, 2)
     x0, x1 = xf.unbind(-1)
-    cos = cos[:T].view(1, T, 1, D // 2)
-    sin = sin[:T].view(1, T, 1, D // 2)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    else:
+        cos = cos[:T].view(1, T, 1, D // 2)
+        sin = sin[:T].view(1, T, 1, D // 2)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(3).type_as(x)
 
@@ -178,19 +186,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.resid_dropout = nn.Dropout(args.dropout)
 
-    def init_weights(self, out_std: float):
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
-        y = F.scaled_dot_product_attention(
+    def _sdpa(self, q, k, v) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -198,6 +195,35 @@ class Attention(nn.Module):
             is_causal=True,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
+
+    def init_weights(self, out_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        if segments is None:
+            y = self._sdpa(q, k, v)
+        else:
+            # Block-causal: each document attends causally within itself only. Run as
+            # one causal attention per document, so a document's result is the same
+            # computation wherever it sits in the sequence (bit for bit).
+            rows = []
+            for b, lengths in enumerate(segments):
+                bounds = [0, *itertools.accumulate(lengths)]
+                rows.append(torch.cat([
+                    self._sdpa(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
+                    for s, e in zip(bounds, bounds[1:])
+                ], dim=2))  # fmt: skip
+            y = torch.cat(rows)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.resid_dropout(self.wo(y))
 
@@ -234,8 +260,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.feed_forward.init_weights(out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, segments)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -290,8 +316,18 @@ class Transformer(nn.Module):
         self.norm.reset_parameters()
         nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: LongTensor [B, T] -> logits [B, T, vocab_size]."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segments: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """tokens: LongTensor [B, T] -> logits [B, T, vocab_size].
+
+        Causal over the whole sequence by default. With ``positions`` ([B, T], per-document
+        RoPE positions) and ``segments`` (per row, the lengths of its documents, summing to
+        T), attention stays within each document (block-causal).
+        """
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(
@@ -299,9 +335,12 @@ class Transformer(nn.Module):
                 f"(flavor {self.args.flavor!r}): lower --training.seq_len to at most "
                 f"{self.args.max_seq_len} or build the model with a larger max_seq_len"
             )
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]  # [B, T, head_dim / 2]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, segments)
         return self.output(self.norm(h))
 
 
