@@ -144,63 +144,69 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
     block_causal = cfg.model.attention_mask == "block_causal"
     epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last log line
-    while train_state.step < last_step:
-        step_start = time.perf_counter()
-        batch = next(dataloader)
-        inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
-        train_state.step += 1
-        train_state.tokens_seen += tokens_per_step
-        epoch_starts += [[train_state.step, *e] for e in batch["epoch_starts"]]
+    try:
+        while train_state.step < last_step:
+            step_start = time.perf_counter()
+            batch = next(dataloader)
+            inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
+            train_state.step += 1
+            train_state.tokens_seen += tokens_per_step
+            epoch_starts += [[train_state.step, *e] for e in batch["epoch_starts"]]
 
-        if block_causal:
-            positions = batch["positions"].to(dims.device)
-            logits = model(inputs, positions, segment_lengths(batch["document_ids"]))
-        else:
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
-        checkpoint.wait_for_staging()  # an async save may still be copying these parameters
-        optimizer.step()
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            if block_causal:
+                positions = batch["positions"].to(dims.device)
+                logits = model(inputs, positions, segment_lengths(batch["document_ids"]))
+            else:
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+            checkpoint.wait_for_staging()  # an async save may still be copying these parameters
+            optimizer.step()
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
-        if provenance is not None:
-            provenance.write(train_state.step, batch["spans"])
-        if metrics.should_log(train_state.step, last_step):
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            step_s = time.perf_counter() - step_start
-            metrics.log(
-                train_state.step,
-                {
-                    "loss": parallel.mean_over_ranks(loss),
-                    "grad_norm": grad_norm.item(),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / step_s,
-                    "step_ms": 1000 * step_s,
-                    "data_wait_ms": 1000 * dataloader.last_wait_s,
-                    # the previous step's stop agreement (save on preemption)
-                    "stop_check_ms": 1000 * preemption.last_check_s,
-                    "memory_gib": memory_gib(dims.device),
-                    "tokens_seen": train_state.tokens_seen,
-                    "skipped_documents": parallel.sum_over_ranks(dataloader.skipped_documents()),
-                },
-                epoch_starts=sorted(parallel.gather_to_main(dims, epoch_starts)),
-            )
-            epoch_starts = []
-        if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):
-            checkpoint.save(train_state.step)
-        elif preemption.requested():
-            checkpoint.save(train_state.step)
-            checkpoint.close()
-            logger.warning(
-                "preempted at step %d: checkpoint step-%d written (%s)",
-                train_state.step, train_state.step, preemption.received or "signal to another rank",
-            )  # fmt: skip
-            break
+            if provenance is not None:
+                provenance.write(train_state.step, batch["spans"])
+            if metrics.should_log(train_state.step, last_step):
+                grad_norm = (
+                    grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                )
+                step_s = time.perf_counter() - step_start
+                metrics.log(
+                    train_state.step,
+                    {
+                        "loss": parallel.mean_over_ranks(loss),
+                        "grad_norm": grad_norm.item(),
+                        "lr": lr,
+                        "tokens_per_s": tokens_per_step / step_s,
+                        "step_ms": 1000 * step_s,
+                        "data_wait_ms": 1000 * dataloader.last_wait_s,
+                        # the previous step's stop agreement (save on preemption)
+                        "stop_check_ms": 1000 * preemption.last_check_s,
+                        "memory_gib": memory_gib(dims.device),
+                        "tokens_seen": train_state.tokens_seen,
+                        "skipped_documents": parallel.sum_over_ranks(
+                            dataloader.skipped_documents()
+                        ),
+                    },
+                    epoch_starts=sorted(parallel.gather_to_main(dims, epoch_starts)),
+                )
+                epoch_starts = []
+            if checkpoint.should_save(train_state.step, stop_at=t.stop_at_step):
+                checkpoint.save(train_state.step)
+            elif preemption.requested():
+                checkpoint.save(train_state.step)
+                checkpoint.close()
+                logger.warning(
+                    "preempted at step %d: checkpoint step-%d written (%s)",
+                    train_state.step, train_state.step, preemption.received or "signal to another rank",
+                )  # fmt: skip
+                break
 
-    preemption.close()
+    finally:  # handlers go, even when a step fails
+        preemption.close()
     checkpoint.close()
     metrics.close()
     if provenance is not None:
