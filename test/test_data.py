@@ -150,7 +150,9 @@ def test_batches_carry_per_document_positions_and_ids(small_corpus, tokenizer):
     """Positions restart at 0 where a document starts (and at the sequence start for a
     document continued from the previous sequence); document ids step at each boundary;
     both agree with the spans, token for token."""
-    loader = ParallelDataLoader(make(small_corpus, tokenizer, data_shards=1), 4)
+    loader = ParallelDataLoader(
+        make(small_corpus, tokenizer, data_shards=1), 4, document_layout=True
+    )
     for _ in range(10):
         batch = next(loader)
         for row, spans in enumerate(batch["spans"]):

@@ -441,17 +441,18 @@ class CheckpointManager:
                 f"checkpoint: {('step-' + str(done[-1])) if done else 'none'})"
             ) from e
 
-    def _finalize(self, step: int):
+    def _finalize(self, step: int, share: list[str] | None = None):
         """``step-N.partial`` -> ``step-N`` once every rank's data is on disk.
 
-        Each rank checksums and fsyncs the files it wrote (O(own shard)); rank 0
-        gathers the digests (O(ranks) small messages), writes the manifest, renames,
-        purges, and tells every rank the outcome. Runs on the training thread (sync)
-        or the finalizer thread (async), always on the checkpoint group.
+        Each rank checksums and fsyncs the files it wrote (O(own shard)), or ``share``
+        when finishing a partial left by a killed job; rank 0 gathers the digests
+        (O(ranks) small messages), writes the manifest, renames, purges, and tells
+        every rank the outcome. Runs on the training thread (sync, restart) or the
+        finalizer thread (async), always on the checkpoint group.
         """
         partial = step_folder(self.folder, step) + ".partial"
         try:
-            names = own_files(partial, self.dims.rank)
+            names = own_files(partial, self.dims.rank) if share is None else share
             begin = time.perf_counter()
             mine: dict | str = digest(partial, names)
             self.last_checksum_s = time.perf_counter() - begin
@@ -558,18 +559,11 @@ class CheckpointManager:
                 )
                 files = sorted(f for f in os.listdir(path) if f != PENDING)
                 try:
-                    share = files[self.dims.rank :: self.dims.world_size]
-                    mine = digest(path, share)
-                    fsync_files(path, share)
-                except OSError as e:
-                    mine = str(e)
-                every = self._gather(mine)
-                if self.dims.is_main:
-                    if any(isinstance(d, str) for d in every):
-                        logger.warning("removing %s: its files cannot be read", path)
+                    self._finalize(step, share=files[self.dims.rank :: self.dims.world_size])
+                except CheckpointError as e:  # every rank gets the same outcome
+                    if self.dims.is_main:
+                        logger.warning("removing %s: %s", path, e)
                         shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        self._publish(path, step, {k: v for d in every for k, v in d.items()})
             elif self.dims.is_main:
                 logger.warning("ignoring and removing incomplete checkpoint %s", path)
                 shutil.rmtree(path, ignore_errors=True)

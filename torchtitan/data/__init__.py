@@ -98,7 +98,11 @@ def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDat
         bad_data=t.bad_data,
     )
     return ParallelDataLoader(
-        dataset, t.batch_size, num_workers=t.num_workers, auto_shards=t.data_shards == 0
+        dataset,
+        t.batch_size,
+        num_workers=t.num_workers,
+        auto_shards=t.data_shards == 0,
+        document_layout=cfg.model.attention_mask == "block_causal",
     )
 
 

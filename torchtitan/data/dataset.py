@@ -299,7 +299,7 @@ def _check_opened(source, seed: int, shuffle: bool, streaming: bool, text_field:
     return source
 
 
-def document_layout(spans: list[list], length: int) -> tuple[np.ndarray, np.ndarray]:
+def document_positions(spans: list[list], length: int) -> tuple[np.ndarray, np.ndarray]:
     """Per input token: its position in its document within this sequence (0 at every
     document start, and at the sequence start for a document continued from the
     previous one), and the index of its document in the sequence. From the spans alone:
@@ -315,22 +315,24 @@ def segment_lengths(document_ids: torch.Tensor) -> list[list[int]]:
     return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids]
 
 
-def collate(samples: list[dict]) -> dict:
+def collate(samples: list[dict], document_layout: bool = False) -> dict:
     """Stack inputs and labels; keep the ragged provenance spans as a list per sample.
 
-    Also ``positions`` and ``document_ids`` [B, T] from the spans, for document-aware
-    attention (``model.attention_mask = "block_causal"``).
+    With ``document_layout`` (``model.attention_mask = "block_causal"``), also
+    ``positions`` and ``document_ids`` [B, T] from the spans; without it a batch carries
+    no such tensors (no work, and nothing more for a worker to send).
     """
     # input and label are views of one tensor: half the memory, and one shared-memory
     # transfer per batch from a worker instead of two.
     windows = torch.stack([torch.cat([s["input"], s["label"][-1:]]) for s in samples])
-    length = windows.shape[1] - 1
-    layouts = [document_layout(s["spans"], length) for s in samples]
+    batch = {"input": windows[:, :-1], "label": windows[:, 1:]}
+    if document_layout:
+        length = windows.shape[1] - 1
+        layouts = [document_positions(s["spans"], length) for s in samples]
+        batch["positions"] = torch.from_numpy(np.stack([p for p, _ in layouts]))
+        batch["document_ids"] = torch.from_numpy(np.stack([d for _, d in layouts]))
     return {
-        "input": windows[:, :-1],
-        "label": windows[:, 1:],
-        "positions": torch.from_numpy(np.stack([p for p, _ in layouts])),
-        "document_ids": torch.from_numpy(np.stack([d for _, d in layouts])),
+        **batch,
         "spans": [s["spans"] for s in samples],
         "consumer": samples[-1]["consumer"],
         "skipped": samples[-1]["skipped"],

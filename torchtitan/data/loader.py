@@ -17,6 +17,7 @@ Never: decide which data a shard reads (dataset.py) or touch checkpoint files.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import time
@@ -44,6 +45,7 @@ class ParallelDataLoader(Stateful):
         *,
         num_workers: int = 0,
         auto_shards: bool = False,
+        document_layout: bool = False,
     ):
         self.dataset = dataset
         self.batch_size = batch_size
@@ -52,6 +54,8 @@ class ParallelDataLoader(Stateful):
         # The shard count was chosen for this run (training.data_shards = 0): a resume
         # adopts the checkpoint's instead.
         self.auto_shards = auto_shards
+        # Batches carry per-document positions and ids only for a model that uses them.
+        self.collate = functools.partial(collate, document_layout=document_layout)
         check_equal_rates(dataset.data_shards, self.dp_world, num_workers)
         self._loader: DataLoader | None = None
         self._iter = None
@@ -83,7 +87,7 @@ class ParallelDataLoader(Stateful):
             self.dataset,
             batch_size=self.batch_size,
             num_workers=workers,
-            collate_fn=collate,
+            collate_fn=self.collate,
             prefetch_factor=4 if workers else None,  # keeps both workers busy, in order
             persistent_workers=workers > 0,
             generator=generator,

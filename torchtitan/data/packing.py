@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan.data.sources import BadText, DataError
+from torchtitan.data.tokenizer import split_lines
 
 BAD_DATA_POLICIES = ("skip", "error")
 
@@ -128,9 +129,7 @@ def encode_document(tokenizer, text: str) -> np.ndarray:
     """``[BOS] + encode(text) + [EOS]`` as int32."""
     if len(text) <= LONG_DOCUMENT_CHARS or not getattr(tokenizer, "splits_at_newlines", False):
         return np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=np.int32)
-    parts = text.split("\n")
-    lines = [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-    ids = [[tokenizer.bos_id], *tokenizer.encode_batch(lines), [tokenizer.eos_id]]
+    ids = [[tokenizer.bos_id], *tokenizer.encode_batch(split_lines(text)), [tokenizer.eos_id]]
     return np.concatenate([np.asarray(x, dtype=np.int32) for x in ids])
 
 

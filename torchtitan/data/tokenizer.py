@@ -48,6 +48,12 @@ def _load_processor(path: str, model: bytes, num_threads: int) -> spm.SentencePi
     return processor
 
 
+def split_lines(text: str) -> list[str]:
+    """``text`` as its lines, each keeping its "\\n" (no empty last piece)."""
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
 def _newline_is_a_boundary(model: bytes, processor: spm.SentencePieceProcessor) -> bool:
     """Whether encoding a text line by line gives exactly the tokens of the whole text.
 
@@ -70,8 +76,7 @@ def _newline_is_a_boundary(model: bytes, processor: spm.SentencePieceProcessor) 
     if norm.name not in ("identity", "") or norm.precompiled_charsmap:
         return False
     probe = "  Leading spaces,\ttabs\n\nand\r\nCRLF;\n x\u0301\n\u2028end"
-    lines = [p + "\n" for p in probe.split("\n")[:-1]] + [probe.split("\n")[-1]]
-    split = [t for ids in processor.encode(lines) for t in ids]
+    split = [t for ids in processor.encode(split_lines(probe)) for t in ids]
     return split == processor.encode(probe)
 
 
