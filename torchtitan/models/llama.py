@@ -1,16 +1,18 @@
 """Llama-style decoder-only transformer and its flavors.
 
 This module owns the model definition (`ModelArgs`, `Transformer`), its
-deterministic weight initialisation, the named flavors in `llama_configs`, and
-`build_model`, the one way the trainer turns a flavor name into a model.
+weight initialisation (a function of the seed and each parameter's name only, so
+the same at any sharding), the named flavors in `llama_configs`, the FLOPs per
+token used for MFU, and `build_model`, the one way the trainer turns a flavor
+name into a model.
 
-It must never touch the process group, wrap itself for FSDP/DDP, or keep RNG
-state of its own: parallelism is applied from outside (per block, on
-`Transformer.layers`), and all randomness (init and dropout) is drawn from
-torch's global generators so that checkpointing torch's RNG state is enough to
-resume a run exactly.
+It must never touch the process group or wrap itself for FSDP/DDP: parallelism,
+activation checkpointing and compilation are applied from outside (per block,
+on `Transformer.layers`). Dropout draws from torch's global generators, so that
+checkpointing torch's RNG state is enough to resume a run exactly.
 """
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -18,6 +20,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
+
+# Rows of a weight drawn from one seeded generator. Any sharding of dim 0 then draws
+# exactly the same numbers: a rank generates only the blocks that overlap its rows.
+INIT_BLOCK_ROWS = 256
 
 
 @dataclass
@@ -133,9 +141,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def reset_parameters(self):
-        nn.init.ones_(self.weight)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: the mean of squares underflows/overflows in bf16.
         xf = x.float()
@@ -196,11 +201,6 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
 
-    def init_weights(self, out_std: float):
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
-
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None
     ) -> torch.Tensor:
@@ -237,11 +237,6 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
         self.dropout = nn.Dropout(args.dropout)
 
-    def init_weights(self, out_std: float):
-        nn.init.normal_(self.w1.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=0.02)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
@@ -254,15 +249,23 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def init_weights(self, out_std: float):
-        self.attention_norm.reset_parameters()
-        self.attention.init_weights(out_std)
-        self.ffn_norm.reset_parameters()
-        self.feed_forward.init_weights(out_std)
+        # Set from outside (torchtitan.parallel): recompute this block's activations in the
+        # backward pass, and the compiled form of `compute`. Neither changes parameter
+        # names, so checkpoints do not depend on them.
+        self.recompute = False
+        self.compiled = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
+    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, segments)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
+        # FSDP's hooks run around this call, outside the recomputed region, as with a
+        # checkpoint wrapper; the dropout RNG state is replayed by the recomputation.
+        compute = self.compiled or self.compute
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(compute, x, cos, sin, segments, use_reentrant=False)
+        return compute(x, cos, sin, segments)
 
 
 class Transformer(nn.Module):
@@ -299,22 +302,27 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     @torch.no_grad()
-    def init_weights(self):
-        """Deterministically (re)initialise every parameter and buffer in place.
+    def init_weights(self, seed: int = 0):
+        """(Re)initialise every parameter and buffer in place from ``seed``.
 
-        Draws from torch's global RNG in a fixed order, so the same
-        torch.manual_seed gives the same weights whether the model was built
-        on the target device or on meta and then `to_empty`'d there.
+        Each weight is drawn in blocks of INIT_BLOCK_ROWS rows, each block from a
+        generator seeded by (seed, parameter name, block), so the values depend on
+        neither the device build order nor the sharding: a model sharded over any
+        number of ranks holds, shard for shard, the weights of the unsharded one.
+        (DTensor's own RNG would give that too, but only on CUDA.) Growth: O(own
+        shard + one block) memory and time per rank.
         """
         self.reset_rope()
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
         # Each block adds two residual branches; shrinking their output
         # projections keeps the residual stream's variance from growing with depth.
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
-        for layer in self.layers:
-            layer.init_weights(out_std)
-        self.norm.reset_parameters()
-        nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                _local(param)[0].fill_(1.0)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                fill_normal(param, out_std, seed, name)
+            else:
+                fill_normal(param, 0.02, seed, name)
 
     def forward(
         self,
@@ -350,13 +358,14 @@ def build_model(
     max_seq_len: int | None = None,
     dropout: float = 0.0,
     device: str | torch.device = "meta",
+    seed: int = 0,
 ) -> Transformer:
     """Build the named flavor with the tokenizer's vocab_size.
 
     On "meta" the model has no storage and is NOT initialised: the caller
     shards/moves it, then calls `model.to_empty(device=...)` and
-    `model.init_weights()`. On any other device the same two steps are done
-    here, so both paths draw the same numbers from the same seed.
+    `model.init_weights(seed)`. On any other device the same two steps are done
+    here, so both paths hold the same numbers for the same seed.
     """
     if flavor not in llama_configs:
         raise ValueError(
@@ -369,10 +378,70 @@ def build_model(
         model = Transformer(args)
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
-        model.init_weights()
+        model.init_weights(seed)
     return model
 
 
 def count_parameters(model: nn.Module) -> int:
     """Number of parameter elements (works on meta-device models)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def _local(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The part of ``param`` this rank holds, the global index of its first row, and
+    the global number of rows.
+
+    FSDP2 shards dim 0 like torch.chunk: ceil(rows / ranks) rows per rank, the last
+    ranks holding fewer (or none).
+    """
+    if not isinstance(param, DTensor):
+        return param.data, 0, param.shape[0]
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(
+            f"init_weights supports parameters sharded on dim 0 over one mesh dimension, "
+            f"got placements {param.placements}; initialise before other parallelisms"
+        )
+    chunk = math.ceil(param.shape[0] / param.device_mesh.size())
+    first = min(param.device_mesh.get_local_rank() * chunk, param.shape[0])
+    return param.to_local(), first, param.shape[0]
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    key = f"{seed}/{name}/{block}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+@torch.no_grad()
+def fill_normal(param: torch.Tensor, std: float, seed: int, name: str):
+    """Fill this rank's rows of ``param`` with N(0, std) drawn as the whole tensor would be.
+
+    Cost: the blocks overlapping the local rows only, O(own shard + one block).
+    """
+    local, first, total = _local(param)
+    rows, rest = local.shape[0], local.shape[1:]
+    for block in range(first // INIT_BLOCK_ROWS, math.ceil((first + rows) / INIT_BLOCK_ROWS)):
+        start, stop = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, total)
+        generator = torch.Generator(device=local.device)
+        generator.manual_seed(_block_seed(seed, name, block))
+        values = torch.empty((stop - start, *rest), device=local.device)
+        values.normal_(0.0, std, generator=generator)
+        lo, hi = max(start, first), min(stop, first + rows)
+        local[lo - first : hi - first].copy_(values[lo - start : hi - start])
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward) for MFU.
+
+    6 per weight that multiplies the token (every matrix but the embedding lookup),
+    plus attention's QK^T and AV: 12 * layers * dim * seq_len, counting the full
+    square as the usual MFU convention does (the causal half is not subtracted).
+    """
+    matmul_weights = (
+        args.n_layers
+        * (
+            args.dim * args.head_dim * (args.n_heads * 2 + args.n_kv_heads * 2)
+            + 3 * args.dim * args.hidden_dim
+        )
+        + args.dim * args.vocab_size
+    )
+    return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
