@@ -1,19 +1,33 @@
-"""Tests for the bundled tokenizer (torchtitan/data/tokenizer.py) and the corpus it was trained on."""
+"""Tests for torchtitan/data/tokenizer.py: the bundled SentencePiece model and the corpus it was
+trained on, and tokenizer.json files trained here on that corpus, through the whole pipeline."""
 
 import hashlib
+import json
 import pickle
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import datasets
 import pytest
+import tokenizers
 import torch
+from conftest import losses, train_here
+from test_data import (
+    test_loader_resumes_exactly_and_workers_do_not_duplicate as loader_resumes_exactly,
+)
+from test_data import test_restore_at_every_step as restore_at_every_step
 
+from torchtitan.checkpoint import read_manifest
+from torchtitan.config import parse_args
+from torchtitan.data.packing import LONG_DOCUMENT_CHARS, encode_document
 from torchtitan.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
     REPO_ROOT,
     Tokenizer,
     TokenizerError,
+    build_tokenizer,
+    split_lines,
 )
 
 CORPUS_DIR = REPO_ROOT / "data" / "corpus"
@@ -125,3 +139,202 @@ def test_corpus_layout_and_contents(corpus):
     assert all(title for title in corpus["title"])
     total = sum(len(text.encode()) for text in texts)
     assert 5_000_000 <= total <= 15_000_000, f"corpus holds {total} bytes of text"
+
+
+# ---- tokenizer.json (the tokenizers library) -------------------------------------------
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+HF_VOCAB = 1024
+
+
+def train_bpe(texts: list[str], pre_tokenizer, special_tokens: list[str]) -> tokenizers.Tokenizer:
+    """A byte-level BPE trained on ``texts`` (under a second on a few hundred documents)."""
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tk.pre_tokenizer = pre_tokenizer
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=HF_VOCAB,
+        special_tokens=special_tokens,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer)
+    return tk
+
+
+@pytest.fixture(scope="module")
+def corpus_sample(corpus) -> list[str]:
+    """Every seventh document of the bundled corpus: ~300 documents of all three sources."""
+    return list(corpus["text"][::7])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(corpus_sample, tmp_path_factory) -> Path:
+    """A folder as Llama 3-style models ship one: tokenizer.json and tokenizer_config.json.
+
+    Every "\\n" is split off as its own piece before byte-level BPE, so lines encode
+    alone exactly as within the whole text. The post-processor adds BOS, which the
+    pipeline must not let it do.
+    """
+    pre = tokenizers.pre_tokenizers
+    tk = train_bpe(
+        corpus_sample,
+        pre.Sequence([pre.Split("\n", "isolated"), pre.ByteLevel(add_prefix_space=False)]),
+        [BOS, EOS],
+    )
+    tk.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tk.token_to_id(BOS))]
+    )
+    folder = tmp_path_factory.mktemp("llama3_style")
+    tk.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": {"content": EOS, "special": True}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(hf_dir) -> Tokenizer:
+    return Tokenizer(hf_dir / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def gpt2_style(corpus_sample, tmp_path_factory) -> Path:
+    """A tokenizer.json with the library's default byte-level pre-tokenizer, which groups
+    runs of whitespace across newlines, and one special token with no BOS/EOS name."""
+    tk = train_bpe(
+        corpus_sample, tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False), ["<|doc|>"]
+    )
+    path = tmp_path_factory.mktemp("gpt2_style") / "tokenizer.json"
+    tk.save(str(path))
+    return path
+
+
+def test_tokenizer_json_round_trips_and_ignores_its_post_processor(hf_tokenizer, corpus_sample):
+    assert (hf_tokenizer.bos_id, hf_tokenizer.eos_id) == (0, 1)
+    texts = corpus_sample[:40] + ["", "\n", "  two  spaces\r\n\n", f"{BOS} written in text {EOS}"]
+    for text in texts:
+        ids = hf_tokenizer.encode(text)
+        assert {0, 1}.isdisjoint(ids), "no special id from the tokenizer itself or from text"
+        assert hf_tokenizer.decode(ids) == text
+        assert hf_tokenizer.encode(text, bos=True, eos=True) == [0, *ids, 1]
+        assert hf_tokenizer.decode(torch.tensor([0, *ids, 1, hf_tokenizer.pad_id])) == text
+    assert hf_tokenizer.encode_batch(texts, bos=True) == [
+        hf_tokenizer.encode(text, bos=True) for text in texts
+    ]
+
+
+def test_tokenizer_json_batches_do_not_depend_on_threads(hf_tokenizer, corpus_sample, monkeypatch):
+    serial = hf_tokenizer.encode_batch(corpus_sample[:100])
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # the library reads it at each call
+    assert hf_tokenizer.encode_batch(corpus_sample[:100]) == serial
+
+
+def test_tokenizer_json_vocab_pad_folder_and_pickle(hf_dir, hf_tokenizer, tmp_path):
+    assert hf_tokenizer.vocab_size == HF_VOCAB
+    assert hf_tokenizer.pad_id == hf_tokenizer.eos_id  # the files name no pad token
+    padded = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    padded.add_special_tokens(["<|pad|>"])  # an added token past the trained vocabulary
+    padded.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|pad|>"}))
+    with_pad = Tokenizer(tmp_path)
+    assert (with_pad.vocab_size, with_pad.pad_id) == (HF_VOCAB + 1, HF_VOCAB)
+    assert Tokenizer(hf_dir).path == hf_tokenizer.path == str(hf_dir / "tokenizer.json")
+    clone = pickle.loads(pickle.dumps(hf_tokenizer))
+    text = f"Exeunt {EOS}\n"
+    assert clone.encode(text) == hf_tokenizer.encode(text)
+    assert clone.sha256() == hf_tokenizer.sha256()
+
+
+def test_tokenizer_json_bos_eos_from_each_source(hf_dir, gpt2_style, tmp_path):
+    bare = tmp_path / "tokenizer.json"  # no tokenizer_config.json beside it
+    shutil.copy(hf_dir / "tokenizer.json", bare)
+    from_template_and_names = Tokenizer(bare)  # BOS from the post-processor, EOS by name
+    assert (from_template_and_names.bos_id, from_template_and_names.eos_id) == (0, 1)
+    swapped = Tokenizer(hf_dir, bos_token=EOS, eos_token=BOS)  # config beats the files
+    assert (swapped.bos_id, swapped.eos_id) == (1, 0)
+
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer(gpt2_style)
+    message = str(err.value)
+    assert "\n" not in message and str(gpt2_style) in message and "--model.bos_token" in message
+    doc = Tokenizer(gpt2_style, bos_token="<|doc|>", eos_token="<|doc|>")
+    assert doc.bos_id == doc.eos_id == 0
+    with pytest.raises(TokenizerError, match=r"^model.eos_token '<\|nope\|>' is not a token"):
+        Tokenizer(gpt2_style, bos_token="<|doc|>", eos_token="<|nope|>")
+
+
+def test_build_tokenizer_reads_the_model_section(hf_dir):
+    cfg = parse_args(["--model.tokenizer_path", str(hf_dir), "--model.eos_token", BOS])
+    tokenizer = build_tokenizer(cfg.model)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 0)
+
+
+def test_tokenizer_json_sha256_covers_every_file_that_sets_ids(hf_dir, tmp_path):
+    folder = tmp_path / "tok"
+    shutil.copytree(hf_dir, folder)
+    before = Tokenizer(folder).sha256()
+    assert Tokenizer(hf_dir).sha256() == before
+    assert Tokenizer(folder, eos_token=BOS).sha256() != before
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": EOS}))
+    changed_config = Tokenizer(folder).sha256()
+    (folder / "tokenizer_config.json").unlink()
+    without_config = Tokenizer(folder).sha256()
+    data = (folder / "tokenizer.json").read_bytes()
+    assert without_config == hashlib.sha256(data).hexdigest()
+    spec = json.loads(data)
+    spec["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    changed_file = Tokenizer(folder, bos_token=BOS).sha256()
+    assert len({before, changed_config, without_config, changed_file}) == 4
+
+
+def test_splits_at_newlines_is_proven_or_false(hf_tokenizer, gpt2_style, corpus_sample):
+    """Newline-isolating pre-tokenizer: proven, and lines encode as the whole text, so the
+    long-document fast path keeps every token. Negative control: the default byte-level
+    pre-tokenizer groups whitespace across newlines, and does encode some text differently
+    line by line, so it must be (and is) False."""
+    assert hf_tokenizer.splits_at_newlines
+    long_text = "\n".join(corpus_sample)[: LONG_DOCUMENT_CHARS + 1000]
+    whole = hf_tokenizer.encode(long_text, bos=True, eos=True)
+    assert encode_document(hf_tokenizer, long_text).tolist() == whole
+
+    gpt2 = Tokenizer(gpt2_style, bos_token="<|doc|>", eos_token="<|doc|>")
+    assert not gpt2.splits_at_newlines
+    text = "Amen.\n\n    And"  # "\n" and the indent after it merge into one token
+    by_line = [t for ids in gpt2.encode_batch(split_lines(text)) for t in ids]
+    assert by_line != gpt2.encode(text)
+    assert encode_document(gpt2, long_text).tolist() == gpt2.encode(long_text, bos=True, eos=True)
+
+
+def test_unreadable_tokenizer_json_is_one_line(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": 42}')
+    with pytest.raises(TokenizerError, match="is not a tokenizer.json") as err:
+        Tokenizer(tmp_path)
+    assert "\n" not in str(err.value) and str(tmp_path / "tokenizer.json") in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="holds no tokenizer.json"):
+        Tokenizer(tmp_path / "empty")
+
+
+# ---- the pipeline with a tokenizer.json ------------------------------------------------
+
+
+def test_data_pipeline_restores_at_every_step_with_tokenizer_json(tiny_corpus, hf_tokenizer):
+    # test_data's check, as is; on rank 1 this vocabulary's longer token streams still
+    # cross the two epoch boundaries it asks for.
+    restore_at_every_step(tiny_corpus, hf_tokenizer, streaming=False, rank=1)
+
+
+def test_loader_workers_resume_exactly_with_tokenizer_json(small_corpus, hf_tokenizer):
+    loader_resumes_exactly(small_corpus, hf_tokenizer, workers=2)
+
+
+def test_training_runs_on_a_tokenizer_json(hf_dir, hf_tokenizer, small_corpus, tmp_path):
+    train_here(
+        tmp_path, "--model.tokenizer_path", hf_dir / "tokenizer.json",
+        "--training.dataset_path", small_corpus, "--training.steps", 3,
+        "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", 3,
+    )  # fmt: skip
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    manifest = read_manifest(str(tmp_path / "checkpoint" / "step-3"))
+    assert manifest["data_fingerprint"]["tokenizer_sha256"] == hf_tokenizer.sha256()

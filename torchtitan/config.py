@@ -97,7 +97,14 @@ class Model:
     flavor: str = _opt("debugmodel", "model size preset", choices=_model_flavors)
     tokenizer_path: str = _opt(
         "data/tokenizer/tokenizer.model",
-        "SentencePiece model; relative paths are tried in the current directory, then the repo root",
+        "SentencePiece .model, or a tokenizers tokenizer.json (or a folder holding one); "
+        "relative paths are tried in the current directory, then the repo root",
+    )
+    bos_token: str = _opt(
+        "", "text of the token that starts each document; empty: the tokenizer files' own"
+    )
+    eos_token: str = _opt(
+        "", "text of the token that ends each document; empty: the tokenizer files' own"
     )
     dropout: float = _opt(0.0, "dropout probability", ge=0.0, lt=1.0)
     attention_mask: str = _opt(

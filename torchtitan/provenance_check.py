@@ -44,12 +44,12 @@ def main(argv=None) -> int:
 
 
 def _completeness(provenance, config_args: list[str]) -> bool:
-    from torchtitan.config import parse_args, resolve_path
+    from torchtitan.config import parse_args
     from torchtitan.data import document_lengths
-    from torchtitan.data.tokenizer import Tokenizer
+    from torchtitan.data.tokenizer import build_tokenizer
 
     cfg = parse_args(config_args)
-    lengths = document_lengths(cfg, Tokenizer(resolve_path(cfg.model.tokenizer_path)))
+    lengths = document_lengths(cfg, build_tokenizer(cfg.model))
     shards = cfg.training.data_shards
     if not shards:  # chosen at the run's start: every shard has read by now, or none finished
         shards = 1 + max(span[5] for span in spans_of(provenance))
