@@ -14,18 +14,17 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from torchtitan import parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
-from torchtitan.config import ConfigError, JobConfig, load_config_or_exit, resolve_path
+from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import DataError, build_dataloader, data_fingerprint
-from torchtitan.data.dataset import segment_lengths
-from torchtitan.data.tokenizer import Tokenizer, TokenizerError
+from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib
-from torchtitan.models import build_model, count_parameters
+from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
+from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps, peak_tflops
 
 logger = logging.getLogger("torchtitan")
 
@@ -61,10 +60,10 @@ def seed_everything(seed: int, deterministic: bool):
 
 
 def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.ParallelDims):
-    # Every rank builds the full model from the same seed, then shards it, so the
-    # weights do not depend on the number of ranks. (For very large flavors, write a
-    # seed checkpoint once with --checkpoint.create_seed_checkpoint and load it.)
-    model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device=dims.device)
+    """Build on the meta device, apply parallelism, then let each rank materialize and
+    initialize only what it holds: O(own shard) memory and init time per rank under
+    FSDP, with weights that do not depend on the number of ranks."""
+    model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device="meta")
     if cfg.training.seq_len > model.args.max_seq_len:
         raise ConfigError(
             f"training.seq_len {cfg.training.seq_len} exceeds the max_seq_len "
@@ -76,7 +75,7 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
         cfg.model.flavor,
         count_parameters(model) / 1e6,
     )
-    return parallel.apply_data_parallel(model, cfg.training.data_parallel, dims)
+    return parallel.parallelize(model, cfg, dims)
 
 
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
@@ -85,7 +84,11 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
             "checkpoint.create_seed_checkpoint runs in one process: launch it without torchrun"
         )
     model = build_model(
-        cfg.model.flavor, tokenizer.vocab_size, dropout=cfg.model.dropout, device=dims.device
+        cfg.model.flavor,
+        tokenizer.vocab_size,
+        dropout=cfg.model.dropout,
+        device=dims.device,
+        seed=cfg.training.seed,
     )
     manager = CheckpointManager(
         cfg,
@@ -105,14 +108,15 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
     t = cfg.training
     seed_everything(t.seed, t.deterministic)
-    tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+    tokenizer = build_tokenizer(cfg.model)
     if cfg.checkpoint.create_seed_checkpoint:
         return write_seed_checkpoint(cfg, dims, tokenizer)
 
+    accumulation = accumulation_steps(cfg, dims.world_size)
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size)
+    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size, accumulation)
     train_state = TrainState()
     # Ranks draw different dropout masks; the checkpoint restores each rank's RNG.
     torch.manual_seed(t.seed + dims.rank)
@@ -127,6 +131,9 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         fingerprint=data_fingerprint(cfg, tokenizer),
     )
     train_state.step = checkpoint.load()
+    batch_loss = BatchLoss(cfg, model, dims)
+    step = TrainStep(cfg, model, optimizer, scheduler, batch_loss, checkpoint.wait_for_staging)
+    validator = Validator(cfg, tokenizer, dims, batch_loss) if cfg.validation.enable else None
 
     metrics = MetricLogger(cfg, dims.rank, train_state.step)
     provenance = None
@@ -135,54 +142,49 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         provenance = ProvenanceWriter(folder, dims.rank, train_state.step, dims.is_main)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
 
-    tokens_per_step = t.batch_size * t.seq_len * dims.world_size
+    tokens_per_step = t.batch_size * accumulation * t.seq_len * dims.world_size
+    flops_per_token = llama.flops_per_token(getattr(model, "module", model).args, t.seq_len)
+    peak = peak_tflops(cfg, dims.device)
     logger.info(
-        "training steps %d..%d, %d tokens per step", train_state.step + 1, t.steps, tokens_per_step
-    )
+        "training steps %d..%d, %d tokens per step (%d micro-batches of %d x %d per rank, world size %d)",
+        train_state.step + 1, t.steps, tokens_per_step, accumulation, t.batch_size, t.seq_len,
+        dims.world_size,
+    )  # fmt: skip
     model.train()
     last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
     preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
-    block_causal = cfg.model.attention_mask == "block_causal"
     epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last log line
     try:
         while train_state.step < last_step:
             step_start = time.perf_counter()
-            batch = next(dataloader)
-            inputs, labels = batch["input"].to(dims.device), batch["label"].to(dims.device)
+            batches, data_wait_s = [], 0.0
+            for _ in range(accumulation):
+                batches.append(next(dataloader))
+                data_wait_s += dataloader.last_wait_s
             train_state.step += 1
             train_state.tokens_seen += tokens_per_step
-            epoch_starts += [[train_state.step, *e] for e in batch["epoch_starts"]]
-
-            if block_causal:
-                positions = batch["positions"].to(dims.device)
-                logits = model(inputs, positions, segment_lengths(batch["document_ids"]))
-            else:
-                logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
-            checkpoint.wait_for_staging()  # an async save may still be copying these parameters
-            optimizer.step()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            epoch_starts += [[train_state.step, *e] for b in batches for e in b["epoch_starts"]]
+            loss, grad_norm, lr = step(batches)
 
             if provenance is not None:
-                provenance.write(train_state.step, batch["spans"])
-            if metrics.should_log(train_state.step, last_step):
-                grad_norm = (
-                    grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                )
+                provenance.write(train_state.step, [s for b in batches for s in b["spans"]])
+            validation = {}
+            if validator is not None and validator.due(train_state.step, last_step):
+                validation["validation_loss"] = validator.run(model)
+            if validation or metrics.should_log(train_state.step, last_step):
                 step_s = time.perf_counter() - step_start
+                per_rank = tokens_per_step / dims.world_size / step_s
+                mfu = {"mfu_pct": 100 * per_rank * flops_per_token / (peak * 1e12)} if peak else {}
                 metrics.log(
                     train_state.step,
                     {
                         "loss": parallel.mean_over_ranks(loss),
                         "grad_norm": grad_norm.item(),
                         "lr": lr,
-                        "tokens_per_s": tokens_per_step / step_s,
+                        "tokens_per_s": per_rank,
+                        **mfu,
                         "step_ms": 1000 * step_s,
-                        "data_wait_ms": 1000 * dataloader.last_wait_s,
+                        "data_wait_ms": 1000 * data_wait_s,
                         # the previous step's stop agreement (save on preemption)
                         "stop_check_ms": 1000 * preemption.last_check_s,
                         "memory_gib": memory_gib(dims.device),
@@ -190,6 +192,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
                         "skipped_documents": parallel.sum_over_ranks(
                             dataloader.skipped_documents()
                         ),
+                        **validation,
                     },
                     epoch_starts=sorted(parallel.gather_to_main(dims, epoch_starts)),
                 )

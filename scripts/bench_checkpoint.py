@@ -53,9 +53,9 @@ def rank_main(args) -> dict:
     dims = parallel.init_distributed()
     torch.manual_seed(0)
     vocab = VOCAB[args.flavor]
-    model = build_model(args.flavor, vocab, device=dims.device)
+    model = build_model(args.flavor, vocab, device="meta")
     params = count_parameters(model)
-    model = parallel.apply_data_parallel(model, "fsdp", dims)
+    model = parallel.parallelize(model, parse_args([]), dims)  # FSDP, as train.py does
     result = {"flavor": args.flavor, "parameters": params, "ranks": dims.world_size}
     for mode in ("disabled", "async"):
         cfg = parse_args([

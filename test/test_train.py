@@ -54,14 +54,19 @@ def check(tmp_path, *args) -> int:
 
 
 def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_path):
-    """12 steps on 2 FSDP ranks with 2 loader workers each, dropout, a two-source mix and
-    async checkpoints; delete step-12 and step-9, resume from step-6: steps 7..12 bit-equal,
-    the same data in the same order, every token once."""
+    """12 steps on 2 FSDP ranks with 2 loader workers each, dropout, a two-source mix,
+    async checkpoints, bf16 compute, full activation checkpointing, 2 micro-batches per
+    step and validation every 4 steps; delete step-12 and step-9, resume from step-6:
+    steps 7..12 bit-equal (training and validation losses), the same data in the same
+    order, every token once."""
     cmd = [
         sys.executable, str(REPO / "scripts" / "deterministic_resume.py"),
         "--dump-folder", str(tmp_path / "dr"), "--steps", "12", "--interval", "3", "--delete", "2",
         "--training.num_workers", "2", "--model.dropout", "0.1",
         "--training.datasets", "shakespeare:0.7,kjv:0.3", "--checkpoint.async_mode", "async",
+        "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "full",
+        "--training.global_batch_size", "16",
+        "--validation.enable", "--validation.freq", "4", "--validation.steps", "2",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -70,13 +75,17 @@ def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_p
     assert "loaded checkpoint" in out and "step-6" in out
     assert out.count(" yes") == 6
     assert "provenance of the resumed run equals the first run's: True" in out
-    assert (tmp_path / "dr" / "loss_curves.png").stat().st_size > 0
+    assert "validation losses of the resumed run equal the first run's: True" in out
     log = (tmp_path / "dr" / "runs.log").read_text()
+    assert "2 micro-batches of 4 x 128 per rank, world size 2" in log
+    assert (tmp_path / "dr" / "loss_curves.png").stat().st_size > 0
     assert "staging and writing in the background" in log
     records = read_jsonl(tmp_path / "dr" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 13))
     expected = {"loss", "grad_norm", "lr", "tokens_per_s", "step_ms", "data_wait_ms", "memory_gib"}
     assert expected <= set(records[0])
+    assert [r["step"] for r in records if "validation_loss" in r] == [4, 8, 12]
+    assert records[-1]["tokens_seen"] == 12 * 16 * 128
     assert records[-1]["loss"] < records[0]["loss"], "the model learns"
 
 
@@ -152,20 +161,23 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
 
 
 def test_elastic_chain_ranks_and_workers(tmp_path, dozen_corpus):
-    """2 ranks x 0 workers -> 1 rank x 3 workers -> 2 ranks x 0 workers, global batch 8, on a
-    12-document corpus with the automatic shard count (12): 3 consumers is a layout the
-    old rule skewed. Several epochs pass; the provenance checker proves every token read
-    once and nothing skipped (every document of each finished epoch read whole)."""
+    """2 ranks x 0 workers -> 1 rank x 3 workers -> 2 ranks x 0 workers, global batch 8 of
+    micro-batches of 4 (the one rank accumulates two per step), on a 12-document corpus
+    with the automatic shard count (12): 3 consumers is a layout the old rule skewed.
+    Several epochs pass; the provenance checker proves every token read once and nothing
+    skipped (every document of each finished epoch read whole)."""
     common = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
               "--metrics.data_provenance", "--training.dataset_path", dozen_corpus,
-              "--training.seq_len", 32]  # fmt: skip
-    train(tmp_path, *common, "--training.stop_at_step", 3, "--training.batch_size", 4)
-    proc = train(tmp_path, *common, "--training.stop_at_step", 6, "--training.batch_size", 8,
-                 "--training.num_workers", 3, nproc=1)  # fmt: skip
+              "--training.seq_len", 32, "--training.batch_size", 4,
+              "--training.global_batch_size", 8]  # fmt: skip
+    train(tmp_path, *common, "--training.stop_at_step", 3)
+    proc = train(tmp_path, *common, "--training.stop_at_step", 6, "--training.num_workers", 3,
+                 nproc=1)  # fmt: skip
     assert (
         "resharding data state from 2x0 to 1x3 (ranks x workers; 12 virtual shards)" in proc.stderr
     )
-    proc = train(tmp_path, *common, "--training.batch_size", 4)
+    assert "2 micro-batches of 4 x 32 per rank, world size 1" in proc.stderr
+    proc = train(tmp_path, *common)
     assert "resharding data state from 1x3 to 2x0" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))
     assert_exactly_once(tmp_path)

@@ -164,11 +164,48 @@ class Training:
     seed: int = _opt(42, "seed for model init, data order and dropout")
     deterministic: bool = _opt(False, "use deterministic torch algorithms")
     data_parallel: str = _opt("fsdp", "data-parallel wrapper", choices=["fsdp", "ddp"])
+    global_batch_size: int = _opt(
+        0,
+        "sequences per optimizer step over all ranks; a multiple of batch_size x ranks, the "
+        "rest made up by gradient accumulation (0: batch_size x ranks, no accumulation)",
+        ge=0,
+    )
+    mixed_precision_param: str = _opt(
+        "auto",
+        "dtype of the forward and backward compute; parameters and optimizer state stay "
+        "float32 (auto: bfloat16 on GPU, float32 on CPU)",
+        choices=["auto", "bfloat16", "float32"],
+    )
+    mixed_precision_reduce: str = _opt(
+        "float32", "dtype of the gradient reduction across ranks (FSDP)",
+        choices=["float32", "bfloat16"],
+    )  # fmt: skip
+    compile: bool = _opt(False, "torch.compile each transformer block and the loss")
     bad_data: str = _opt(
         "skip",
         "policy for empty, non-string or undecodable documents",
         choices=["skip", "error"],
     )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _opt(
+        "none",
+        "recompute transformer blocks' activations in the backward pass: none, full (every "
+        "block) or selective (every selective_every-th block)",
+        choices=["none", "full", "selective"],
+    )
+    selective_every: int = _opt(2, "with mode selective, recompute every k-th block", ge=1)
+
+
+@dataclass
+class Validation:
+    enable: bool = _opt(False, "log a held-out loss every validation.freq steps")
+    dataset: str = _opt("bundled", "dataset registry name of the held-out data")
+    dataset_path: str = _opt("", "local file, folder or glob; overrides validation.dataset")
+    freq: int = _opt(100, "steps between validations (and at the last step)", ge=1)
+    steps: int = _opt(10, "batches per validation, per rank, from the start of the data", ge=1)
 
 
 @dataclass
@@ -193,6 +230,14 @@ class Checkpoint:
     create_seed_checkpoint: bool = _opt(False, "write the step-0 checkpoint and exit")
     fallback_on_corruption: bool = _opt(False, "resume from an older checkpoint if one is corrupt")
     accept_data_change: bool = _opt(False, "resume even if the data fingerprint changed")
+    initial_load_path: str = _opt(
+        "",
+        "weights to start from when the run has no checkpoint of its own: another job's "
+        "step-N folder (dcp) or a Hugging Face model folder (hf)",
+    )
+    initial_load_format: str = _opt(
+        "dcp", "format of checkpoint.initial_load_path", choices=["dcp", "hf"]
+    )
     save_on_signal: list[str] = _opt(
         ["SIGTERM", "SIGUSR1"],
         "signals on which every rank saves the current step and exits (empty: none)",
@@ -207,6 +252,12 @@ class Metrics:
     tensorboard_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder")
     jsonl_file: str = _opt("", "metrics JSONL file; empty means <dump_folder>/metrics.jsonl")
     data_provenance: bool = _opt(False, "log which documents each step consumed")
+    peak_tflops: float = _opt(
+        0.0,
+        "peak dense bf16 TFLOP/s of one accelerator, for MFU (0: known GPUs by name; "
+        "MFU is not logged on an unknown device)",
+        ge=0.0,
+    )
 
 
 @dataclass
@@ -216,6 +267,8 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -241,6 +294,19 @@ class JobConfig:
             _check_dataset_spec(f"training.datasets[{i}]", spec)
         if not t.datasets and not t.dataset_path:
             _check_dataset_name("training.dataset", t.dataset)
+        v = self.validation
+        if v.enable and not v.dataset_path:
+            _check_dataset_name("validation.dataset", v.dataset)
+        if t.global_batch_size % t.batch_size:
+            raise ConfigError(
+                f"training.global_batch_size {t.global_batch_size} is not a multiple of "
+                f"training.batch_size {t.batch_size}; make it batch_size x ranks x accumulation"
+            )
+        if t.compile and self.model.attention_mask == "block_causal":
+            raise ConfigError(
+                "training.compile with model.attention_mask block_causal would recompile for "
+                "every batch's document layout; turn one of them off"
+            )
         if self.checkpoint.create_seed_checkpoint and not self.checkpoint.enable_checkpoint:
             raise ConfigError(
                 "checkpoint.create_seed_checkpoint is true but checkpoint.enable_checkpoint "

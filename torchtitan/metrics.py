@@ -90,6 +90,9 @@ class MetricLogger:
             values["data_wait_ms"],
             values["memory_gib"],
         )
+        extra = [f"{k} {values[k]:.4f}" for k in ("mfu_pct", "validation_loss") if k in values]
+        if extra:
+            logger.info("step %5d  %s", step, "  ".join(extra))
         # json writes a float with repr(), so the loss reads back bit-exact.
         record = {"step": step, **values}
         if epoch_starts:

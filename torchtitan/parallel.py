@@ -5,13 +5,17 @@ gloo), initializing and tearing down the default process group and two gloo grou
 for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
 small collectives the trainer needs (a barrier, the mean of a scalar over ranks, a
 flag raised on any rank), telling the other ranks which rank failed and why (one key
-in the job's c10d store), and wrapping the model for data parallelism.
+in the job's c10d store), and applying parallelism and its companions to a model:
+FSDP2 with mixed precision or DDP, gradient sync during accumulation, activation
+checkpointing and per-block compilation.
 
-Never: build the model, hold training state, or read the config beyond its arguments.
+Never: define or build the model (it arrives on the meta device), hold training state,
+or read the config beyond the parallelism, precision and recompute settings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -161,20 +165,89 @@ def barrier(dims: ParallelDims):
         dist.barrier(group=dims.cpu_group)
 
 
-def apply_data_parallel(model: nn.Module, mode: str, dims: ParallelDims) -> nn.Module:
-    """Wrap for data parallelism: FSDP2 per transformer block and at the root, or DDP."""
-    if not dist.is_initialized() or (dims.world_size == 1 and mode == "ddp"):
-        return model
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
+    """Turn a model built on the meta device into the training model on this rank:
+    activation checkpointing, compilation, FSDP2 (or DDP), then materialization.
 
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
-        return model
-    if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    Each rank allocates and initializes only what it holds (``init_weights`` draws a
+    shard exactly as the whole tensor would be drawn): O(own shard) memory and time
+    per rank under FSDP, and the same weights on any number of ranks.
+    """
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.selective_every)
+    if cfg.training.compile:
+        apply_compile(model)
+    fsdp = uses_fsdp(cfg.training.data_parallel, dims)
+    if fsdp:
+        reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
+        apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype)
+    model.to_empty(device=dims.device)
+    model.init_weights(cfg.training.seed)
+    return model if fsdp else apply_ddp(model, dims)
 
-        device_ids = [dims.device.index] if dims.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
-    raise ConfigError(f"training.data_parallel {mode!r}: choose 'fsdp' or 'ddp'")
+
+def compute_dtype(cfg, device: torch.device) -> torch.dtype:
+    """The dtype of forward and backward compute (training.mixed_precision_param)."""
+    name = cfg.training.mixed_precision_param
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def uses_fsdp(mode: str, dims: ParallelDims) -> bool:
+    if mode not in ("fsdp", "ddp"):
+        raise ConfigError(f"training.data_parallel {mode!r}: choose 'fsdp' or 'ddp'")
+    return mode == "fsdp" and dist.is_initialized()
+
+
+def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+    """Shard with FSDP2 per transformer block and at the root, in place (works on meta).
+
+    Parameters stay float32 and sharded; each block's are gathered in ``param_dtype``
+    for compute, and gradients are reduce-scattered in ``reduce_dtype``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """Replicate with DDP (the parameters must be materialized); one process: unchanged."""
+    if not dist.is_initialized() or dims.world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [dims.device.index] if dims.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return hasattr(model, "reshard")  # what fully_shard adds to a module's class
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch's backward: DDP skips its all-reduce until the last
+    one. FSDP reduce-scatters every micro-batch: holding unsharded gradients instead
+    would cost O(model) memory per rank, the thing sharding is there to avoid."""
+    if not enabled and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int):
+    """Recompute the activations of every block (full) or of blocks 0, k, 2k, ...
+    (selective, k = every) in the backward pass instead of keeping them."""
+    if mode not in ("none", "full", "selective"):
+        raise ConfigError(f"activation_checkpoint.mode {mode!r}: choose none, full or selective")
+    for i, block in enumerate(model.layers):
+        block.recompute = mode == "full" or (mode == "selective" and i % every == 0)
+
+
+def apply_compile(model: nn.Module):
+    """torch.compile each block's computation (parameter names are unchanged, and FSDP's
+    hooks stay outside the compiled region)."""
+    for block in model.layers:
+        block.compiled = torch.compile(block.compute)

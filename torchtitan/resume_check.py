@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from torchtitan import REPO_ROOT
 from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
-from torchtitan.runs import DEBUG_CONFIG, losses, run_env, torchrun_command
+from torchtitan.runs import DEBUG_CONFIG, losses, run_env, torchrun_command, validation_losses
 
 # launcher(nproc, argv) -> (exit status, log text): how one training job is run.
 Launcher = Callable[[int, list[str]], tuple[int, str]]
@@ -164,23 +164,20 @@ def main(argv=None, launcher: Launcher = torchrun_launcher) -> int:
         ) == sequences_by_step(read_provenance(os.path.join(dump, "provenance")))
     else:
         launch(launcher, args.nproc, dump, args, extra, batch)
-        reference = losses(dump)
+        reference, reference_validation = losses(dump), validation_losses(dump)
         first_provenance = sequences_by_step(read_provenance(os.path.join(dump, "provenance")))
         deleted = delete_last_checkpoints(dump, args.delete)
         resume_step = args.steps - args.delete * args.interval
         print(f"deleted checkpoints {deleted}; resuming from step {resume_step}")
         nproc = args.resume_nproc or args.nproc
-        global_batch = args.batch_size * args.nproc
-        if global_batch % nproc:
-            raise SystemExit(f"global batch {global_batch} does not split over {nproc} ranks")
-        launch(
-            launcher,
-            nproc,
-            dump,
-            args,
-            extra,
-            ["--training.batch_size", str(global_batch // nproc)],
-        )
+        if any(a.startswith("--training.global_batch_size") for a in extra):
+            resume_batch = batch  # the job keeps its global batch by accumulating more or less
+        else:
+            global_batch = args.batch_size * args.nproc
+            if global_batch % nproc:
+                raise SystemExit(f"global batch {global_batch} does not split over {nproc} ranks")
+            resume_batch = ["--training.batch_size", str(global_batch // nproc)]
+        launch(launcher, nproc, dump, args, extra, resume_batch)
         resumed = losses(dump)
         if args.resume_nproc and args.resume_nproc != args.nproc:
             print(
@@ -195,6 +192,12 @@ def main(argv=None, launcher: Launcher = torchrun_launcher) -> int:
             )
             print(f"provenance of the resumed run equals the first run's: {same}")
             ok &= same
+            validation = validation_losses(dump)
+            if reference_validation:
+                after = {s: v for s, v in reference_validation.items() if s > resume_step}
+                same = after == {s: v for s, v in validation.items() if s > resume_step}
+                print(f"validation losses of the resumed run equal the first run's: {same}")
+                ok &= same and bool(after)
     ok &= provenance_ok(dump)
     plot(reference, resumed, resume_step, os.path.join(dump, "loss_curves.png"))
     print("\nPASS: resumed run is exact" if ok else "\nFAIL: the resumed run differs")

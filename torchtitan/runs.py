@@ -73,3 +73,9 @@ def read_records(path: str | Path) -> list[dict]:
 def losses(dump: str | Path) -> dict[int, float]:
     """{step: loss} of a run's ``metrics.jsonl`` (strict: see ``read_records``)."""
     return {r["step"]: r["loss"] for r in read_records(Path(dump) / "metrics.jsonl")}
+
+
+def validation_losses(dump: str | Path) -> dict[int, float]:
+    """{step: validation_loss} of the steps of ``metrics.jsonl`` that ran a validation."""
+    records = read_records(Path(dump) / "metrics.jsonl")
+    return {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}

@@ -69,7 +69,9 @@ def _divisor_count(n: int) -> int:
     return count
 
 
-def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDataLoader:
+def build_dataloader(
+    cfg, tokenizer, dp_rank: int, dp_world: int, accumulation: int = 1
+) -> ParallelDataLoader:
     """The loader of one data-parallel rank. With ``training.data_shards = 0`` the shard
     count is chosen here from the corpus and the layout; a resume takes the checkpoint's
     (see ``ParallelDataLoader.load_state_dict``). Cost: opening the sources (for a
@@ -103,6 +105,7 @@ def build_dataloader(cfg, tokenizer, dp_rank: int, dp_world: int) -> ParallelDat
         num_workers=t.num_workers,
         auto_shards=t.data_shards == 0,
         document_layout=cfg.model.attention_mask == "block_causal",
+        accumulation=accumulation,
     )
 
 

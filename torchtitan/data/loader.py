@@ -46,9 +46,11 @@ class ParallelDataLoader(Stateful):
         num_workers: int = 0,
         auto_shards: bool = False,
         document_layout: bool = False,
+        accumulation: int = 1,
     ):
         self.dataset = dataset
         self.batch_size = batch_size
+        self.accumulation = accumulation  # micro-batches per optimizer step (layout only)
         self.num_workers = num_workers
         self.dp_rank, self.dp_world = dataset.dp_rank, dataset.dp_world
         # The shard count was chosen for this run (training.data_shards = 0): a resume
@@ -73,6 +75,7 @@ class ParallelDataLoader(Stateful):
             "num_workers": self.num_workers,
             "data_shards": self.dataset.data_shards,
             "batch_size": self.batch_size,
+            "accumulation": self.accumulation,
             "seq_len": self.dataset.seq_len,
         }
 
@@ -245,16 +248,29 @@ def _check_compatible(old: dict, new: dict):
             f"the checkpoint was trained at seq_len {old['seq_len']}, the config has "
             f"{new['seq_len']}; resume with --training.seq_len {old['seq_len']}"
         )
-    old_global = old["dp_world"] * old["batch_size"]
-    new_global = new["dp_world"] * new["batch_size"]
+    old_global = _global_batch(old)
+    new_global = _global_batch(new)
     if old_global != new_global:
-        fits = [w for w in range(1, old_global + 1) if old_global % w == 0]
+        per_pass = new["dp_world"] * new["batch_size"]
         hint = (
-            f"use --training.batch_size {old_global // new['dp_world']}"
-            if old_global % new["dp_world"] == 0
-            else f"{old_global} does not split over {new['dp_world']} ranks; rank counts that work: {fits}"
+            f"keep it with --training.global_batch_size {old_global}"
+            if old_global % per_pass == 0
+            else f"{old_global} is not a multiple of {new['dp_world']} ranks x micro-batch "
+            f"{new['batch_size']}; choose a micro-batch (training.batch_size) that divides "
+            f"{old_global // new['dp_world'] if old_global % new['dp_world'] == 0 else old_global}"
         )
         raise DataError(
-            f"global batch size changed from {old_global} ({old['dp_world']} ranks x "
-            f"{old['batch_size']}) to {new_global} ({new['dp_world']} x {new['batch_size']}); {hint}"
+            f"global batch size changed from {old_global} ({_batch_text(old)}) to {new_global} "
+            f"({_batch_text(new)}); {hint}"
         )
+
+
+def _global_batch(layout: dict) -> int:
+    return layout["dp_world"] * layout["batch_size"] * layout.get("accumulation", 1)
+
+
+def _batch_text(layout: dict) -> str:
+    return (
+        f"{layout['dp_world']} ranks x {layout['batch_size']} x "
+        f"{layout.get('accumulation', 1)} micro-batches"
+    )

@@ -1,0 +1,270 @@
+"""The training loop's features: sharded init, mixed precision, activation checkpointing,
+gradient accumulation, validation, throughput, compile and the shipped configs.
+
+Exact resume with them switched on is checked where resumes are: the 2-rank acceptance
+run in test_train.py carries bf16, full recompute, accumulation and validation, and the
+elastic chain there resumes 2 ranks on 1 with two micro-batches per step.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import CONFIG, REPO, read_jsonl, torchrun, train_here
+
+from torchtitan import parallel
+from torchtitan.config import parse_args
+from torchtitan.models import build_model, count_parameters
+from torchtitan.models.llama import flops_per_token, llama_configs
+from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps
+
+ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+
+
+def config(*argv) -> object:
+    return parse_args([*CONFIG, *map(str, argv)])
+
+
+def model_for(cfg):
+    return parallel.parallelize(build_model(cfg.model.flavor, 4096, device="meta"), cfg, ONE_RANK)
+
+
+def sequences(count: int, seq_len: int = 32) -> dict:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 4096, (count, seq_len + 1), generator=g)
+    return {"input": tokens[:, :-1], "label": tokens[:, 1:]}
+
+
+def split(batch: dict, parts: int) -> list[dict]:
+    return [dict(zip(batch, values)) for values in zip(*(v.chunk(parts) for v in batch.values()))]
+
+
+def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
+    """The gradient TrainStep applies for ``batches``, read just before the update."""
+    model = model_for(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    seen = {}
+
+    def capture():
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    cfg.training.max_norm = 1e9  # no clipping: compare the raw gradients
+    loss = BatchLoss(cfg, model, ONE_RANK)
+    if scale is not None:  # negative control: a different loss scaling
+        inner = loss.cross_entropy
+        loss.cross_entropy = lambda logits, labels: inner(logits, labels) * scale
+    TrainStep(cfg, model, optimizer, scheduler, loss, capture)(batches)
+    return seen
+
+
+# ---- sharded initialization ------------------------------------------------------------
+
+
+def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
+    """Built on meta, sharded by FSDP2, each rank initializing only its rows: the step-0
+    weights are bit-equal for 1, 2 and 4 ranks. Drawing each shard from the global RNG
+    (the naive way) gives other weights. With bf16 the blocks compute in bf16 while
+    the sharded parameters stay float32."""
+    reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
+    for nproc, precision in ((2, "float32"), (4, "bfloat16")):
+        out = tmp_path / f"{nproc}.pt"
+        proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", precision],
+                        nproc=nproc, script="test/dist/sharded_init.py")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved = torch.load(out)
+        assert saved["weights"].keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(saved["weights"][name], value), (nproc, name)
+        assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
+        assert saved["params"] == ["torch.float32"]
+        assert saved["compute"] == f"torch.{precision}"
+
+
+# ---- gradient accumulation -------------------------------------------------------------
+
+
+def test_accumulated_gradient_equals_the_gradient_of_one_big_batch():
+    """4 micro-batches of 2 give the gradient of one batch of 8 (to float rounding: the
+    sums run in another order), because each micro-batch's loss is divided by 4. Not
+    scaling it (the negative control) gives 4 times the gradient."""
+    batch = sequences(8)
+    big = gradients_of(config("--training.batch_size", 8), [batch])
+    cfg = config("--training.batch_size", 2, "--training.global_batch_size", 8)
+    assert accumulation_steps(cfg, 1) == 4
+    accumulated = gradients_of(cfg, split(batch, 4))
+    unscaled = gradients_of(cfg, split(batch, 4), scale=4.0)
+    for name, grad in big.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(unscaled[name], grad, rtol=1e-2, atol=1e-6), name
+
+
+def test_global_batch_that_does_not_split_is_one_line(tmp_path):
+    """6 sequences do not split into micro-batches of 4; 12 do not split over the ranks."""
+    status, log = train_here(tmp_path, "--training.global_batch_size", 6, expect_ok=False)
+    assert status == 2 and "training.global_batch_size 6 is not a multiple of" in log
+    with pytest.raises(Exception, match=r"12 is not a multiple of training.batch_size 4 x 2"):
+        accumulation_steps(config("--training.global_batch_size", 12), 2)
+
+
+# ---- activation checkpointing and mixed precision --------------------------------------
+
+
+def test_activation_checkpointing_recomputes_blocks_and_changes_no_gradient():
+    """full recomputes every block in the backward pass, selective every k-th; the
+    gradients are bit-equal to keeping the activations (with dropout: the recompute
+    replays the RNG). Counting forward calls is what fails if nothing is recomputed."""
+    batch = [sequences(2)]
+    reference = None
+    for mode, every, expected in (("none", 2, [1, 1]), ("full", 2, [2, 2]),
+                                  ("selective", 2, [2, 1])):  # fmt: skip
+        cfg = config("--activation_checkpoint.mode", mode,
+                     "--activation_checkpoint.selective_every", every, "--model.dropout", 0.1)  # fmt: skip
+        calls = [0, 0]
+        model = model_for(cfg)
+        for i, block in enumerate(model.layers):
+            original = block.compute
+
+            def counted(*args, i=i, original=original, calls=calls):
+                calls[i] += 1
+                return original(*args)
+
+            block.compute = counted
+        torch.manual_seed(0)
+        loss = BatchLoss(cfg, model, ONE_RANK)(batch[0])
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert calls == expected, mode
+        if reference is None:
+            reference = grads
+        for name, grad in grads.items():
+            assert torch.equal(grad, reference[name]), (mode, name)
+
+
+def test_bf16_without_fsdp_autocasts_and_keeps_float32_parameters():
+    """One process (no FSDP): training.mixed_precision_param bfloat16 runs the matmuls in
+    bf16 under autocast; parameters, gradients and the loss stay float32."""
+    for precision, expected in (("bfloat16", torch.bfloat16), ("float32", torch.float32),
+                                ("auto", torch.float32)):  # fmt: skip
+        cfg = config("--training.mixed_precision_param", precision)
+        model = model_for(cfg)
+        seen = []
+        model.layers[0].feed_forward.w1.register_forward_hook(
+            lambda mod, inp, out, seen=seen: seen.append(out.dtype)
+        )
+        loss = BatchLoss(cfg, model, ONE_RANK)(sequences(2))
+        loss.backward()
+        assert seen == [expected] and loss.dtype == torch.float32
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+# ---- validation ------------------------------------------------------------------------
+
+
+def test_validation_changes_nothing_in_training(tmp_path, monkeypatch):
+    """With dropout, the training losses of a run with validation every 2 steps are
+    bit-equal to those of a run without; validation losses are logged at 2, 4 and 6
+    (the last step), and the same batches give the same loss each time (validating
+    an unchanged model twice gives one value). Negative control: validating in train
+    mode draws dropout masks from the training RNG, and the training losses move."""
+    common = ["--training.steps", 6, "--model.dropout", 0.1, "--validation.steps", 2]
+    train_here(tmp_path / "plain", *common)
+    train_here(tmp_path / "validated", *common, "--validation.enable", "--validation.freq", 2)
+    plain = read_jsonl(tmp_path / "plain" / "metrics.jsonl")
+    validated = read_jsonl(tmp_path / "validated" / "metrics.jsonl")
+    assert [r["loss"] for r in plain] == [r["loss"] for r in validated]
+    assert [r["step"] for r in validated if "validation_loss" in r] == [2, 4, 6]
+
+    cfg = config("--validation.enable", "--validation.steps", 2, "--model.dropout", 0.1)
+    model = model_for(cfg)
+    validator = Validator(cfg, _tokenizer(), ONE_RANK, BatchLoss(cfg, model, ONE_RANK))
+    assert validator.run(model) == validator.run(model)
+
+    monkeypatch.setattr(torch.nn.Module, "eval", lambda self: self)
+    train_here(tmp_path / "broken", *common, "--validation.enable", "--validation.freq", 2)
+    broken = read_jsonl(tmp_path / "broken" / "metrics.jsonl")
+    assert [r["loss"] for r in broken] != [r["loss"] for r in plain]
+
+
+def _tokenizer():
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+    return Tokenizer(DEFAULT_TOKENIZER_PATH)
+
+
+# ---- throughput ------------------------------------------------------------------------
+
+
+def test_flops_per_token_counts_every_matmul_weight_and_attention():
+    """6 x (parameters but the embedding table) + 12 x layers x dim x seq_len."""
+    for flavor in ("debugmodel", "8B"):
+        args = llama_configs[flavor]
+        model = build_model(flavor, args.vocab_size, device="meta")
+        norms = (2 * args.n_layers + 1) * args.dim
+        matmuls = count_parameters(model) - args.vocab_size * args.dim - norms
+        expected = 6 * matmuls + 12 * args.n_layers * args.dim * 2048
+        assert flops_per_token(args, 2048) == expected
+    assert (
+        6 * 7.0e9 < flops_per_token(llama_configs["8B"], 8192) < 6 * 8.0e9 + 12 * 32 * 4096 * 8192
+    )
+
+
+def test_tokens_per_second_per_rank_and_mfu_in_the_log(tmp_path):
+    """tokens_per_s is per rank; mfu_pct follows from it, the FLOPs per token and
+    metrics.peak_tflops, and is absent on a device of unknown peak (this CPU)."""
+    train_here(tmp_path / "a", "--training.steps", 2)
+    assert "mfu_pct" not in read_jsonl(tmp_path / "a" / "metrics.jsonl")[-1]
+    train_here(tmp_path / "b", "--training.steps", 2, "--metrics.peak_tflops", 0.5)
+    record = read_jsonl(tmp_path / "b" / "metrics.jsonl")[-1]
+    cfg = config()
+    args = build_model("debugmodel", 4096, device="meta").args
+    per_token = flops_per_token(args, cfg.training.seq_len)
+    assert record["mfu_pct"] == 100 * record["tokens_per_s"] * per_token / 0.5e12
+    assert record["tokens_per_s"] == pytest.approx(4 * 128 / (record["step_ms"] / 1000))
+
+
+# ---- compile ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_and_resume_exactly(tmp_path):
+    """training.compile on CPU (inductor, needs a C++ compiler): the losses match eager
+    to float rounding (another implementation of the same math), and a compiled run
+    resumed from step 2 repeats the uninterrupted compiled run bit for bit."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("torch.compile on CPU needs a C++ compiler (g++), and none is installed")
+    common = ["--training.steps", 4, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
+    train_here(tmp_path / "eager", *common)
+    train_here(tmp_path / "compiled", *common, "--training.compile")
+    eager = [r["loss"] for r in read_jsonl(tmp_path / "eager" / "metrics.jsonl")]
+    compiled = [r["loss"] for r in read_jsonl(tmp_path / "compiled" / "metrics.jsonl")]
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    train_here(tmp_path / "resumed", *common, "--training.compile", "--training.stop_at_step", 2)
+    train_here(tmp_path / "resumed", *common, "--training.compile")
+    resumed = [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")]
+    assert resumed == compiled
+
+
+# ---- the shipped configs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, flavor, low, high",
+    [("llama3_125m", "125M", 0.1e9, 0.2e9), ("llama3_1b", "1B", 1.0e9, 1.6e9),
+     ("llama3_8b", "8B", 7.0e9, 8.5e9)],
+)  # fmt: skip
+def test_real_size_configs_parse_and_build_on_meta(name, flavor, low, high):
+    """Each config parses, names its flavor, trains in bf16 with activation checkpointing
+    and warmup, and its model builds on the meta device at the expected size."""
+    cfg = parse_args(["--job.config_file", str(REPO / "train_configs" / f"{name}.toml")])
+    assert cfg.model.flavor == flavor
+    assert cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.activation_checkpoint.mode in ("full", "selective")
+    assert cfg.lr_scheduler.warmup_steps > 0 and cfg.training.global_batch_size > 0
+    args = llama_configs[flavor]
+    model = build_model(flavor, args.vocab_size, device="meta")
+    assert low < count_parameters(model) < high
+    assert cfg.training.seq_len <= model.args.max_seq_len

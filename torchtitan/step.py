@@ -1,0 +1,178 @@
+"""One optimizer step over micro-batches, and the held-out loss, for a built model.
+
+Owns: the loss of one batch (inputs to the device, block-causal positions, autocast
+where FSDP does not cast), gradient accumulation with the loss scaled so that the
+gradient is the one big batch's, clipping and the optimizer and schedule step
+(`TrainStep`); the validation pass over held-out data (`Validator`); and the
+throughput figures logged with them (tokens/s per rank, MFU).
+
+Never: pull training batches (the loop hands them over, so what a step consumed is
+what the checkpoint records), save checkpoints, or write logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan import parallel
+from torchtitan.config import ConfigError
+from torchtitan.data import build_dataloader
+from torchtitan.data.dataset import segment_lengths
+
+logger = logging.getLogger("torchtitan")
+
+# Dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name().
+# More specific names first: an "H100 PCIe" must not read as an SXM part.
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.5),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.5),
+    ("A100", 312.0),
+    ("L40S", 362.05),
+    ("A10G", 125.0),
+    ("L4", 121.0),
+]
+
+
+def accumulation_steps(cfg, world_size: int) -> int:
+    """Micro-batches per optimizer step on each rank: global / (micro-batch x ranks).
+
+    The global batch is what a job keeps when its layout changes: resumed on fewer
+    ranks, each rank accumulates more micro-batches of the same size.
+    """
+    t = cfg.training
+    per_pass = t.batch_size * world_size
+    if t.global_batch_size == 0:
+        return 1
+    if t.global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size {t.global_batch_size} is not a multiple of "
+            f"training.batch_size {t.batch_size} x {world_size} ranks = {per_pass}; use a "
+            f"multiple of {per_pass} or change the micro-batch size"
+        )
+    return t.global_batch_size // per_pass
+
+
+def peak_tflops(cfg, device: torch.device) -> float:
+    """metrics.peak_tflops, else the known figure of this GPU; 0 when unknown (no MFU)."""
+    if cfg.metrics.peak_tflops > 0:
+        return cfg.metrics.peak_tflops
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), 0.0)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class BatchLoss:
+    """The mean next-token loss of one batch, as training and validation both compute it."""
+
+    def __init__(self, cfg, model: torch.nn.Module, dims: parallel.ParallelDims):
+        self.model = model
+        self.device = dims.device
+        self.block_causal = cfg.model.attention_mask == "block_causal"
+        dtype = parallel.compute_dtype(cfg, dims.device)
+        # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
+        self.autocast = dtype != torch.float32 and not parallel.is_fsdp(model)
+        self.dtype = dtype
+        self.cross_entropy = (
+            torch.compile(_cross_entropy) if cfg.training.compile else _cross_entropy
+        )
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        inputs = batch["input"].to(self.device, non_blocking=True)
+        labels = batch["label"].to(self.device, non_blocking=True)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            if self.block_causal:
+                positions = batch["positions"].to(self.device, non_blocking=True)
+                logits = self.model(inputs, positions, segment_lengths(batch["document_ids"]))
+            else:
+                logits = self.model(inputs)
+        return self.cross_entropy(logits, labels)
+
+
+class TrainStep:
+    """Forward and backward over a step's micro-batches, then one optimizer update."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loss = loss
+        self.max_norm = cfg.training.max_norm
+        self.before_update = before_update  # e.g. wait for an async save's staging copy
+
+    def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(mean loss over the micro-batches, gradient norm, lr used) of one step.
+
+        Each micro-batch's mean loss is divided by their number, so with equal-sized
+        micro-batches the summed gradient is that of the mean over the whole batch.
+        """
+        total = torch.zeros((), device=self.loss.device)
+        for i, batch in enumerate(batches):
+            with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
+                loss = self.loss(batch) / len(batches)
+                loss.backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.max_norm, foreach=True
+        )
+        self.before_update()
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        return total, grad_norm, lr
+
+
+class Validator:
+    """The loss on held-out data: the same first ``validation.steps`` batches every time.
+
+    Each pass rewinds its own loader to the start, runs the model in eval mode (no
+    dropout) without gradients, and touches neither the training loader nor any RNG,
+    so a resumed run logs the same validation losses as an uninterrupted one.
+    """
+
+    def __init__(self, cfg, tokenizer, dims: parallel.ParallelDims, loss: BatchLoss):
+        v = cfg.validation
+        held_out = copy.deepcopy(cfg)
+        t = held_out.training
+        t.dataset, t.dataset_path, t.datasets = v.dataset, v.dataset_path, []
+        # Fixed data, read in order by the main process: nothing random, nothing that
+        # depends on the training stream.
+        t.shuffle, t.num_workers, t.data_shards = False, 0, 0
+        self.loader = build_dataloader(held_out, tokenizer, dims.rank, dims.world_size)
+        self.freq, self.steps = v.freq, v.steps
+        self.loss = loss
+        self.dims = dims
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.freq == 0 or step == last_step
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module) -> float:
+        """The mean loss over every rank's ``validation.steps`` batches.
+
+        Cost: steps x (one forward of a batch); the loader restarts at the first
+        document of each of this rank's shards, O(own shards)."""
+        self.loader.seek({})
+        model.eval()
+        try:
+            total = sum(self.loss(next(self.loader)) for _ in range(self.steps))
+        finally:
+            model.train()
+        return parallel.mean_over_ranks(total / self.steps)
