@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -305,6 +306,7 @@ class CheckpointManager:
         self.model_weights_only = ck.model_weights_only
         self.fallback_on_corruption = ck.fallback_on_corruption
         self.accept_data_change = ck.accept_data_change
+        self.initial_load = (ck.initial_load_path, ck.initial_load_format)
         self.last_step = cfg.training.steps
         self.dims = dims
         self.fingerprint = fingerprint
@@ -514,12 +516,15 @@ class CheckpointManager:
     # ---- loading --------------------------------------------------------------------
     def load(self) -> int:
         """Load the timeline's resume point into every component; return its step (0 if none)."""
-        if not self.enabled:
-            return 0
-        self._settle_partials()
-        path = self._choose()
+        path = None
+        if self.enabled:
+            self._settle_partials()
+            path = self._choose()
         if path is None:
-            logger.info("no checkpoint in %s: starting from scratch", self.folder)
+            if self.initial_load[0]:
+                load_initial_weights(self.states["model"].model, *self.initial_load, self.dims)
+            elif self.enabled:
+                logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
         begin = time.perf_counter()
         loaded = self._load_from(path)
@@ -749,6 +754,44 @@ class CheckpointManager:
         out = [None] * self.dims.world_size
         dist.all_gather_object(out, obj, group=self.dims.cpu_group)
         return out
+
+
+def load_initial_weights(model: torch.nn.Module, path: str, fmt: str, dims):
+    """Start from other weights: a step folder of another job (``dcp``: the model entries
+    only, each rank reading its own shard, O(own shard)) or a Hugging Face folder
+    (``hf``: rank 0 reads it, O(model), and broadcasts each rank its part). Used only
+    while the run has no checkpoint of its own."""
+    begin = time.perf_counter()
+    if fmt == "dcp":
+        problem = verify_checkpoint(path) if os.path.isdir(path) else "it is not a folder"
+        if problem:
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path}: {problem}; pass a complete step-N folder"
+            )
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path, process_group=dims.cpu_group,
+                 no_dist=not dist.is_initialized())  # fmt: skip
+        set_model_state_dict(model, state["model"])
+    else:
+        from torchtitan.hf import HFError, read_hf_folder
+
+        weights, problem = {}, [None]
+        if dims.is_main:
+            try:
+                weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
+            except HFError as e:
+                problem = [str(e)]
+        if dist.is_initialized():  # every rank raises the same one line
+            dist.broadcast_object_list(problem, src=0, group=dims.cpu_group)
+        if problem[0]:
+            raise CheckpointError(f"checkpoint.initial_load_path: {problem[0]}")
+        from_main = dist.is_initialized()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_main)
+        set_model_state_dict(model, weights, options=options)
+    logger.info(
+        "no checkpoint of this run yet: model weights from %s (%s) in %.2fs",
+        path, fmt, time.perf_counter() - begin,
+    )  # fmt: skip
 
 
 def check_writable(folder: str):
