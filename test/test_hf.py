@@ -278,7 +278,9 @@ def test_a_run_starts_from_a_step_folder_or_a_hf_folder_then_from_its_own(export
     two = train(tmp_path / "two", "--training.steps", 1, "--training.batch_size", 2,
                 "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_format", "hf")  # fmt: skip
     assert "model weights from" in two.stderr
-    one = train_here(tmp_path / "one", "--training.steps", 1, "--checkpoint.initial_load_path", step)
+    one = train_here(
+        tmp_path / "one", "--training.steps", 1, "--checkpoint.initial_load_path", step
+    )
     assert one[0] == 0
     # 2 ranks x 2 sequences see the same 4 sequences as 1 rank x 4 only in another order of
     # summation: the weights are what is compared, through the loss, to float rounding.

@@ -65,22 +65,23 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
 
 def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
     """Built on meta, sharded by FSDP2, each rank initializing only its rows: the step-0
-    weights are bit-equal for 1, 2 and 4 ranks. Drawing each shard from the global RNG
-    (the naive way) gives other weights. With bf16 the blocks compute in bf16 while
-    the sharded parameters stay float32."""
+    weights are bit-equal for 1 rank, 2 ranks (pairs of a 4-rank job, each pair sharding
+    a whole copy) and 4 ranks. Drawing each shard from the global RNG (the naive way)
+    gives other weights. With bf16 the blocks compute in bf16 while the sharded
+    parameters stay float32."""
     reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
-    for nproc, precision in ((2, "float32"), (4, "bfloat16")):
-        out = tmp_path / f"{nproc}.pt"
-        proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", precision],
-                        nproc=nproc, script="test/dist/sharded_init.py")  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        saved = torch.load(out)
-        assert saved["weights"].keys() == reference.keys()
+    out = tmp_path / "weights.pt"
+    proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", "bfloat16"],
+                    nproc=4, script="test/dist/sharded_init.py")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = torch.load(out)
+    for ranks in ("weights", "on_two"):
+        assert saved[ranks].keys() == reference.keys()
         for name, value in reference.items():
-            assert torch.equal(saved["weights"][name], value), (nproc, name)
-        assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
-        assert saved["params"] == ["torch.float32"]
-        assert saved["compute"] == f"torch.{precision}"
+            assert torch.equal(saved[ranks][name], value), (ranks, name)
+    assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
+    assert saved["params"] == ["torch.float32"]
+    assert saved["compute"] == "torch.bfloat16"
 
 
 # ---- gradient accumulation -------------------------------------------------------------

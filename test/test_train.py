@@ -214,12 +214,14 @@ def run_until_step(dump, args: list, step: int) -> subprocess.Popen:
 
 
 def test_sigterm_saves_the_step_and_the_relaunch_is_exact_ddp(tmp_path):
-    """SIGTERM to the whole process group of a 2-rank DDP job mid-run: every rank stops
+    """SIGTERM to the whole process group of a 2-rank DDP job (bf16 autocast, two
+    micro-batches per step, all-reduce on the last only) mid-run: every rank stops
     after the same step N, writes step-N, says so in one line; the relaunch continues
     bit-exactly (losses equal an uninterrupted run). Then a damaged shard stops both
     ranks with one line each naming the file and the fix."""
     common = ["--training.steps", 24, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
-              "--training.data_parallel", "ddp"]  # fmt: skip
+              "--training.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16",
+              "--training.batch_size", 2, "--training.global_batch_size", 8]  # fmt: skip
     train(tmp_path / "reference", *common)
     dump = tmp_path / "preempted"
     proc = run_until_step(dump, common, 3)

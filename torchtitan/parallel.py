@@ -200,8 +200,9 @@ def uses_fsdp(mode: str, dims: ParallelDims) -> bool:
     return mode == "fsdp" and dist.is_initialized()
 
 
-def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
-    """Shard with FSDP2 per transformer block and at the root, in place (works on meta).
+def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype, mesh=None):
+    """Shard with FSDP2 per transformer block and at the root, in place (works on meta),
+    over ``mesh`` (default: all ranks).
 
     Parameters stay float32 and sharded; each block's are gathered in ``param_dtype``
     for compute, and gradients are reduce-scattered in ``reduce_dtype``.
@@ -210,8 +211,8 @@ def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.d
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:

@@ -1,18 +1,20 @@
-"""Run under torchrun: the step-0 weights of the training model, and its compute dtypes.
+"""Run under torchrun with 4 ranks: the step-0 weights of the training model on 4 and on
+2 ranks, and its compute dtypes.
 
-    torchrun --nproc_per_node=N test/dist/sharded_init.py OUT.pt [--section.key value ...]
+    torchrun --nproc_per_node=4 test/dist/sharded_init.py OUT.pt [--section.key value ...]
 
-Builds the model as train.py does (meta device, FSDP2, each rank initializing only its
-shard) and has rank 0 save the full weights to OUT.pt, with the dtypes a block computes
-in and the parameters are kept in. Also saves, as a negative control, the weights a
-naive sharded init gives: each rank's shard drawn from the global RNG, as though it
-were the whole tensor.
+Builds the model as train.py does (meta device, FSDP2 over all ranks, each rank
+initializing only its shard), and again sharded over pairs of ranks (a 2 x 2 mesh: each
+pair holds a whole copy, as a 2-rank job would); rank 0 saves both sets of full weights
+to OUT.pt with the dtype a block computes in and the dtypes the parameters are kept in.
+As a negative control it also saves the weights a naive sharded init gives: each rank's
+shard drawn from the global RNG, as though it were the whole tensor.
 """
 
 import sys
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
@@ -20,8 +22,7 @@ from torchtitan.models import build_model
 
 
 def full_weights(model) -> dict:
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    return {name: p.full_tensor() for name, p in model.named_parameters()}
 
 
 def main():
@@ -36,7 +37,15 @@ def main():
 
     model.layers[0].attention.wq.register_forward_hook(record_dtype)
     model(torch.zeros(1, 8, dtype=torch.long, device=dims.device))
+    model.reshard()  # the root keeps its parameters gathered after a forward
     weights = full_weights(model)
+
+    pairs = build_model(cfg.model.flavor, 4096, device="meta")
+    mesh = init_device_mesh(dims.device.type, (2, 2), mesh_dim_names=("copy", "shard"))
+    parallel.apply_fsdp(pairs, torch.float32, torch.float32, mesh=mesh["shard"])
+    pairs.to_empty(device=dims.device)
+    pairs.init_weights(cfg.training.seed)
+    on_two = full_weights(pairs)
 
     torch.manual_seed(cfg.training.seed)
     with torch.no_grad():
@@ -46,8 +55,8 @@ def main():
     if dims.is_main:
         param_dtypes = {str(p.dtype) for p in model.parameters()}
         torch.save(
-            {"weights": weights, "naive": naive, "compute": str(seen["compute"]),
-             "params": sorted(param_dtypes)}, out,
+            {"weights": weights, "on_two": on_two, "naive": naive,
+             "compute": str(seen["compute"]), "params": sorted(param_dtypes)}, out,
         )  # fmt: skip
     parallel.destroy_distributed()
 
