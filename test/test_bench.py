@@ -53,12 +53,46 @@ def check_attention(r: dict):
     assert r["block_over_causal"] == r["block_causal_ms"] / r["causal_ms"]
 
 
+def check_pretokenized(r: dict):
+    assert positive(
+        r["on_the_fly_tokens_per_s"], r["pretokenized_tokens_per_s"], r["pretokenize_s"]
+    )
+    assert r["same_batches"] is True, "the pretokenized corpus must yield the original's batches"
+    assert r["pretokenized_over_on_the_fly"] == (
+        r["pretokenized_tokens_per_s"] / r["on_the_fly_tokens_per_s"]
+    )
+    assert r["pretokenized_over_on_the_fly"] > 1, "reading stored ids must beat tokenizing"
+    assert r["corpus_tokens"] > 0 and r["corpus_documents"] > 0
+
+
+def check_streaming(r: dict):
+    for row in r["rows"]:
+        assert positive(row["ours_tokens_per_s"]), row
+        if row["peer_tokens_per_s"] is not None:
+            assert row["ours_over_peer"] == row["ours_tokens_per_s"] / row["peer_tokens_per_s"]
+        if row["streaming"]:
+            assert row["units"] >= 1 and row["data_shards"] >= 1, "streaming reads units"
+    assert r["peer"]["skipped"] or r["peer"]["tokens_match"], "the peer must tokenize as we do"
+    for fmt, resume in r["resume"].items():
+        assert positive(resume["median_1pct_s"], resume["median_99pct_s"])
+        assert resume["ratio_99_over_1"] == resume["median_99pct_s"] / resume["median_1pct_s"]
+        first, decoded = resume["first_document"], resume["rows_decoded"]
+        assert first["1%"] != first["99%"], f"{fmt}: the 99% state was not applied"
+        assert 0 < decoded["99%"] <= 3 * decoded["1%"], f"{fmt}: a late resume re-reads the data"
+    for target in r["summary"]["targets"]:
+        bound = float(target["target"].rsplit(" ", 1)[1])
+        at_most = "<=" in target["target"]
+        assert target["met"] == (target["ratio"] <= bound if at_most else target["ratio"] >= bound)
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
     "bench_data.py": check_data,
+    "bench_pretokenized.py": check_pretokenized,
     "bench_resume.py": check_resume,
     "bench_step.py": check_step,
     "bench_checkpoint.py": check_checkpoint,
+    "bench_streaming.py": check_streaming,
 }
 
 
@@ -69,6 +103,8 @@ def test_benchmark_smoke(script, tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", "--json", str(out)]
     if script == "bench_resume.py":
         cmd += ["--corpus", str(tmp_path / "corpus")]
+    if script == "bench_streaming.py":  # no --peer-python: the peer is not installed here
+        cmd += ["--work", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -86,8 +122,21 @@ NONSENSE = [
     (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
                   "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1,
                   "stop_check_share": 0.01}),
+    (check_pretokenized, {"on_the_fly_tokens_per_s": 1.0, "pretokenized_tokens_per_s": 30.0,
+                          "pretokenize_s": 1.0, "same_batches": False,
+                          "pretokenized_over_on_the_fly": 30.0, "corpus_tokens": 1,
+                          "corpus_documents": 1}),
     (check_checkpoint, {"sync_save_s": 1.0, "checkpoint_mb": 1.0, "integrity_s": 0.1,
                         "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1}),
+    (check_streaming, {"rows": [{"ours_tokens_per_s": 2.0, "peer_tokens_per_s": 1.0,
+                                 "ours_over_peer": 2.0, "streaming": True, "units": 20,
+                                 "data_shards": 8}],
+                       "peer": {"skipped": "", "tokens_match": True},
+                       "resume": {"parquet": {"median_1pct_s": 1.0, "median_99pct_s": 1.1,
+                                              "ratio_99_over_1": 1.1,
+                                              "first_document": {"1%": "a", "99%": "a"},
+                                              "rows_decoded": {"1%": 128, "99%": 128}}},
+                       "summary": {"targets": []}}),
 ]  # fmt: skip
 
 

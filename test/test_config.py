@@ -52,7 +52,9 @@ def test_to_dict_is_plain_json():
     cfg = parse_args(["--training.datasets", "shakespeare:0.7,kjv:0.3"])
     d = json.loads(json.dumps(cfg.to_dict()))
     assert d["training"]["batch_size"] == 8
-    assert d["training"]["datasets"][0] == {"name": "shakespeare", "path": "", "weight": 0.7}
+    assert d["training"]["datasets"][0] == {
+        "name": "shakespeare", "path": "", "weight": 0.7, "config": "", "split": "train"
+    }  # fmt: skip
 
 
 TOML = """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -109,15 +110,18 @@ def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, rank):
     """State after k sequences, loaded into a fresh dataset, yields exactly the rest.
 
     8 short documents over 4 shards and 2 ranks: each rank's shards end an epoch
-    every ~15 sequences, so k = 0..40 crosses document and epoch boundaries. One opened
-    source serves every fresh dataset. Negative control: a state one token off in the
-    shard read next does not reproduce the reference.
+    every ~15 sequences (map-style; streaming shards hold byte ranges of the files, so
+    one may hold three documents and its neighbour one: it runs longer), so every k
+    crosses document and epoch boundaries. One opened source serves every fresh
+    dataset. Negative control: a state one token off in the shard read next does not
+    reproduce the reference.
     """
     kw = dict(dp_rank=rank, dp_world=2, streaming=streaming)
     ds = make(tiny_corpus, tokenizer, **kw)
     it = iter(ds)
     reference, states = [], []
-    for _ in range(46):
+    steps = 70 if streaming else 46
+    for _ in range(steps):
         states.append(ds.state_dict())
         reference.append(next(it))
     epochs = {p.cursor.epoch for shard in ds._shards.values() for p in shard.packers}
@@ -132,9 +136,9 @@ def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, rank):
             for a, b in zip(take(fresh, 5), reference[k : k + 5])
         )  # fmt: skip
 
-    for k in range(0, 41):
+    for k in range(0, steps - 5):
         assert same(states[k], k), k
-    k = next(k for k in range(1, 41) if _next_source_state(states[k])["offset"] > 0)
+    k = next(k for k in range(1, steps - 5) if _next_source_state(states[k])["offset"] > 0)
     off_by_one = copy.deepcopy(states[k])
     _next_source_state(off_by_one)["offset"] -= 1
     assert not same(off_by_one, k)
@@ -410,6 +414,44 @@ def test_loader_resumes_exactly_and_workers_do_not_duplicate(small_corpus, token
     resumed.load_state_dict(state)
     for a, b in zip((next(resumed) for _ in range(8)), reference):
         assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_workers_send_groups_without_changing_the_order_or_a_resume(
+    small_corpus, tokenizer, monkeypatch, streaming
+):
+    """2 workers sending groups of 3 batches give the batches of groups of 1 (one worker
+    at a time), and a loader resumed after k batches, for k at every place in a group,
+    gives the rest. Negative control: a state naming the other worker's turn does not."""
+    from torchtitan.data import loader as loader_module
+
+    def loader(group: int):
+        monkeypatch.setattr(loader_module, "GROUP_TOKENS", group * 2 * (SEQ + 1))
+        ds = make(small_corpus, tokenizer, data_shards=4, streaming=streaming)
+        made = ParallelDataLoader(ds, 2, num_workers=2)
+        assert made.group == group
+        return made
+
+    ones = loader(1)
+    reference = [next(ones) for _ in range(16)]
+    first = loader(3)
+    states = []
+    for expected in reference:
+        states.append(first.state_dict())
+        got = next(first)
+        assert torch.equal(got["input"], expected["input"]) and got["spans"] == expected["spans"]
+
+    def resumed_from(state, k) -> bool:
+        again = loader(3)
+        again.load_state_dict(state)
+        return all(torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+                   for a, b in zip((next(again) for _ in range(7)), reference[k : k + 7]))  # fmt: skip
+
+    for k in (1, 2, 3, 4, 8):
+        assert resumed_from(states[k], k), k
+    entry = pickle.loads(states[3]["dp_rank_0"])
+    entry["turn"] = 1 - entry["turn"]
+    assert not resumed_from({"dp_rank_0": pickle.dumps(entry)}, 3)
 
 
 def test_loader_reshards_workers_2_to_0(tiny_corpus, tokenizer):

@@ -24,7 +24,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
-_PATH_SUFFIXES = (".parquet", ".json", ".jsonl", ".txt")
+_PATH_SUFFIXES = (".parquet", ".json", ".jsonl", ".txt", ".arrow")
+# A Hugging Face Hub dataset id in a command-line mix: hub:owner/name[/config[/split]]:weight
+_HUB_PREFIX = "hub:"
 
 
 class ConfigError(ValueError):
@@ -77,11 +79,15 @@ def _opt(default, help, *, choices=None, ge=None, gt=None, le=None, lt=None, hin
 
 @dataclass
 class DatasetSpec:
-    """One source in a weighted mix: a registry name or a local path, and its weight."""
+    """One source in a weighted mix: a registry name, a Hub dataset id (``owner/name``)
+    or a local path, and its weight. ``config`` and ``split`` choose part of a Hub
+    dataset, of a folder laid out like one, or of a ``DatasetDict.save_to_disk`` folder."""
 
     name: str = ""
     path: str = ""
     weight: float = 1.0
+    config: str = ""
+    split: str = "train"
 
 
 @dataclass
@@ -140,12 +146,30 @@ class Training:
     seq_len: int = _opt(2048, "tokens per sequence", ge=2)
     steps: int = _opt(10000, "number of optimizer steps to train", ge=1)
     max_norm: float = _opt(1.0, "gradient clipping norm", gt=0.0)
-    dataset: str = _opt("bundled", "dataset registry name")
-    dataset_path: str = _opt("", "local file, folder or glob; overrides training.dataset")
-    datasets: list[DatasetSpec] = _opt(
-        [], "weighted mix as name_or_path:weight,...; replaces training.dataset"
+    dataset: str = _opt(
+        "bundled", "dataset registry name, or a Hugging Face Hub dataset id (owner/name)"
     )
-    streaming: bool = _opt(False, "read sources with datasets streaming=True")
+    dataset_path: str = _opt(
+        "",
+        "local file, folder or glob, a folder laid out like a Hub dataset (README.md with "
+        "configs), a save_to_disk folder or a pretokenized folder; overrides training.dataset",
+    )
+    dataset_config: str = _opt(
+        "", "config of a Hub dataset or Hub-style folder (empty: its default config)"
+    )
+    dataset_split: str = _opt(
+        "train", "split of a Hub dataset, Hub-style folder or DatasetDict save_to_disk folder"
+    )
+    datasets: list[DatasetSpec] = _opt(
+        [],
+        "weighted mix as name_or_path:weight,... (a Hub id as hub:owner/name[/config[/split]]); "
+        "replaces training.dataset",
+    )
+    streaming: bool = _opt(
+        False,
+        "read sources by units (files, parquet row groups, JSON-lines byte ranges) without "
+        "loading them; a resume seeks to its unit",
+    )
     shuffle: bool = _opt(True, "shuffle the document order")
     text_field: str = _opt("text", "column holding the document text")
     id_field: str = _opt("id", "column holding the document id")
@@ -202,8 +226,17 @@ class ActivationCheckpoint:
 @dataclass
 class Validation:
     enable: bool = _opt(False, "log a held-out loss every validation.freq steps")
-    dataset: str = _opt("bundled", "dataset registry name of the held-out data")
-    dataset_path: str = _opt("", "local file, folder or glob; overrides validation.dataset")
+    dataset: str = _opt(
+        "bundled", "dataset registry name or Hub dataset id (owner/name) of the held-out data"
+    )
+    dataset_path: str = _opt(
+        "",
+        "local path of the held-out data (as training.dataset_path); overrides validation.dataset",
+    )
+    dataset_config: str = _opt("", "config of the held-out data (as training.dataset_config)")
+    dataset_split: str = _opt(
+        "train", "split of the held-out data (as training.dataset_split), e.g. validation"
+    )
     freq: int = _opt(100, "steps between validations (and at the last step)", ge=1)
     steps: int = _opt(10, "batches per validation, per rank, from the start of the data", ge=1)
 
@@ -354,10 +387,12 @@ def _range_text(meta) -> str:
 
 def _check_dataset_name(key: str, name: str) -> None:
     names = _dataset_names()
+    if "/" in name:  # a Hub dataset id; whether it exists is known only when it is read
+        return
     if names is not None and name not in names:
         raise ConfigError(
-            f"{key}: unknown dataset {name!r}; choose from {', '.join(names)}, "
-            "or give a local file with training.dataset_path"
+            f"{key}: unknown dataset {name!r}; choose from {', '.join(names)}, a Hugging Face "
+            "Hub dataset id (owner/name), or give a local file with training.dataset_path"
         )
 
 
@@ -397,9 +432,10 @@ def _lookup(section: str, key: str, where: str):
 
 
 def _parse_dataset_item(key: str, item: str) -> DatasetSpec:
-    source, weight = item, 1.0
-    if ":" in item:
-        source, text = item.rsplit(":", 1)
+    hub = item.strip().startswith(_HUB_PREFIX)
+    source, weight = item.strip().removeprefix(_HUB_PREFIX), 1.0
+    if ":" in source:
+        source, text = source.rsplit(":", 1)
         try:
             weight = float(text)
         except ValueError:
@@ -407,6 +443,14 @@ def _parse_dataset_item(key: str, item: str) -> DatasetSpec:
                 f"{key}: weight {text!r} in {item!r} is not a number; write name_or_path:weight"
             ) from None
     source = source.strip()
+    if hub:
+        parts = source.split("/")
+        if not 2 <= len(parts) <= 4 or not all(parts):
+            raise ConfigError(
+                f"{key}: {item!r} is not a Hub dataset; write hub:owner/name[/config[/split]]:weight"
+            )
+        config, split = (parts + ["", "train"][len(parts) - 2 :])[2:4]
+        return DatasetSpec(name="/".join(parts[:2]), config=config, split=split, weight=weight)
     if "/" in source or source.endswith(_PATH_SUFFIXES):
         return DatasetSpec(path=source, weight=weight)
     return DatasetSpec(name=source, weight=weight)

@@ -152,6 +152,7 @@ class Validator:
         held_out = copy.deepcopy(cfg)
         t = held_out.training
         t.dataset, t.dataset_path, t.datasets = v.dataset, v.dataset_path, []
+        t.dataset_config, t.dataset_split = v.dataset_config, v.dataset_split
         # Fixed data, read in order by the main process: nothing random, nothing that
         # depends on the training stream.
         t.shuffle, t.num_workers, t.data_shards = False, 0, 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
+from torchtitan.data.pretokenized import check_tokenizer, stored_lengths
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 
 __all__ = [
@@ -23,16 +24,19 @@ __all__ = [
 
 
 def source_specs(training) -> list[SourceSpec]:
-    """The configured sources: a weighted mix, a local path, or a registry name.
+    """The configured sources: a weighted mix, a local path, or a registry name or Hub id.
 
     Names label provenance, so two sources of a mix never share one.
     """
-    if training.datasets:
-        specs = [resolve_source(d.name, d.path, d.weight) for d in training.datasets]
-    elif training.dataset_path:
-        specs = [resolve_source(path=training.dataset_path)]
+    t = training
+    if t.datasets:
+        specs = [resolve_source(d.name, d.path, d.weight, d.config, d.split) for d in t.datasets]
+    elif t.dataset_path:
+        specs = [
+            resolve_source(path=t.dataset_path, config=t.dataset_config, split=t.dataset_split)
+        ]
     else:
-        specs = [resolve_source(name=training.dataset)]
+        specs = [resolve_source(name=t.dataset, config=t.dataset_config, split=t.dataset_split)]
     names = [s.name for s in specs]
     for i, spec in enumerate(specs):
         if names.count(spec.name) > 1:
@@ -77,9 +81,11 @@ def build_dataloader(
     (see ``ParallelDataLoader.load_state_dict``). Cost: opening the sources (for a
     streaming parquet source, reading each file's footer)."""
     t = cfg.training
+    specs = source_specs(t)
+    for spec in specs:
+        check_tokenizer(spec, tokenizer)
     sources = [
-        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming)
-        for s in source_specs(t)
+        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming) for s in specs
     ]
     consumers = dp_world * max(1, t.num_workers)
     shards = t.data_shards or auto_data_shards(
@@ -131,14 +137,19 @@ def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
     """{source name: {document id: tokens with BOS/EOS}} of every usable document, read
     the way the run reads them (map-style or streaming). For checking provenance.
 
-    Cost: reads and tokenizes every document once: O(corpus).
+    Cost: reads and tokenizes every document once: O(corpus); a pretokenized source's
+    lengths are its stored ones, read without tokenizing.
     """
     t = cfg.training
     out = {}
     for spec in source_specs(t):
+        check_tokenizer(spec, tokenizer)
+        if spec.tokens_field:
+            out[spec.name] = stored_lengths(spec)
+            continue
         src = open_source(spec, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming)
         if src.streaming:
-            docs = (src.document_of(row) for row in src.open(0))
+            docs = src.all_documents()
         else:
             docs = (d for i in range(0, len(src), 256)
                     for d in src.documents(range(i, min(i + 256, len(src)))))  # fmt: skip

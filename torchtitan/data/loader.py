@@ -12,6 +12,13 @@ checkpoint holds exactly what was consumed, whatever workers have prefetched;
 saving costs no round-trip to the workers and no replay; and resuming, on the
 same layout or another one, is the same path: give each shard state to its owner.
 
+A worker sends its batches in *groups* (enough batches for ``GROUP_TOKENS`` tokens)
+as numpy arrays in one message: a message costs both sides more than making a small
+batch does. This process keeps one received group per worker and hands their batches
+out round-robin, one worker at a time as without groups, so neither the order nor
+the equal pace of the shards depends on the group size, and the state stays "whose
+batch is next".
+
 Never: decide which data a shard reads (dataset.py) or touch checkpoint files.
 """
 
@@ -24,15 +31,49 @@ import time
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-from torchtitan.data.dataset import TokenDataset, collate
+from torchtitan.data.dataset import TokenDataset, as_tensors, collate
 from torchtitan.data.sources import DataError
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "dp_rank_"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: streaming positions are (epoch, unit, at)
+# Tokens a worker sends per message at least (in whole batches, at most MAX_GROUP): a
+# message costs ~0.5 ms between pickling, queueing and polling, more than a batch of
+# 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
+GROUP_TOKENS = 16_384
+MAX_GROUP = 64
+
+
+def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
+    """Batches per worker message: 1 without workers."""
+    if not num_workers:
+        return 1
+    return min(MAX_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1))))
+
+
+class WorkerGroups(IterableDataset):
+    """What one loader worker yields: lists of ``group`` collated batches of its consumer."""
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, collate, group: int):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate = collate
+        self.group = group
+
+    def __iter__(self):
+        samples = iter(self.dataset)
+        while True:
+            yield [
+                self.collate([next(samples) for _ in range(self.batch_size)])
+                for _ in range(self.group)
+            ]
+
+
+def _as_is(group: list[dict]) -> list[dict]:
+    return group
 
 
 class ParallelDataLoader(Stateful):
@@ -57,7 +98,10 @@ class ParallelDataLoader(Stateful):
         # adopts the checkpoint's instead.
         self.auto_shards = auto_shards
         # Batches carry per-document positions and ids only for a model that uses them.
-        self.collate = functools.partial(collate, document_layout=document_layout)
+        # A worker's batches cross to this process as arrays (see collate).
+        self.collate = functools.partial(
+            collate, document_layout=document_layout, transfer=num_workers > 0
+        )
         check_equal_rates(dataset.data_shards, self.dp_world, num_workers)
         self._loader: DataLoader | None = None
         self._iter = None
@@ -66,6 +110,10 @@ class ParallelDataLoader(Stateful):
         self._shard_states: dict[int, dict] = {}
         self._next: dict[int, int] = {}  # consumer -> round-robin position among its shards
         self._turn = 0  # index (among this rank's workers) of the consumer whose batch is next
+        self.group = group_size(batch_size, dataset.seq_len, num_workers)
+        # Per worker (by its id in the running DataLoader): the rest of its last group.
+        self._held: list[list[dict]] = []
+        self._slot = 0  # id of the worker whose batch is next
         self._skipped: dict[int, int] = {}
         self.last_wait_s = 0.0
 
@@ -86,15 +134,25 @@ class ParallelDataLoader(Stateful):
         generator = torch.Generator().manual_seed(self.dataset.seed + self.dp_rank)
         self.dataset.worker_rotation = self._turn
         workers = self.num_workers
-        self._loader = DataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
-            num_workers=workers,
-            collate_fn=self.collate,
-            prefetch_factor=4 if workers else None,  # keeps both workers busy, in order
-            persistent_workers=workers > 0,
-            generator=generator,
-        )
+        if workers:
+            groups = WorkerGroups(self.dataset, self.batch_size, self.collate, self.group)
+            self._loader = DataLoader(
+                groups,
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=_as_is,
+                prefetch_factor=4 if self.group == 1 else 2,  # keeps every worker busy
+                persistent_workers=True,
+                generator=generator,
+            )
+        else:
+            self._loader = DataLoader(
+                self.dataset,
+                batch_size=self.batch_size,
+                collate_fn=self.collate,
+                generator=generator,
+            )
+        self._held, self._slot = [[] for _ in range(workers)], 0
         self._iter = iter(self._loader)
 
     def __iter__(self):
@@ -104,11 +162,20 @@ class ParallelDataLoader(Stateful):
         start = time.perf_counter()
         if self._iter is None:
             self._start()
-        batch = next(self._iter)
+        if self.num_workers:
+            held = self._held[self._slot]
+            if not held:
+                # Groups are all one size and handed out round-robin, so the worker whose
+                # group ran out is the one the DataLoader (in order) sends next.
+                held[:] = next(self._iter)[::-1]  # popped from the end
+            batch = as_tensors(held.pop())
+            self._slot = (self._slot + 1) % self.num_workers
+            self._turn = (self._turn + 1) % self.num_workers
+        else:
+            batch = next(self._iter)
         self.last_wait_s = time.perf_counter() - start
         self._shard_states.update(batch["shard_states"])
         self._next[batch["consumer"]] = batch["next"]
-        self._turn = (self._turn + 1) % max(1, self.num_workers)
         self._skipped[batch["consumer"]] = batch["skipped"]
         return batch
 

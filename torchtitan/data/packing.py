@@ -1,10 +1,12 @@
 """The token buffer: documents of one cursor -> fixed-length windows of tokens.
 
-Owns: tokenizing each document as ``[BOS] + text + [EOS]``, cutting that token
-stream into windows, the provenance span of every window, and the bad-document
-policy. Its state is the position of the first token not yet emitted, ``(cursor,
-offset)``; the buffered tokens are *derived* from it by re-tokenizing one
-document on resume, so the state stays a few bytes however long a document is.
+Owns: tokenizing each document as ``[BOS] + text + [EOS]`` (for a pretokenized
+source, framing its stored text ids the same way, so the token stream is the one
+on-the-fly tokenization gives), cutting that token stream into windows, the
+provenance span of every window, and the bad-document policy. Its state is the
+position of the first token not yet emitted, ``(cursor, offset)``; the buffered tokens
+are *derived* from it by re-tokenizing (or re-reading) one document on resume, so the
+state stays a few bytes however long a document is.
 
 Never: choose among sources or shards, or know about ranks and workers.
 """
@@ -97,6 +99,8 @@ class DocumentPacker:
             self.cursor.advance()
 
     def _tokenize(self, doc_id: str, text) -> np.ndarray | None:
+        if isinstance(text, np.ndarray):  # a pretokenized document's text ids
+            return frame_document(self.tokenizer, text)
         problem = document_problem(text)
         if problem is None:
             try:
@@ -131,6 +135,14 @@ def encode_document(tokenizer, text: str) -> np.ndarray:
         return np.asarray(tokenizer.encode(text, bos=True, eos=True), dtype=np.int32)
     ids = [[tokenizer.bos_id], *tokenizer.encode_batch(split_lines(text)), [tokenizer.eos_id]]
     return np.concatenate([np.asarray(x, dtype=np.int32) for x in ids])
+
+
+def frame_document(tokenizer, ids: np.ndarray) -> np.ndarray:
+    """``[BOS] + ids + [EOS]`` as int32: what ``encode_document`` gives for the text whose
+    ids these are."""
+    out = np.empty(len(ids) + 2, dtype=np.int32)
+    out[0], out[1:-1], out[-1] = tokenizer.bos_id, ids, tokenizer.eos_id
+    return out
 
 
 def document_problem(text) -> str | None:

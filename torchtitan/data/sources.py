@@ -1,10 +1,12 @@
 """Documents from local files, read through Hugging Face ``datasets``.
 
-Owns: resolving a registry name, file, folder or glob to a list of files; opening
-them with ``datasets.load_dataset`` (map-style, or ``streaming=True``); and the
-per-epoch document order of one virtual shard (a ``MapCursor`` or a
-``StreamCursor``). A cursor's state is a *position* to seek to, never a count of
-items to replay.
+Owns: resolving a registry name, file, folder or glob to a list of files (a Hub
+dataset id, a Hub-style or ``save_to_disk`` folder through hub.py, a pretokenized
+folder through pretokenized.py); opening them with ``datasets.load_dataset`` or
+``load_from_disk`` (map-style); and the per-epoch document order of one virtual
+shard of a map-style source (a ``MapCursor``). Streaming sources and their cursors are
+streaming.py's; ``open_source`` and ``make_cursor`` choose between the two. A cursor's
+state is a *position* to seek to, never a count of items to replay.
 
 Never: tokenize, pack or know about ranks and workers (dataset.py does that).
 """
@@ -35,7 +37,12 @@ DATASET_REGISTRY: dict[str, list[str]] = {
     "kjv": ["data/corpus/kjv"],
 }
 
-_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+_FORMATS = {
+    ".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".arrow": "arrow",
+}  # fmt: skip
+# Compressed files (x.jsonl.gz, as Hub datasets such as C4 ship) are read by `datasets`.
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+DEFAULT_SPLIT = "train"
 
 
 class DataError(ValueError):
@@ -57,6 +64,16 @@ class SourceSpec:
     fixed part of a glob): ``a/000.parquet`` and ``b/000.parquet`` stay distinct.
     ``location`` is the path as the user wrote it (for messages only). The document
     order depends on ``identity()``, never on where the files are mounted.
+
+    ``tokens_field`` non-empty marks a pretokenized source: that column holds each
+    document's text token ids (no BOS/EOS), and readers yield them as an int32 array in
+    place of the text; ``id_field``, if set, is this source's id column whatever
+    ``training.id_field`` says. ``disk_path`` is a ``save_to_disk`` folder, read
+    map-style with ``load_from_disk`` (memory-mapped, no copy). ``order_identity``, if
+    set, is the identity (a pretokenized corpus keeps its original's, so its order).
+    ``tokenizer_sha256`` is the tokenizer a pretokenized corpus was made with.
+    ``stamps`` are ``[what, value]`` pairs of the data's own fingerprint (a Hub
+    revision, a ``save_to_disk`` fingerprint) that ``fingerprint()`` adds.
     """
 
     name: str
@@ -65,6 +82,12 @@ class SourceSpec:
     root: str = ""
     location: str = ""
     named: bool = True  # the name was given (registry, or name = ... in a mix)
+    tokens_field: str = ""
+    id_field: str = ""
+    disk_path: str = ""
+    order_identity: str = ""
+    tokenizer_sha256: str = ""
+    stamps: list[list] = field(default_factory=list)
     fmt: str = field(init=False)
 
     def __post_init__(self):
@@ -82,6 +105,8 @@ class SourceSpec:
         """What seeds this source's document order: its given name, or else its files'
         paths relative to the root and their sizes. Moving or re-mounting the data, or
         writing ./data for data, keeps it. Cost: one stat per file."""
+        if self.order_identity:
+            return self.order_identity
         if self.named:
             return f"name:{self.name}"
         listing = "\n".join(f"{self.relative_name(f)}\t{os.path.getsize(f)}" for f in self.files)
@@ -89,8 +114,17 @@ class SourceSpec:
 
     def fingerprint(self) -> list[list]:
         """Per file: its path relative to ``root``, size, and CRC32 of its first and last
-        MiB (cheap, and any edit that moves bytes shows). Cost: O(files), 2 MiB read each."""
-        return [[self.relative_name(f), *_file_signature(f)] for f in self.files]
+        MiB (cheap, and any edit that moves bytes shows); then the ``stamps``. A remote
+        file (a Hub URL) is named only: the revision stamp pins its bytes. Cost: O(files),
+        2 MiB read each, no network."""
+        return [
+            [self.relative_name(f), *([] if is_remote(f) else _file_signature(f))]
+            for f in self.files
+        ] + [list(s) for s in self.stamps]
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
 
 
 def _file_signature(path: str) -> list:
@@ -106,9 +140,7 @@ def _file_signature(path: str) -> list:
 def source_root(path: str) -> str:
     """The folder a path's files are named relative to: the folder itself, a file's
     folder, or the part of a glob before its first wildcard."""
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        p = REPO_ROOT / p
+    p = local_path(path)
     if p.is_dir():
         return str(p)
     if p.is_file():
@@ -121,8 +153,24 @@ def source_root(path: str) -> str:
     return str(Path(*fixed)) if fixed else "."
 
 
+def local_path(path: str) -> Path:
+    """``path`` as given, or under the repo root if only there."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p
+    return p
+
+
+def _data_suffix(path: str) -> str:
+    """The suffix naming a file's format: ``.jsonl`` for ``x.jsonl.gz`` too."""
+    p = Path(path)
+    if p.suffix.lower() in _COMPRESSIONS:
+        p = p.with_suffix("")
+    return p.suffix.lower()
+
+
 def _file_format(files: list[str], name: str) -> str:
-    fmts = {_FORMATS.get(Path(f).suffix.lower()) for f in files}
+    fmts = {_FORMATS.get(_data_suffix(f)) for f in files}
     if None in fmts or len(fmts) != 1:
         exts = sorted({Path(f).suffix for f in files})
         raise DataError(
@@ -134,13 +182,11 @@ def _file_format(files: list[str], name: str) -> str:
 
 def resolve_files(path: str) -> list[str]:
     """A file, a folder (searched recursively) or a glob -> sorted list of data files."""
-    p = Path(path)
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        p = REPO_ROOT / p
+    p = local_path(path)
     if p.is_file():
         files = [str(p)]
     elif p.is_dir():
-        files = [str(f) for f in sorted(p.rglob("*")) if f.suffix.lower() in _FORMATS]
+        files = [str(f) for f in sorted(p.rglob("*")) if _data_suffix(f) in _FORMATS]
     else:
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
@@ -158,17 +204,40 @@ def resolve_files(path: str) -> list[str]:
     return nonempty
 
 
-def resolve_source(name: str = "", path: str = "", weight: float = 1.0) -> SourceSpec:
-    """A registry name, or a local path (optionally with a name of the user's) -> SourceSpec.
+def resolve_source(
+    name: str = "", path: str = "", weight: float = 1.0, config: str = "",
+    split: str = DEFAULT_SPLIT,
+) -> SourceSpec:  # fmt: skip
+    """A registry name, a Hub dataset id (``owner/name``), or a local path (optionally
+    with a name of the user's) -> SourceSpec.
 
-    An unnamed path source is named after its root folder for provenance.
+    A local folder may be a pretokenized corpus (its manifest.json), a ``save_to_disk``
+    folder, or laid out like a Hub dataset repository (README.md with ``configs:``);
+    ``config`` and ``split`` choose part of the kinds that have them and must keep their
+    defaults for the others. An unnamed path source is named after its root folder for
+    provenance. Cost: a Hub id or Hub-style folder runs ``datasets``' resolution (for a
+    Hub id, a few Hub requests).
     """
+    from torchtitan.data import hub, pretokenized  # both build on this module
+
     if path:
+        folder = local_path(path)
+        if pretokenized.is_pretokenized(folder):
+            _check_no_parts(path, config, split)
+            return pretokenized.pretokenized_source(folder, name, weight, location=path)
+        if hub.is_saved(folder):
+            return hub.saved_source(folder, config, split, weight, location=path)
+        if hub.is_hub_folder(folder):
+            return hub.folder_source(folder, config, split, weight, location=path)
+        _check_no_parts(path, config, split)
         root = source_root(path)
         return SourceSpec(
             name=name or Path(root).resolve().name or "data", files=resolve_files(path),
             weight=weight, root=root, location=path, named=bool(name),
         )  # fmt: skip
+    if "/" in name:
+        return hub.hub_source(name, config, split, weight)
+    _check_no_parts(name, config, split)
     if name not in DATASET_REGISTRY:
         raise DataError(
             f"unknown dataset {name!r}; choose one of {sorted(DATASET_REGISTRY)} "
@@ -178,6 +247,20 @@ def resolve_source(name: str = "", path: str = "", weight: float = 1.0) -> Sourc
     return SourceSpec(
         name=name, files=files, weight=weight, root=str(REPO_ROOT / "data" / "corpus")
     )
+
+
+def _check_no_parts(where: str, config: str, split: str):
+    if config:
+        raise DataError(
+            f"dataset {where!r} has no configs (it is not a Hub dataset or a folder whose "
+            f"README.md lists configs), but config {config!r} is set; unset training.dataset_config"
+        )
+    if split != DEFAULT_SPLIT:
+        raise DataError(
+            f"dataset {where!r} has no splits (it is not a Hub dataset, a Hub-style folder or a "
+            f"DatasetDict save_to_disk folder), but split {split!r} is set; unset "
+            "training.dataset_split"
+        )
 
 
 def _load_kwargs(spec: SourceSpec) -> dict:
@@ -191,7 +274,12 @@ def text_doc_id(text) -> str:
 
 
 class MapSource:
-    """A map-style source: documents by index, in a seeded order per epoch."""
+    """A map-style source: documents by index, in a seeded order per epoch.
+
+    A document is ``(doc_id, text)``, or ``(doc_id, int32 array)`` for a pretokenized
+    source (``spec.tokens_field``; None where the text was unusable), read as Arrow,
+    never as Python lists.
+    """
 
     streaming = False
 
@@ -204,18 +292,25 @@ class MapSource:
         self.shuffle = shuffle
         self._identity = spec.identity()
         try:
-            self.ds = datasets.load_dataset(
-                spec.fmt, data_files=spec.files, split="train", **_load_kwargs(spec)
-            )
+            if spec.disk_path:  # memory-mapped where it lies; load_dataset would copy it
+                self.ds = datasets.load_from_disk(spec.disk_path).with_format(None)
+            else:
+                self.ds = datasets.load_dataset(
+                    spec.fmt, data_files=spec.files, split="train", **_load_kwargs(spec)
+                )
         except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
             raise DataError(f"dataset {spec.where!r} could not be read: {e!r}") from e
         if len(self.ds) == 0:
             raise DataError(f"dataset {spec.where!r} has no documents; point it at data")
-        _check_column(spec, text_field, self.ds.column_names)
+        self._field = spec.tokens_field or text_field
+        _check_column(spec, self._field, self.ds.column_names)
+        id_field = spec.id_field or id_field
         self.id_field = id_field if id_field in self.ds.column_names else None
         self._view = self.ds.select_columns(
-            [text_field] + ([self.id_field] if self.id_field else [])
+            [self._field] + ([self.id_field] if self.id_field else [])
         )
+        if spec.tokens_field:
+            self._view = self._view.with_format("arrow")
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -228,6 +323,11 @@ class MapSource:
 
     def documents(self, indices: list[int]) -> list[tuple[str, object]]:
         """(doc_id, text) of several rows, read in one call (a row at a time costs ~0.3 ms)."""
+        if self.spec.tokens_field:
+            rows = self._view[[int(i) for i in indices]]
+            ids = (rows.column(self.id_field).to_pylist() if self.id_field
+                   else [f"row{i}" for i in indices])  # fmt: skip
+            return list(zip(map(str, ids), token_arrays(rows.column(self._field))))
         try:
             rows = self._view[[int(i) for i in indices]]
         except UnicodeDecodeError:
@@ -236,12 +336,28 @@ class MapSource:
         return [(str(d), t) for d, t in zip(ids, rows[self.text_field])]
 
     def document(self, index: int) -> tuple[str, object]:
+        if self.spec.tokens_field:
+            return self.documents([index])[0]
         try:
             row = self.ds[int(index)]
         except UnicodeDecodeError as e:
             return f"row{index}", BadText(f"is not valid UTF-8 ({e})")
         doc_id = str(row[self.id_field]) if self.id_field else f"row{index}"
         return doc_id, row[self.text_field]
+
+
+def token_arrays(column) -> list[np.ndarray | None]:
+    """Each row of an Arrow list<int> column as an int32 array (a view of one buffer),
+    or None for a null row."""
+    if hasattr(column, "combine_chunks"):  # a gather gives one chunk per row: join them once
+        column = column.combine_chunks()
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    nulls = column.is_null().to_numpy(zero_copy_only=False) if column.null_count else None
+    return [
+        None if nulls is not None and nulls[i] else values[offsets[i] : offsets[i + 1]]
+        for i in range(len(column))
+    ]
 
 
 @lru_cache(maxsize=8)
@@ -254,6 +370,11 @@ def _epoch_order(n: int, seed: int, identity: str, epoch: int, shuffle: bool) ->
 
 
 def _check_column(spec: SourceSpec, text_field: str, columns: list[str]):
+    if spec.tokens_field and text_field not in columns:
+        raise DataError(
+            f"pretokenized dataset {spec.where!r} has no column {text_field!r} (columns: "
+            f"{columns}); write it again with scripts/pretokenize.py"
+        )
     if text_field not in columns:
         raise DataError(
             f"dataset {spec.where!r} has no column {text_field!r} (columns: {columns}); "
@@ -261,73 +382,14 @@ def _check_column(spec: SourceSpec, text_field: str, columns: list[str]):
         )
 
 
-class StreamSource:
-    """A streaming source: files read in a seeded order per epoch, never fully loaded."""
-
-    streaming = True
-
-    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
-        self.spec = spec
-        self.text_field = text_field
-        self.id_field = id_field
-        self.seed = seed
-        self.shuffle = shuffle
-        self._identity = spec.identity()
-        self._opened: dict[int, object] = {}
-        first = self.open(0)
-        _check_column(spec, text_field, list(first.column_names or [text_field]))
-
-    def open(self, epoch: int):
-        """The HF IterableDataset of one epoch: the file order is the shuffled part.
-
-        Opened once per epoch and shared by every shard's cursor (each splits it), so a
-        start or a resume costs one ``load_dataset`` per source, not one per shard.
-        """
-        if epoch not in self._opened:
-            self._opened = {e: d for e, d in self._opened.items() if e == epoch - 1}
-            self._opened[epoch] = self._load(epoch)
-        return self._opened[epoch]
-
-    def _load(self, epoch: int):
-        import datasets
-
-        order = _epoch_order(len(self.spec.files), self.seed, self._identity, epoch, self.shuffle)
-        files = [self.spec.files[i] for i in order]
-        try:
-            return datasets.load_dataset(
-                self.spec.fmt,
-                data_files=files,
-                split="train",
-                streaming=True,
-                **_load_kwargs(self.spec),
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised with the dataset named
-            raise DataError(f"dataset {self.spec.where!r} could not be read: {e!r}") from e
-
-    def __getstate__(self):
-        # Loader workers open their own: an opened stream is not worth pickling.
-        return {**self.__dict__, "_opened": {}}
-
-    def document_count(self) -> int:
-        """Documents in the source without reading it: parquet footers' row counts; for
-        text files one per file; for JSON lines a lower bound of one per file."""
-        if self.spec.fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return sum(pq.ParquetFile(f).metadata.num_rows for f in self.spec.files)
-        return len(self.spec.files)
-
-    def document_of(self, row: dict) -> tuple[str, object]:
-        text = row.get(self.text_field)
-        doc_id = row.get(self.id_field)
-        return (str(doc_id) if doc_id is not None else text_doc_id(text)), text
-
-
 def open_source(
     spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool, streaming: bool
 ):
-    cls = StreamSource if streaming else MapSource
-    return cls(spec, text_field, id_field, seed, shuffle)
+    if streaming:
+        from torchtitan.data.streaming import StreamSource  # it builds on this module
+
+        return StreamSource(spec, text_field, id_field, seed, shuffle)
+    return MapSource(spec, text_field, id_field, seed, shuffle)
 
 
 READ_AHEAD = 8  # documents a map-style cursor reads per call
@@ -380,79 +442,9 @@ class MapCursor:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
-class StreamCursor:
-    """Position of one virtual shard in a streaming source.
-
-    The position is the HF ``IterableDataset.state_dict()`` *before* the current
-    document, so a resume re-reads that one document and nothing earlier. The state
-    is read only after a ``next()`` has run: right after ``load_state_dict`` HF still
-    reports the initial state until the first example is read, and saving that would
-    silently restart the data from zero on the second resume.
-    """
-
-    def __init__(self, source: StreamSource, shard: int, num_shards: int):
-        self.source = source
-        self.shard = shard
-        self.num_shards = num_shards
-        self.epoch = 0
-        self.pos = None  # HF state before the current document; None = start of epoch
-        self._ds = None
-        self._it = None
-        self._current = None
-        self._exhausted = False
-
-    def _open(self):
-        from datasets.distributed import split_dataset_by_node
-
-        ds = split_dataset_by_node(
-            self.source.open(self.epoch), rank=self.shard, world_size=self.num_shards
-        )
-        if self.pos is not None:
-            ds.load_state_dict(self.pos)
-        self._ds, self._it = ds, iter(ds)
-        self._current, self._exhausted = None, False
-
-    def current(self) -> tuple[str, object] | None:
-        if self._exhausted:
-            return None
-        if self._current is None:
-            if self._it is None:
-                self._open()
-            try:
-                row = next(self._it)
-            except StopIteration:
-                self._exhausted = True
-                return None
-            except UnicodeDecodeError as e:
-                # The reader cannot continue past it, so this one cannot be skipped.
-                raise DataError(
-                    f"dataset {self.source.spec.where!r} has invalid UTF-8 ({e}); fix the file "
-                    "(e.g. iconv -c -f utf-8 -t utf-8), or read it map-style (training.streaming "
-                    "false), which skips and counts such documents"
-                ) from e
-            self._current = self.source.document_of(row)
-        return self._current
-
-    def advance(self):
-        # The state after the current document is the position of the next one.
-        self.pos = self._ds.state_dict()
-        self._current = None
-
-    def next_epoch(self):
-        self.epoch += 1
-        self.pos = None
-        self._ds = self._it = None
-        self._current, self._exhausted = None, False
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict):
-        self.epoch, self.pos = int(state["epoch"]), state["pos"]
-        self._ds = self._it = None
-        self._current, self._exhausted = None, False
-
-
 def make_cursor(source, shard: int, num_shards: int):
-    cls = StreamCursor if source.streaming else MapCursor
-    return cls(source, shard, num_shards)
+    if source.streaming:
+        from torchtitan.data.streaming import StreamCursor
+
+        return StreamCursor(source, shard, num_shards)
+    return MapCursor(source, shard, num_shards)

@@ -1,0 +1,117 @@
+"""Pretokenized data against on-the-fly tokenization of the same corpus, side by side.
+
+    python scripts/bench_pretokenized.py [--tokens 3000000] [--rounds 3] [--smoke] [--json out.json]
+
+Pretokenizes the bundled corpus (timed, every core) into a temporary folder, then pulls
+batches through the loader as training does (ParallelDataLoader, 1 rank, seq_len 2048,
+batch 8, 0 workers, 64 virtual shards) from the original (SentencePiece on the fly) and
+from the pretokenized folder, in interleaved rounds, and reports the medians, their
+ratio (target >= 20) and whether the first batches of the two are equal (they must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.data import ParallelDataLoader, TokenDataset
+from torchtitan.data.pretokenized import available_cores, pretokenize
+from torchtitan.data.sources import resolve_source
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+SEQ, BATCH, SHARDS = 2048, 8, 64
+TARGET = 20.0
+
+
+def loader(spec, tokenizer) -> ParallelDataLoader:
+    return ParallelDataLoader(
+        TokenDataset([spec], tokenizer, SEQ, data_shards=SHARDS, seed=0), BATCH
+    )
+
+
+def rate(spec, tokenizer, tokens: int) -> float:
+    """Tokens/s through a fresh loader, after two batches of start-up."""
+    batches = loader(spec, tokenizer)
+    for _ in range(2):
+        next(batches)
+    n = max(1, tokens // (SEQ * BATCH))
+    start = time.perf_counter()
+    for _ in range(n):
+        next(batches)
+    return n * SEQ * BATCH / (time.perf_counter() - start)
+
+
+def same_batches(a, b, tokenizer, n: int) -> bool:
+    x, y = loader(a, tokenizer), loader(b, tokenizer)
+    return all(
+        torch.equal(p["input"], q["input"]) and torch.equal(p["label"], q["label"])
+        and p["spans"] == q["spans"]
+        for p, q in ((next(x), next(y)) for _ in range(n))
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tokens", type=int, default=3_000_000, help="tokens per on-the-fly round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    tokens, rounds = (40_000, 1) if args.smoke else (args.tokens, args.rounds)
+    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    original = resolve_source(name="bundled")
+    folder = tempfile.mkdtemp(prefix="bench_pretokenized_")
+    try:
+        workers = available_cores()
+        start = time.perf_counter()
+        manifest = pretokenize(original, tokenizer, folder, workers=workers)
+        pretokenize_s = time.perf_counter() - start
+        pretokenized = resolve_source(path=folder)
+        equal = same_batches(original, pretokenized, tokenizer, 4 if args.smoke else 16)
+        # Interleaved rounds: drift on a shared machine hits both alike. The pretokenized
+        # side reads 10x the tokens so that its rounds last long enough to time.
+        fly, pre = [], []
+        for _ in range(rounds):
+            fly.append(rate(original, tokenizer, tokens))
+            pre.append(rate(pretokenized, tokenizer, 10 * tokens))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    result = {
+        "on_the_fly_tokens_per_s": statistics.median(fly),
+        "pretokenized_tokens_per_s": statistics.median(pre),
+        "rounds": {"on_the_fly": fly, "pretokenized": pre},
+        "same_batches": equal,
+        "corpus_tokens": manifest["tokens"],
+        "corpus_documents": manifest["documents"],
+        "pretokenize_s": pretokenize_s,
+        "pretokenize_workers": workers,
+        "target": TARGET,
+    }
+    result["pretokenized_over_on_the_fly"] = (
+        result["pretokenized_tokens_per_s"] / result["on_the_fly_tokens_per_s"]
+    )
+    print(f"{'measure':<40}{'value':>16}")
+    for key in ("on_the_fly_tokens_per_s", "pretokenized_tokens_per_s"):
+        print(f"{key:<40}{result[key]:>16,.0f}")
+    print(
+        f"{'pretokenized / on the fly (target >= 20)':<40}{result['pretokenized_over_on_the_fly']:>16.1f}"
+    )
+    print(f"{'same batches (torch.equal)':<40}{str(equal):>16}")
+    print(f"{'pretokenize, s (' + str(workers) + ' workers)':<40}{pretokenize_s:>16.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,524 @@
+"""Source kinds beyond plain files: a folder laid out like a Hugging Face Hub dataset (README
+configs), Hub dataset ids, ``save_to_disk`` folders (Dataset and DatasetDict) and
+pretokenized corpora. Each restores at every step, has a fingerprint that follows its
+data and not its location, and fails with one line that names the fix; a pretokenized
+corpus yields the batches of tokenizing its original on the fly.
+
+No network here: a Hub id is resolved through a local folder standing in for the Hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    CONFIG,
+    assert_exactly_once,
+    bundled_documents,
+    error_lines,
+    losses,
+    read_jsonl,
+    train,
+    train_here,
+    write_jsonl,
+)
+
+from torchtitan.checkpoint import fingerprint_diff
+from torchtitan.config import ConfigError, DatasetSpec, parse_args
+from torchtitan.data import ParallelDataLoader, TokenDataset, document_lengths
+from torchtitan.data.pretokenized import pretokenize
+from torchtitan.data.sources import DataError, open_source, resolve_source
+
+SEQ = 31
+
+README = """---
+configs:
+- config_name: shakespeare
+  default: true
+  data_files:
+  - split: train
+    path: shakespeare/train-*.parquet
+  - split: validation
+    path: shakespeare/validation-*.parquet
+- config_name: kjv
+  data_files:
+  - split: train
+    path: kjv/*.jsonl
+---
+# A folder laid out like a Hub dataset repository
+"""
+
+
+def write_parquet(path: Path, docs: list[dict]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(docs), path)
+
+
+def write_hub_repo(folder: Path) -> Path:
+    shakespeare, kjv = bundled_documents("shakespeare", 12, 300), bundled_documents("kjv", 8, 300)
+    write_parquet(folder / "shakespeare" / "train-00000-of-00002.parquet", shakespeare[:4])
+    write_parquet(folder / "shakespeare" / "train-00001-of-00002.parquet", shakespeare[4:8])
+    write_parquet(folder / "shakespeare" / "validation-00000-of-00001.parquet", shakespeare[8:])
+    write_jsonl(folder / "kjv", kjv, files=2)
+    (folder / "README.md").write_text(README)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hub_repo(tmp_path_factory) -> Path:
+    """Two configs (shakespeare: train and validation; kjv: train) as on the Hub."""
+    return write_hub_repo(tmp_path_factory.mktemp("hub") / "corpus")
+
+
+def save_dataset(folder: Path, docs: list[dict]) -> Path:
+    import datasets
+
+    datasets.Dataset.from_list(docs).save_to_disk(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory) -> Path:
+    """A Dataset.save_to_disk folder of 8 short documents."""
+    return save_dataset(
+        tmp_path_factory.mktemp("saved") / "ds", bundled_documents("milton", 8, 300)
+    )
+
+
+@pytest.fixture(scope="session")
+def saved_dict(tmp_path_factory) -> Path:
+    """A DatasetDict.save_to_disk folder: train (kjv) and test (shakespeare)."""
+    import datasets
+
+    folder = tmp_path_factory.mktemp("saved_dict") / "dd"
+    parts = {
+        "train": bundled_documents("kjv", 8, 300),
+        "test": bundled_documents("shakespeare", 8, 300),
+    }
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in parts.items()}).save_to_disk(
+        str(folder)
+    )
+    return folder
+
+
+@pytest.fixture(scope="session")
+def pretokenized(tmp_path_factory, tiny_corpus, tokenizer) -> Path:
+    """tiny_corpus, pretokenized in this process."""
+    out = tmp_path_factory.mktemp("pretok") / "tok"
+    pretokenize(resolve_source(path=str(tiny_corpus)), tokenizer, str(out), workers=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pretokenized_dozen(tmp_path_factory, dozen_corpus, tokenizer) -> Path:
+    out = tmp_path_factory.mktemp("pretok_dozen") / "tok"
+    pretokenize(resolve_source(path=str(dozen_corpus)), tokenizer, str(out), workers=1)
+    return out
+
+
+def dataset(source, tokenizer, **kw) -> TokenDataset:
+    kw = {**dict(data_shards=4, seed=7, shuffle=True, streaming=source.streaming), **kw}
+    return TokenDataset([source], tokenizer, SEQ, **kw)
+
+
+def take(ds, n: int, it=None) -> list[dict]:
+    it = it if it is not None else iter(ds)
+    return [next(it) for _ in range(n)]
+
+
+def same_samples(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x["input"], y["input"]) and torch.equal(x["label"], y["label"])
+        and x["spans"] == y["spans"]
+        for x, y in zip(a, b)
+    )  # fmt: skip
+
+
+# ---- restore at every step, for every kind ----------------------------------------------
+
+KINDS = {
+    "hub_folder": lambda f: resolve_source(path=str(f["hub_repo"]), config="kjv"),
+    "hub_id": lambda f: resolve_source(name="someone/corpus", config="kjv"),
+    "saved": lambda f: resolve_source(path=str(f["saved"])),
+    "saved_dict": lambda f: resolve_source(path=str(f["saved_dict"]), split="test"),
+    "pretokenized": lambda f: resolve_source(path=str(f["pretokenized"])),
+}
+
+
+@pytest.fixture(scope="session")
+def kind_folders(hub_repo, saved, saved_dict, pretokenized) -> dict:
+    return {"hub_repo": hub_repo, "saved": saved, "saved_dict": saved_dict,
+            "pretokenized": pretokenized}  # fmt: skip
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_kind_restores_at_every_step(kind, streaming, kind_folders, tokenizer, monkeypatch):
+    """State after k sequences, loaded into a fresh dataset, yields exactly the rest, for
+    k = 0..40 across document and epoch ends (8 short documents, 4 shards, rank 1 of 2).
+    Negative control: a state one token off does not reproduce the reference."""
+    if kind == "hub_id":
+        hub_from_folder(monkeypatch, kind_folders["hub_repo"])
+    source = open_source(KINDS[kind](kind_folders), "text", "id", 7, True, streaming)
+    kw = dict(dp_rank=1, dp_world=2)
+    ds = dataset(source, tokenizer, **kw)
+    it = iter(ds)
+    reference, states = [], []
+    for _ in range(46):
+        states.append(ds.state_dict())
+        reference.append(next(it))
+    assert min(p.cursor.epoch for s in ds._shards.values() for p in s.packers) >= 1
+
+    def same(state, k) -> bool:
+        fresh = dataset(source, tokenizer, **kw)
+        fresh.load_state_dict(state)
+        return same_samples(take(fresh, 5), reference[k : k + 5])
+
+    for k in range(41):
+        assert same(states[k], k), k
+    k = next(k for k in range(1, 41) if next_packer_state(states[k])["offset"] > 0)
+    off_by_one = copy.deepcopy(states[k])
+    next_packer_state(off_by_one)["offset"] -= 1
+    assert not same(off_by_one, k)
+
+
+def next_packer_state(state: dict) -> dict:
+    v = sorted(state["shards"])[state["next"]]
+    return state["shards"][v]["sources"][0]
+
+
+# ---- Hub-style folders ------------------------------------------------------------------
+
+
+def test_hub_folder_config_and_split_choose_the_files(hub_repo):
+    default = resolve_source(path=str(hub_repo))
+    assert default.name == "corpus/shakespeare/train" and default.fmt == "parquet"
+    assert [default.relative_name(f) for f in default.files] == [
+        "shakespeare/train-00000-of-00002.parquet", "shakespeare/train-00001-of-00002.parquet"
+    ]  # fmt: skip
+    validation = resolve_source(path=str(hub_repo), split="validation")
+    assert [validation.relative_name(f) for f in validation.files] == [
+        "shakespeare/validation-00000-of-00001.parquet"
+    ]
+    kjv = resolve_source(path=str(hub_repo), config="kjv")
+    assert kjv.fmt == "json"
+    assert [kjv.relative_name(f) for f in kjv.files] == ["kjv/part-000.jsonl", "kjv/part-001.jsonl"]
+    assert len({default.identity(), validation.identity(), kjv.identity()}) == 3
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(config="welsh"), r"has no config 'welsh' \(configs: shakespeare, kjv\); set training.dataset_config"),
+        (dict(config="kjv", split="validation"), r"config 'kjv' has no split 'validation' \(splits: train\); set training.dataset_split"),
+    ],
+    ids=["config", "split"],
+)  # fmt: skip
+def test_hub_folder_unknown_config_or_split_is_one_line(hub_repo, kw, message):
+    with pytest.raises(DataError, match=message) as e:
+        resolve_source(path=str(hub_repo), **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_config_or_split_on_a_source_without_them_is_one_line(tiny_corpus, saved):
+    with pytest.raises(DataError, match="has no configs .* unset training.dataset_config"):
+        resolve_source(path=str(tiny_corpus), config="en")
+    with pytest.raises(DataError, match="has no splits .* unset training.dataset_split"):
+        resolve_source(name="kjv", split="test")
+    with pytest.raises(DataError, match="one saved Dataset, which has no splits"):
+        resolve_source(path=str(saved), split="test")
+
+
+# ---- Hub dataset ids --------------------------------------------------------------------
+
+
+class FakeBuilder:
+    def __init__(self, name: str, data_files: dict):
+        self.config = type("Config", (), {"name": name, "data_files": data_files})()
+
+
+def test_hub_id_is_named_and_stamped_with_its_revision(monkeypatch):
+    """A Hub id resolves to hf:// URLs pinned at a revision: the source is named after
+    the id, config and split (its order does not depend on any local path), its files
+    are named relative to the repository, and nothing is read to fingerprint it."""
+    import datasets
+
+    url = "hf://datasets/allenai/c4@1588ec45/en/c4-train.{:05d}-of-01024.json.gz"
+    asked = []
+
+    def builder(path, name=None):
+        asked.append((path, name))
+        return FakeBuilder("en", {"train": [url.format(i) for i in range(2)]})
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", builder)
+    spec = resolve_source(name="allenai/c4", config="en")
+    assert asked == [("allenai/c4", "en")]
+    assert (spec.name, spec.identity(), spec.fmt) == (
+        "hub:allenai/c4/en/train", "name:hub:allenai/c4/en/train", "json"
+    )  # fmt: skip
+    assert spec.fingerprint() == [
+        ["en/c4-train.00000-of-01024.json.gz"], ["en/c4-train.00001-of-01024.json.gz"],
+        ["revision", "1588ec45"],
+    ]  # fmt: skip
+
+
+def hub_from_folder(monkeypatch, folder: Path):
+    """Every Hub id resolves to ``folder``, as if it were the repository on the Hub."""
+    import datasets
+
+    real = datasets.load_dataset_builder
+    monkeypatch.setattr(
+        datasets, "load_dataset_builder", lambda path, name=None: real(str(folder), name=name)
+    )
+
+
+def test_training_on_a_hub_id(tmp_path, hub_repo, monkeypatch):
+    """``training.dataset owner/name`` with a config, trained in this process, validated
+    on another config's validation split of the same repository (given as a folder); the
+    Hub is a local folder here (no network), reached through the same resolution."""
+    hub_from_folder(monkeypatch, hub_repo)
+    args = ["--training.dataset", "someone/corpus", "--training.dataset_config", "kjv",
+            "--training.steps", 2, "--training.seq_len", 32, "--metrics.data_provenance",
+            "--validation.enable", "--validation.dataset_path", hub_repo, "--validation.steps", 1,
+            "--validation.dataset_config", "shakespeare", "--validation.dataset_split",
+            "validation"]  # fmt: skip
+    train_here(tmp_path, *args)
+    assert "validation_loss" in read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    records = "".join(p.read_text() for p in (tmp_path / "provenance").iterdir())
+    assert "hub:someone/corpus/kjv/train" in records
+
+
+def test_unreachable_hub_id_is_one_line(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    status, log = train_here(tmp_path, "--training.dataset", "allenai/c4",
+                             "--training.dataset_config", "en", expect_ok=False)  # fmt: skip
+    (line,) = error_lines(log)
+    assert status == 1 and "dataset 'allenai/c4' (config 'en') could not be resolved" in line
+    assert "set training.dataset_path" in line
+
+
+def test_mix_entries_take_hub_ids_configs_and_splits(tmp_path, hub_repo):
+    cfg = parse_args([*CONFIG, "--training.datasets", "hub:allenai/c4/en:0.3,shakespeare:0.7"])
+    assert cfg.training.datasets == [
+        DatasetSpec(name="allenai/c4", config="en", weight=0.3),
+        DatasetSpec(name="shakespeare", weight=0.7),
+    ]
+    assert (
+        parse_args([*CONFIG, "--training.dataset", "allenai/c4"]).training.dataset == "allenai/c4"
+    )
+    with pytest.raises(ConfigError, match="write hub:owner/name"):
+        parse_args([*CONFIG, "--training.datasets", "hub:c4:0.3"])
+    toml = tmp_path / "mix.toml"
+    toml.write_text(
+        f'[training]\n[[training.datasets]]\npath = "{hub_repo}"\nconfig = "shakespeare"\n'
+        f'split = "validation"\n[[training.datasets]]\npath = "{hub_repo}"\nconfig = "kjv"\n'
+    )
+    cfg = parse_args(["--job.config_file", str(toml)])
+    from torchtitan.data import source_specs
+
+    assert [s.name for s in source_specs(cfg.training)] == [
+        "corpus/shakespeare/validation", "corpus/kjv/train"
+    ]  # fmt: skip
+
+
+# ---- save_to_disk -----------------------------------------------------------------------
+
+
+def test_saved_dict_chooses_its_split_and_reads_without_copying(saved_dict):
+    spec = resolve_source(path=str(saved_dict), split="test")
+    assert spec.name == "dd/test" and spec.fmt == "arrow"
+    source = open_source(spec, "text", "id", 7, True, False)
+    assert [f["filename"] for f in source.ds.cache_files] == spec.files  # memory-mapped in place
+    with pytest.raises(DataError, match=r"has no split 'validation' \(splits: train, test\)"):
+        resolve_source(path=str(saved_dict), split="validation")
+
+
+# ---- fingerprints -----------------------------------------------------------------------
+
+
+def fingerprint(spec) -> dict:
+    return {"sources": [{"name": spec.name, "identity": spec.identity(), "weight": spec.weight,
+                         "files": spec.fingerprint()}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["hub_folder", "saved", "pretokenized"])
+def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_path, tokenizer):
+    """Moving the folder keeps the identity and the fingerprint; editing the data changes
+    the fingerprint, and the difference names what changed."""
+    key = {"hub_folder": "hub_repo"}.get(kind, kind)
+    moved = tmp_path / "elsewhere" / Path(kind_folders[key]).name
+    shutil.copytree(kind_folders[key], moved)
+    before = KINDS[kind](kind_folders)
+    after = KINDS[kind]({**kind_folders, key: moved})
+    assert fingerprint(after) == fingerprint(before)
+    if kind == "hub_folder":
+        write_jsonl(moved / "kjv", bundled_documents("kjv", 7, 300))
+        changed = "kjv/part-001.jsonl changed"
+    elif kind == "saved":
+        shutil.rmtree(moved)
+        save_dataset(moved, bundled_documents("milton", 7, 300))
+        changed = "state.json _fingerprint changed"
+    else:
+        shutil.rmtree(moved)
+        fewer = write_jsonl(
+            tmp_path / "fewer" / "shakespeare", bundled_documents("shakespeare", 7, 300)
+        )
+        pretokenize(resolve_source(path=str(fewer)), tokenizer, str(moved), workers=1)
+        changed = "tokens-00000.parquet changed"
+    diffs = fingerprint_diff(
+        fingerprint(before), fingerprint(KINDS[kind]({**kind_folders, key: moved}))
+    )
+    assert any(changed in d for d in diffs), diffs
+
+
+# ---- pretokenized -----------------------------------------------------------------------
+
+
+def bad_corpus(folder: Path) -> Path:
+    docs = bundled_documents("shakespeare", 10, 300)
+    docs[2]["text"], docs[5]["text"], docs[7]["text"] = "", "  \n\t ", None
+    return write_jsonl(folder, docs)
+
+
+def test_pretokenized_batches_equal_on_the_fly(tmp_path, tokenizer):
+    """Through the loader, 2 ranks: the same inputs, labels, spans and skipped-document
+    counts as tokenizing the original on the fly, across epochs, with unusable documents
+    (empty, whitespace, null) stored as null and skipped alike. Negative control: one
+    stored token changed in a copy shows up in the batches."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    original = bad_corpus(tmp_path / "bad")
+    manifest = pretokenize(resolve_source(path=str(original)), tokenizer, str(tmp_path / "tok"),
+                           workers=1)  # fmt: skip
+    assert manifest["unusable_documents"] == {"has no text": 1, "is empty or whitespace-only": 2}
+
+    def batches(path, rank):
+        source = open_source(resolve_source(path=str(path)), "text", "id", 7, True, False)
+        loader = ParallelDataLoader(dataset(source, tokenizer, dp_rank=rank, dp_world=2), 4)
+        return [next(loader) for _ in range(12)]
+
+    for rank in range(2):
+        fly, pre = batches(original, rank), batches(tmp_path / "tok", rank)
+        assert all(torch.equal(a["input"], b["input"]) and torch.equal(a["label"], b["label"])
+                   and a["spans"] == b["spans"] and a["skipped"] == b["skipped"]
+                   for a, b in zip(fly, pre))  # fmt: skip
+        assert (
+            pre[-1]["skipped"] > 0 and len({sp[4] for b in pre for s in b["spans"] for sp in s}) > 1
+        )
+    shutil.copytree(tmp_path / "tok", tmp_path / "tampered")
+    path = tmp_path / "tampered" / "tokens-00000.parquet"
+    table = pq.read_table(path)
+    rows = table.column("tokens").to_pylist()
+    rows[0][3] = (rows[0][3] + 1) % tokenizer.vocab_size
+    pq.write_table(table.set_column(1, "tokens", pa.array(rows, pa.list_(pa.int32()))), path)
+    assert not all(torch.equal(a["input"], b["input"])
+                   for a, b in zip(batches(original, 0), batches(tmp_path / "tampered", 0)))  # fmt: skip
+
+
+def test_pretokenize_output_does_not_depend_on_workers(tmp_path, small_corpus, tokenizer):
+    """1 and 2 processes write the same bytes: the chunks (and so row groups and file
+    boundaries) are fixed by the data alone. Here 3 files of chunks of 5 documents."""
+    spec = resolve_source(path=str(small_corpus))
+    for workers in (1, 2):
+        pretokenize(spec, tokenizer, str(tmp_path / f"w{workers}"), workers=workers,
+                    chunk_documents=5, file_tokens=2000)  # fmt: skip
+    names = sorted(p.name for p in (tmp_path / "w1").iterdir())
+    assert len(names) >= 3 and names == sorted(p.name for p in (tmp_path / "w2").iterdir())
+    assert all(
+        (tmp_path / "w1" / n).read_bytes() == (tmp_path / "w2" / n).read_bytes() for n in names
+    )
+    manifest = json.loads((tmp_path / "w1" / "manifest.json").read_text())
+    assert manifest["documents"] == 24 and manifest["source"]["identity"] == spec.identity()
+
+
+def test_pretokenized_lengths_are_read_not_tokenized(tiny_corpus, pretokenized, tokenizer):
+    """The provenance check's document lengths come from the stored token lists (a
+    tokenizer that cannot encode is never asked) and equal the on-the-fly ones."""
+
+    class NoEncoding:
+        path, sha256 = tokenizer.path, tokenizer.sha256
+
+        def encode(self, *a, **k):
+            raise AssertionError("a pretokenized source was tokenized")
+
+        encode_batch = encode
+
+    def lengths(path, tok):
+        return document_lengths(parse_args([*CONFIG, "--training.dataset_path", str(path)]), tok)
+
+    assert lengths(pretokenized, NoEncoding()) == lengths(tiny_corpus, tokenizer)
+    with pytest.raises(AssertionError, match="tokenized"):
+        lengths(tiny_corpus, NoEncoding())
+
+
+def test_pretokenized_trains_like_the_original_and_refuses_another_tokenizer(
+    tmp_path, tiny_corpus, pretokenized
+):
+    """In-process training: the pretokenized corpus gives the original's losses to the
+    bit; trained with another tokenizer (here: another EOS, which changes the ids) it
+    stops with one line naming both and the fix."""
+    args = ["--training.steps", 3, "--training.seq_len", 32]
+    train_here(tmp_path / "fly", *args, "--training.dataset_path", tiny_corpus)
+    train_here(tmp_path / "pre", *args, "--training.dataset_path", pretokenized)
+    assert (
+        losses(tmp_path / "pre") == losses(tmp_path / "fly") and len(losses(tmp_path / "pre")) == 3
+    )
+    status, log = train_here(tmp_path / "other", *args, "--training.dataset_path", pretokenized,
+                             "--model.eos_token", "<s>", expect_ok=False)  # fmt: skip
+    (line,) = error_lines(log)
+    assert status == 1 and "was made with tokenizer" in line and "training uses" in line
+    assert "set --model.tokenizer_path to the one it was made with" in line
+
+
+def test_missing_or_incomplete_folders_are_one_line(tmp_path, pretokenized):
+    with pytest.raises(DataError, match="matches no data files"):
+        resolve_source(path=str(tmp_path / "nowhere"))
+    partial = tmp_path / "partial"
+    shutil.copytree(pretokenized, partial)
+    (partial / "tokens-00000.parquet").unlink()
+    with pytest.raises(DataError, match=r"is missing \['tokens-00000.parquet'\] that its manifest"):
+        resolve_source(path=str(partial))
+    with pytest.raises(DataError, match="is not empty; choose a new or empty folder"):
+        pretokenize(resolve_source(name="kjv"), None, str(pretokenized))
+
+
+# ---- elastic resume over a pretokenized source ------------------------------------------
+
+
+def test_elastic_resume_over_a_pretokenized_source(tmp_path, pretokenized_dozen):
+    """2 ranks x micro-batch 4 -> 1 rank x 2 micro-batches of 4 (global batch 8 kept) over
+    a pretokenized 12-document corpus, through more than one epoch: every token read
+    exactly once, and the completeness check (lengths from the stored token counts)
+    finds every document of each finished epoch read whole."""
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    from torchtitan.provenance import check_complete, read_provenance
+    from torchtitan.provenance_check import main as provenance_check
+
+    common = ["--training.steps", 12, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 6,
+              "--metrics.data_provenance", "--training.dataset_path", pretokenized_dozen,
+              "--training.seq_len", 32, "--training.batch_size", 4,
+              "--training.global_batch_size", 8]  # fmt: skip
+    train(tmp_path, *common, "--training.stop_at_step", 6)
+    _, log = train_here(tmp_path, *common)
+    assert "resharding data state from 2x0 to 1x0" in log
+    assert sorted(losses(tmp_path)) == list(range(1, 13))
+    assert_exactly_once(tmp_path)
+    config = [*CONFIG, *map(str, common)]
+    assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
+    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
+    provenance = read_provenance(str(tmp_path / "provenance"))
+    report = check_complete(provenance, lengths, 12)["shakespeare"]
+    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)

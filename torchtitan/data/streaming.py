@@ -1,0 +1,596 @@
+"""Streaming sources: documents read straight from their files, a few blocks at a time.
+
+Owns: cutting a source's files into *units* (whole files when there are at least as
+many files as virtual shards; otherwise parquet row groups, Arrow record batches or
+byte ranges of whole JSON lines, and row ranges of row groups, or finer byte ranges,
+if still too few), the per-epoch seeded order of those units, which units a virtual
+shard reads (``order[v::V]``), and a shard's position in them: ``(epoch, unit, at)``,
+where ``at`` is a row of the unit's file (parquet, Arrow, text) or the byte offset of
+a line (JSON lines). A resume seeks to that position: it decodes at most the one block
+holding it.
+
+Readers use pyarrow for parquet and Arrow IPC (``datasets.save_to_disk`` files) and
+read bytes through ``fsspec`` when a path is a URL, so remote files need no copy.
+
+Never: tokenize, pack, or know about ranks and workers (dataset.py does that); never
+decode a row that belongs to another shard's unit (except a row group shared by the
+row-range units of a small corpus, decoded once per process while any of them reads it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import weakref
+
+import numpy as np
+
+from torchtitan.data.sources import (
+    BadText,
+    DataError,
+    SourceSpec,
+    _check_column,
+    _epoch_order,
+    is_remote,
+    text_doc_id,
+    token_arrays,
+)
+
+# A JSON lines unit is a byte range of whole lines, of this size at most (smaller ones when
+# a corpus has few bytes per virtual shard).
+CHUNK_BYTES = 64 << 20
+# Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
+READ_BYTES = 1 << 20
+# Bytes read from each file to estimate a JSON lines source's document count.
+SAMPLE_BYTES = 1 << 20
+
+
+# Compressed JSON lines are read whole (a unit is the file): a byte range of a compressed
+# stream cannot be found without decompressing everything before it.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _compressed(path: str) -> bool:
+    return path.lower().endswith(_COMPRESSED)
+
+
+def _open_binary(path: str):
+    """A file's bytes, decompressed if its name says so; a URL through fsspec."""
+    if is_remote(path) or _compressed(path):
+        import fsspec
+
+        return fsspec.open(path, "rb", compression="infer").open()
+    return open(path, "rb")
+
+
+def _file_size(path: str) -> int:
+    if is_remote(path):
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(path)
+        return int(fs.size(inner))
+    return os.path.getsize(path)
+
+
+class _Block:
+    """Decoded rows of one block (row group, record batch, file): ids and values."""
+
+    __slots__ = ("ids", "values", "__weakref__")
+
+    def __init__(self, ids: list | None, values):
+        self.ids = ids
+        self.values = values  # str (or BadText, None) per row, or int32 token arrays
+
+
+def _doc_id(value) -> str:
+    """Stable id for a document without an id column: a hash of its text or tokens."""
+    if isinstance(value, np.ndarray):
+        return hashlib.sha1(value.tobytes()).hexdigest()[:16]
+    return text_doc_id(value)
+
+
+class StreamSource:
+    """A streaming source: its files as units, read in a seeded order per epoch.
+
+    Nothing is loaded up front beyond what the unit list needs (parquet footers, Arrow
+    record batch headers, file sizes). ``rows_decoded`` counts the rows (or JSON lines)
+    this process decoded, for tests and benchmarks.
+    """
+
+    streaming = True
+
+    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
+        self.spec = spec
+        self.text_field = text_field
+        self.id_field = spec.id_field or id_field  # a pretokenized source names its own
+        # A pretokenized source (``spec.tokens_field``) yields token ids, not text.
+        self.value_field = spec.tokens_field or text_field
+        self.seed = seed
+        self.shuffle = shuffle
+        self._identity = spec.identity()
+        self._reader = _READERS[spec.fmt](spec)
+        self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
+        self._units: dict[int, list[tuple[int, int, int]]] = {}  # shard count -> units
+        self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
+        self.rows_decoded = 0
+        columns = self._reader.columns(spec.files[0])
+        if columns is not None:
+            _check_column(spec, self.value_field, columns)
+        self.has_id = columns is None or self.id_field in columns
+
+    def __getstate__(self):
+        # Loader workers decode their own blocks; a weak cache does not pickle.
+        return {**self.__dict__, "_decoded": None, "rows_decoded": 0}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._decoded = weakref.WeakValueDictionary()
+
+    # ---- units ------------------------------------------------------------------------
+    def document_count(self) -> int:
+        """Documents in the source, for the automatic shard count: parquet footers' and
+        Arrow batch headers' row counts; one per text file; for JSON lines an estimate
+        (``JsonLinesReader.document_estimate``). Cost: one footer (or 1 MiB) per file."""
+        return sum(self._reader.document_estimate(f) for f in self.spec.files)
+
+    def units(self, num_shards: int) -> list[tuple[int, int, int]]:
+        """The units ``(file, lo, hi)`` each epoch orders: rows ``[lo, hi)`` of the file
+        (bytes for JSON lines; ``hi = -1`` is the file's end). A pure function of the files
+        and ``num_shards``, so it is the same on every resume.
+
+        Whole files when there are at least ``num_shards``; else blocks (row groups,
+        record batches, byte ranges of whole lines), cut into about one row range of equal
+        rows per shard (JSON lines: finer byte ranges) if there are still fewer blocks
+        than shards. Cost: O(files + blocks), once per process (JSON lines: a partial line
+        read per cut).
+        """
+        if num_shards not in self._units:
+            if len(self.spec.files) >= num_shards:
+                units = [(f, 0, -1) for f in range(len(self.spec.files))]
+            else:
+                units = self._reader.split(self, num_shards)
+            self._units[num_shards] = units
+        return self._units[num_shards]
+
+    def shard_units(self, epoch: int, shard: int, num_shards: int) -> np.ndarray:
+        """Indices into ``units(num_shards)`` that virtual shard ``shard`` reads in ``epoch``."""
+        units = self.units(num_shards)
+        order = _epoch_order(len(units), self.seed, self._identity, epoch, self.shuffle)
+        return order[shard::num_shards]
+
+    def block_starts(self, f: int) -> tuple[int, ...]:
+        """First row of each block of file ``f``, then its row count (cached per file)."""
+        if f not in self._starts:
+            counts = self._reader.block_rows(self.spec.files[f])
+            self._starts[f] = (0, *(int(x) for x in np.cumsum(counts, dtype=np.int64)))
+        return self._starts[f]
+
+    # ---- reading ----------------------------------------------------------------------
+    def read(self, unit: tuple[int, int, int], at: int):
+        """``(docs, next_at, held)``: the documents of ``unit`` from position ``at`` on, as
+        ``(at, next_at, doc_id, value)``, up to the end of one block (or ``READ_BYTES`` of
+        JSON lines); where reading goes on after them (None: the unit is done); and the
+        decoded block, which the caller holds while it reads the block's documents.
+
+        Cost: one block decoded (none if another reader in this process holds it), never
+        one before ``at``: a read at the end of a unit costs what one at its start does.
+        """
+        return self._reader.read(self, unit, at)
+
+    def block(self, f: int, b: int) -> _Block:
+        """Block ``b`` of file ``f``, decoded; shared while any reader holds it (the row
+        ranges of one row group, read by several shards, decode it once)."""
+        block = self._decoded.get((f, b))
+        if block is None:
+            block = self._reader.decode(self, self.spec.files[f], b)
+            self._decoded[(f, b)] = block
+            self.rows_decoded += len(block.values)
+        return block
+
+    def document(self, block: _Block, i: int) -> tuple[str, object]:
+        value = block.values[i]
+        doc_id = block.ids[i] if block.ids is not None else None
+        return (str(doc_id) if doc_id is not None else _doc_id(value)), value
+
+    def all_documents(self):
+        """Every document once, in file order (for provenance checks). Cost: O(corpus)."""
+        for unit in self.units(len(self.spec.files)):
+            at = unit[1]
+            while at is not None:
+                docs, at, _ = self.read(unit, at)
+                for _, _, doc_id, value in docs:
+                    yield doc_id, value
+
+    def position_at(self, shard: int, num_shards: int, fraction: float, epoch: int = 0) -> dict:
+        """The cursor state of ``shard`` ``fraction`` of the way through its rows (bytes for
+        JSON lines, moved to a line start) in ``epoch``, as a checkpoint taken there would
+        hold it: for tools and benchmarks that need a far-along state without reading up to
+        it. Cost: a footer per file of the shard's units (a line's read for JSON lines)."""
+        units = [self.units(num_shards)[u] for u in self.shard_units(epoch, shard, num_shards)]
+        sizes = [self._unit_size(u) for u in units]
+        target = int(fraction * sum(sizes))
+        k = 0
+        while k < len(units) - 1 and target >= sizes[k]:
+            target, k = target - sizes[k], k + 1
+        if units and self.spec.fmt == "json" and target > 0:
+            f, lo, _ = units[k]
+            with _open_binary(self.spec.files[f]) as fh:
+                fh.seek(lo + target - 1)
+                fh.readline()
+                target = fh.tell() - lo
+        return {"epoch": epoch, "unit": k, "at": target}
+
+    def _unit_size(self, unit: tuple[int, int, int]) -> int:
+        f, lo, hi = unit
+        if hi >= 0:
+            return hi - lo
+        if self.spec.fmt == "json":
+            return _file_size(self.spec.files[f])
+        return self.block_starts(f)[-1]
+
+
+class _RowReader:
+    """Formats whose blocks' row counts are known without decoding (parquet, Arrow, text)."""
+
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+
+    def split(self, source: StreamSource, num_shards: int) -> list[tuple[int, int, int]]:
+        blocks = []
+        for f in range(len(self.spec.files)):
+            starts = source.block_starts(f)
+            blocks += [(f, a, b) for a, b in zip(starts, starts[1:]) if b > a]
+        if len(blocks) >= num_shards or not blocks:
+            return blocks
+        # Fewer blocks than shards: cut them into about one row range per shard, of about
+        # equal rows (shards reading ranges of one block share its decode: see
+        # StreamSource.block).
+        parts = _apportion([b - a for _, a, b in blocks], num_shards)
+        return [unit for (f, a, b), k in zip(blocks, parts) for unit in _cut(f, a, b, k)]
+
+    def read(self, source: StreamSource, unit, at: int):
+        f, _, hi = unit
+        starts = source.block_starts(f)
+        end = starts[-1] if hi < 0 else min(hi, starts[-1])
+        if at >= end:
+            return [], None, None
+        b = bisect.bisect_right(starts, at) - 1
+        block = source.block(f, b)
+        stop, base = min(end, starts[b + 1]), starts[b]
+        docs = [(r, r + 1, *source.document(block, r - base)) for r in range(at, stop)]
+        return docs, (stop if stop < end else None), block
+
+    def document_estimate(self, path: str) -> int:
+        return int(sum(self.block_rows(path)))
+
+
+def _apportion(sizes: list[int], total: int) -> list[int]:
+    """Parts per item, at least one each and ``max(total, len(sizes))`` in all, in
+    proportion to ``sizes`` (largest remainders). Cost: O(items log items)."""
+    extra = max(0, total - len(sizes))
+    weight = sum(sizes) or 1
+    shares = [extra * size / weight for size in sizes]
+    parts = [1 + int(x) for x in shares]
+    rest = sorted(range(len(sizes)), key=lambda i: (int(shares[i]) - shares[i], i))
+    for i in rest[: max(0, total - sum(parts))]:
+        parts[i] += 1
+    return parts
+
+
+def _cut(f: int, lo: int, hi: int, parts: int) -> list[tuple[int, int, int]]:
+    """``[lo, hi)`` of file ``f`` as ``parts`` ranges of equal size (empty ones dropped)."""
+    cuts = [lo + (hi - lo) * j // parts for j in range(parts + 1)]
+    return [(f, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class ParquetReader(_RowReader):
+    """Parquet: a block is a row group, read with pyarrow (only the columns used)."""
+
+    def columns(self, path: str) -> list[str]:
+        import pyarrow.parquet as pq
+
+        with _open_binary(path) as f:
+            return list(pq.read_schema(f).names)
+
+    def block_rows(self, path: str) -> list[int]:
+        import pyarrow.parquet as pq
+
+        with _open_binary(path) as f:
+            meta = pq.ParquetFile(f).metadata
+            return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def decode(self, source: StreamSource, path: str, b: int) -> _Block:
+        import pyarrow.parquet as pq
+
+        with _open_binary(path) as f:
+            table = pq.ParquetFile(f).read_row_group(b, columns=_columns(source))
+        return _table_block(source, table)
+
+
+class ArrowReader(_RowReader):
+    """Arrow IPC files (``datasets.save_to_disk`` writes the stream format; the file
+    format reads too): a block is a record batch, memory-mapped where the file is local."""
+
+    KEEP_FILES = 8  # files whose (memory-mapped) batch list a process keeps
+
+    def __init__(self, spec: SourceSpec):
+        super().__init__(spec)
+        self._batches: dict[str, list] = {}
+
+    def __getstate__(self):
+        return {**self.__dict__, "_batches": {}}  # a worker maps the files itself
+
+    def batches(self, path: str) -> list:
+        if path not in self._batches:
+            if len(self._batches) >= self.KEEP_FILES:
+                self._batches.pop(next(iter(self._batches)))
+            self._batches[path] = _arrow_batches(path)
+        return self._batches[path]
+
+    def columns(self, path: str) -> list[str]:
+        batches = self.batches(path)
+        return list(batches[0].schema.names) if batches else []
+
+    def block_rows(self, path: str) -> list[int]:
+        return [batch.num_rows for batch in self.batches(path)]
+
+    def decode(self, source: StreamSource, path: str, b: int) -> _Block:
+        import pyarrow as pa
+
+        batch = self.batches(path)[b]
+        return _table_block(source, pa.Table.from_batches([batch]).select(_columns(source)))
+
+
+def _arrow_batches(path: str) -> list:
+    import pyarrow as pa
+
+    # On a memory map the batches are zero-copy: they only map the file's pages.
+    with _open_binary(path) if is_remote(path) else pa.memory_map(path) as f:
+        if f.read(6) == b"ARROW1":
+            f.seek(0)
+            reader = pa.ipc.open_file(f)
+            return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        f.seek(0)
+        return list(pa.ipc.open_stream(f))
+
+
+def _columns(source: StreamSource) -> list[str]:
+    return [source.value_field] + ([source.id_field] if source.has_id else [])
+
+
+def _table_block(source: StreamSource, table) -> _Block:
+    column = table.column(source.value_field)
+    ids = table.column(source.id_field).to_pylist() if source.has_id else None
+    if source.value_field != source.text_field:
+        try:
+            return _Block(ids, token_arrays(column))
+        except (AttributeError, TypeError) as e:
+            raise DataError(
+                f"dataset {source.spec.where!r}: column {source.value_field!r} is not a list "
+                f"of token ids ({e}); point tokens_field at such a column"
+            ) from e
+    try:
+        return _Block(ids, column.to_pylist())
+    except UnicodeDecodeError:  # find the undecodable rows
+        return _Block(ids, [_decoded_or_bad(column, i) for i in range(len(column))])
+
+
+def _decoded_or_bad(column, i: int):
+    try:
+        return column[i].as_py()
+    except UnicodeDecodeError as e:
+        return BadText(f"is not valid UTF-8 ({e})")
+
+
+class TextReader(_RowReader):
+    """Plain text: a file is one document (one block of one row)."""
+
+    def columns(self, path: str) -> list[str]:
+        return ["text"]
+
+    def block_rows(self, path: str) -> list[int]:
+        return [1]
+
+    def decode(self, source: StreamSource, path: str, b: int) -> _Block:
+        with _open_binary(path) as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            text = BadText(f"is not valid UTF-8 ({e})")
+        return _Block(None, [text])
+
+
+class JsonLinesReader:
+    """JSON lines: a unit is a byte range of whole lines (or a whole file, which a
+    compressed one always is). A position is the byte offset of a line: a resume seeks
+    straight to it. Each line is decoded on its own, so one with invalid UTF-8 or JSON
+    is a bad document (skipped and counted, or an error, by the packer's policy), not
+    the end of the file."""
+
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+
+    def columns(self, path: str) -> list[str] | None:
+        """The keys of the objects in the first MiB, or None if it has none."""
+        with _open_binary(path) as f:
+            head = f.read(SAMPLE_BYTES)
+        keys: dict[str, None] = {}
+        for line in head.split(b"\n"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                keys.update(dict.fromkeys(row))
+        return list(keys) or None
+
+    def document_estimate(self, path: str) -> int:
+        """Non-empty lines: counted in a file up to 1 MiB; in a larger one, the first MiB's
+        count scaled to the file's size (rounded down; for a compressed file, the first
+        MiB's count alone). At least one per file."""
+        with _open_binary(path) as f:
+            head = f.read(SAMPLE_BYTES)
+        lines = sum(1 for line in head.split(b"\n") if line.strip())
+        size = len(head) if _compressed(path) else _file_size(path)
+        if size > len(head):
+            lines = lines * size // max(1, len(head))
+        return max(1, lines)
+
+    def split(self, source: StreamSource, num_shards: int) -> list[tuple[int, int, int]]:
+        """Byte ranges cut at line starts: at most ``CHUNK_BYTES`` each, and about one per
+        shard when that gives too few. A cut moves to the first line starting at or after
+        it, so no range is empty (a line longer than a range merges the cuts inside it;
+        then the cuts are made finer, up to 8 times as many, to keep one range per shard).
+        Cost: one read of the rest of a line per cut, once per process."""
+        if any(map(_compressed, self.spec.files)):
+            return [(f, 0, -1) for f in range(len(self.spec.files))]
+        sizes = [_file_size(p) for p in self.spec.files]
+        parts = [-(-size // CHUNK_BYTES) for size in sizes]
+        target = num_shards
+        while True:
+            if sum(parts) < target:
+                parts = _apportion(sizes, target)
+            units = [u for f, k in enumerate(parts) for u in self._ranges(f, sizes[f], k)]
+            if len(units) >= num_shards or target >= 8 * num_shards:
+                return units
+            target *= 2
+
+    def _ranges(self, f: int, size: int, parts: int) -> list[tuple[int, int, int]]:
+        cuts = {0, size}
+        with _open_binary(self.spec.files[f]) as fh:
+            for cut in sorted({size * j // parts for j in range(1, parts)} - {0}):
+                fh.seek(cut - 1)
+                fh.readline()  # to the end of the line holding the byte before the cut
+                cuts.add(min(fh.tell(), size))
+        cuts = sorted(cuts)
+        return [(f, a, b) for a, b in zip(cuts, cuts[1:])]
+
+    def read(self, source: StreamSource, unit, at: int):
+        f, lo, hi = unit
+        path = self.spec.files[f]
+        if 0 <= hi <= at:
+            return [], None, None
+        with _open_binary(path) as fh:
+            fh.seek(at)  # a line start: ranges are cut at line starts
+            data = fh.read(READ_BYTES if hi < 0 else min(READ_BYTES, hi - at))
+            if data and not data.endswith(b"\n"):
+                data += fh.readline()  # finish the last line
+        if not data:
+            return [], None, None
+        name = self.spec.relative_name(path)
+        docs, pos = [], at
+        lines = data.split(b"\n")
+        for line in lines[:-1] if data.endswith(b"\n") else lines:
+            start, pos = pos, pos + len(line) + 1
+            if 0 <= hi <= start:
+                return docs, None, None
+            if line.strip():
+                docs.append((start, pos, *self._document(source, line, f"{name}@{start}")))
+        source.rows_decoded += len(docs)
+        return docs, (pos if hi < 0 or pos < hi else None), None
+
+    def _document(self, source: StreamSource, line: bytes, where: str) -> tuple[str, object]:
+        try:
+            row = json.loads(line)
+        except UnicodeDecodeError as e:
+            return where, BadText(f"is not valid UTF-8 ({e})")
+        except ValueError as e:
+            return where, BadText(f"is not valid JSON ({e})")
+        if not isinstance(row, dict):
+            return where, BadText("is not a JSON object")
+        value = row.get(source.value_field)
+        if source.value_field != source.text_field and isinstance(value, list):
+            value = np.asarray(value, dtype=np.int32)
+        doc_id = row.get(source.id_field)
+        return (str(doc_id) if doc_id is not None else _doc_id(value)), value
+
+
+_READERS = {
+    "parquet": ParquetReader,
+    "arrow": ArrowReader,
+    "text": TextReader,
+    "json": JsonLinesReader,
+}
+
+
+class StreamCursor:
+    """Position of one virtual shard in a streaming source: ``(epoch, unit, at)``.
+
+    ``unit`` indexes the shard's units of the epoch; ``at`` is the position of the next
+    document in that unit's file (a row, or a line's byte offset), saved relative to the
+    unit's start. The documents read ahead are derived from it, never part of the
+    state. ``rows_decoded`` counts what this cursor decoded itself.
+    """
+
+    def __init__(self, source: StreamSource, shard: int, num_shards: int):
+        self.source = source
+        self.shard = shard
+        self.num_shards = num_shards
+        self.epoch = 0
+        self.rows_decoded = 0
+        self._mine: np.ndarray | None = None  # this epoch's unit indices (derived)
+        self._ahead: list[tuple] = []  # (at, next_at, doc_id, value), read ahead
+        self._i = 0  # index in _ahead of the document at the cursor
+        self._held = None  # the decoded block _ahead came from (shared with other readers)
+        self._start_unit(0)
+
+    def _units(self) -> np.ndarray:
+        if self._mine is None:
+            self._mine = self.source.shard_units(self.epoch, self.shard, self.num_shards)
+        return self._mine
+
+    def _unit(self) -> tuple[int, int, int]:
+        return self.source.units(self.num_shards)[self._units()[self.unit]]
+
+    def _unit_start(self) -> int:
+        return self._unit()[1] if self.unit < len(self._units()) else 0
+
+    def _start_unit(self, k: int):
+        self.unit, self._ahead, self._i, self._held = k, [], 0, None
+        self.at = self._unit_start()
+
+    def current(self) -> tuple[str, object] | None:
+        """The document at the cursor, or None at the end of the epoch."""
+        while self._i >= len(self._ahead):
+            if self.unit >= len(self._units()):
+                return None
+            before = self.source.rows_decoded
+            docs, next_at, self._held = self.source.read(self._unit(), self.at)
+            self.rows_decoded += self.source.rows_decoded - before
+            self._ahead, self._i = docs, 0
+            if docs:
+                self.at = docs[0][0]  # past blank lines
+            elif next_at is None:
+                self._start_unit(self.unit + 1)
+            else:
+                self.at = next_at
+        return self._ahead[self._i][2:]
+
+    def advance(self):
+        self.at = self._ahead[self._i][1]
+        self._i += 1
+        if self._i < len(self._ahead):
+            self.at = self._ahead[self._i][0]
+
+    def next_epoch(self):
+        self.epoch += 1
+        self._mine = None
+        self._start_unit(0)
+
+    def state_dict(self) -> dict:
+        # ``at`` relative to the unit's start: a shard that has read nothing is at
+        # (0, 0, 0), whichever units it holds (the loader relies on one initial state).
+        return {"epoch": self.epoch, "unit": self.unit, "at": self.at - self._unit_start()}
+
+    def load_state_dict(self, state: dict):
+        if "unit" not in state:
+            raise DataError(
+                "the checkpoint's streaming position is of an older format; resume with the "
+                "version that wrote it, or pass --checkpoint.exclude_from_loading dataloader"
+            )
+        self.epoch, self._mine = int(state["epoch"]), None
+        self._start_unit(int(state["unit"]))
+        self.at += int(state["at"])
