@@ -168,11 +168,11 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
 
             if provenance is not None:
                 provenance.write(train_state.step, [s for b in batches for s in b["spans"]])
+            step_s = time.perf_counter() - step_start  # throughput excludes validation
             validation = {}
             if validator is not None and validator.due(train_state.step, last_step):
                 validation["validation_loss"] = validator.run(model)
             if validation or metrics.should_log(train_state.step, last_step):
-                step_s = time.perf_counter() - step_start
                 per_rank = tokens_per_step / dims.world_size / step_s
                 mfu = {"mfu_pct": 100 * per_rank * flops_per_token / (peak * 1e12)} if peak else {}
                 metrics.log(

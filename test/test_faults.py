@@ -151,6 +151,7 @@ def test_bad_config_and_environment_give_one_clear_line(tmp_path):
     assert "Traceback" not in log
 
 
+@pytest.mark.slow  # a 2-rank job filling a small disk: a fault scenario, like the campaign
 def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
     def small_disk():  # files above 1 MB fail with EFBIG, as on a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

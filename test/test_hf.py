@@ -256,12 +256,10 @@ def first_losses(dump) -> list[float]:
 
 
 def test_a_run_starts_from_a_step_folder_or_a_hf_folder_then_from_its_own(exported, tmp_path):
-    """The same weights from another job's step-3 (dcp) and from its HF export (hf, read
-    by rank 0 and broadcast over 2 FSDP ranks) give the same first loss, and not the
-    loss of a fresh start. Once the run has a checkpoint of its own, that one wins: a
-    run stopped at step 2 and relaunched repeats the uninterrupted one bit for bit."""
-    from conftest import train
-
+    """The same weights from another job's step-3 (dcp) and from its HF export (hf) give
+    the same first loss, and not the loss of a fresh start. Once the run has a checkpoint
+    of its own, that one wins: a run stopped at step 2 and relaunched repeats the
+    uninterrupted one bit for bit."""
     step, folder, _ = exported
     common = ["--training.steps", 3, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 1]
     train_here(tmp_path / "scratch", *common)
@@ -275,6 +273,15 @@ def test_a_run_starts_from_a_step_folder_or_a_hf_folder_then_from_its_own(export
     assert first_losses(tmp_path / "hf") == first_losses(tmp_path / "dcp")
     assert first_losses(tmp_path / "dcp")[0] != first_losses(tmp_path / "scratch")[0]
 
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_start_from_a_hf_folder_read_by_rank_0(exported, tmp_path):
+    """Rank 0 reads the folder and broadcasts each rank its part: 2 ranks x 2 sequences
+    give the loss of 1 rank x 4 from the same weights (to float rounding: the sums run in
+    another order)."""
+    from conftest import train
+
+    step, folder, _ = exported
     two = train(tmp_path / "two", "--training.steps", 1, "--training.batch_size", 2,
                 "--checkpoint.initial_load_path", folder, "--checkpoint.initial_load_format", "hf")  # fmt: skip
     assert "model weights from" in two.stderr
@@ -282,8 +289,6 @@ def test_a_run_starts_from_a_step_folder_or_a_hf_folder_then_from_its_own(export
         tmp_path / "one", "--training.steps", 1, "--checkpoint.initial_load_path", step
     )
     assert one[0] == 0
-    # 2 ranks x 2 sequences see the same 4 sequences as 1 rank x 4 only in another order of
-    # summation: the weights are what is compared, through the loss, to float rounding.
     assert first_losses(tmp_path / "two")[0] == pytest.approx(first_losses(tmp_path / "one")[0])
 
 
@@ -295,3 +300,33 @@ def test_a_bad_initial_load_path_is_one_line(exported, tmp_path):
     status, log = train_here(tmp_path / "b", "--checkpoint.initial_load_path", step,
                              "--checkpoint.initial_load_format", "hf", expect_ok=False)  # fmt: skip
     assert status == 1 and "config.json does not exist" in log and "Traceback" not in log
+    # Weights of another shape (a different vocabulary) and a truncated safetensors file.
+    status, log = train_here(tmp_path / "c", "--checkpoint.initial_load_path", step,
+                             "--model.tokenizer_path", _other_vocab_tokenizer(tmp_path),
+                             expect_ok=False)  # fmt: skip
+    assert status == 1 and "model weight tok_embeddings.weight is (4096, 64)" in log
+    assert "Traceback" not in log
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    status, log = train_here(tmp_path / "d", "--checkpoint.initial_load_path", broken,
+                             "--checkpoint.initial_load_format", "hf", expect_ok=False)  # fmt: skip
+    assert status == 1 and f"checkpoint.initial_load_path {broken}" in log
+    assert "Traceback" not in log and len(log.strip().splitlines()[-1]) < 600
+
+
+def _other_vocab_tokenizer(tmp_path) -> str:
+    """A SentencePiece model with another vocabulary size, trained on a few lines."""
+    import io
+
+    import sentencepiece as spm
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 40)
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(input=str(text), model_writer=out, vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)  # fmt: skip
+    path = tmp_path / "other.model"
+    path.write_bytes(out.getvalue())
+    return str(path)

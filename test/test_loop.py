@@ -68,7 +68,7 @@ def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
     weights are bit-equal for 1 rank, 2 ranks (pairs of a 4-rank job, each pair sharding
     a whole copy) and 4 ranks. Drawing each shard from the global RNG (the naive way)
     gives other weights. With bf16 the blocks compute in bf16 while the sharded
-    parameters stay float32."""
+    parameters and the RoPE tables stay float32."""
     reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
     out = tmp_path / "weights.pt"
     proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", "bfloat16"],
@@ -82,6 +82,7 @@ def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
     assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
     assert saved["params"] == ["torch.float32"]
     assert saved["compute"] == "torch.bfloat16"
+    assert saved["rope"] == "torch.float32", "FSDP must not cast the RoPE tables to bf16"
 
 
 # ---- gradient accumulation -------------------------------------------------------------

@@ -328,6 +328,8 @@ def test_compressed_json_lines_are_read_whole_and_restore(tmp_path, tokenizer):
             out.writelines(json.dumps(d) + "\n" for d in DOCS[f * 24 : (f + 1) * 24])
     src = source_of(tmp_path / "d")
     assert src.units(4) == [(0, 0, -1), (1, 0, -1)]
+    # Read whole, a compressed file feeds one shard: the automatic shard count sees 2.
+    assert src.document_count() == 2
 
     def dataset():
         return TokenDataset([src], tokenizer, SEQ, data_shards=2, seed=7, streaming=True)
@@ -340,6 +342,60 @@ def test_compressed_json_lines_are_read_whole_and_restore(tmp_path, tokenizer):
     resumed = dataset()
     resumed.load_state_dict(state)
     assert all(torch.equal(a["input"], b["input"]) for a, b in zip(take(resumed, 10), reference))
+
+
+def test_a_compressed_file_is_decompressed_once_per_pass(tmp_path, monkeypatch):
+    """A compressed file cannot seek without decompressing what comes before: the reader
+    keeps its stream open between reads (3 reads of 1 MiB here), so a pass opens it once.
+    Reopening per read (the negative control, READ_BYTES reads from a fresh stream)
+    would open it once per read and decompress O(position) each time."""
+    (tmp_path / "d").mkdir()
+    with gzip.open(tmp_path / "d" / "big.jsonl.gz", "wt") as out:
+        out.writelines(json.dumps({"id": str(i), "text": "verse " * 100}) + "\n"
+                       for i in range(5000))  # fmt: skip
+    src = source_of(tmp_path / "d")
+    opens = []
+    real_open = streaming_module._open_binary
+    monkeypatch.setattr(streaming_module, "_open_binary",
+                        lambda path: opens.append(path) or real_open(path))  # fmt: skip
+    cursor = StreamCursor(src, 0, 1)
+    count = 0
+    while cursor.current() is not None:
+        cursor.advance()
+        count += 1
+    assert count == 5000 and len(opens) == 1
+    src._reader._streams.clear()  # negative control: every read reopens
+    monkeypatch.setattr(src._reader, "_streams", _Forgetful())
+    opens.clear()
+    cursor = StreamCursor(src, 0, 1)
+    while cursor.current() is not None:
+        cursor.advance()
+    assert len(opens) >= 3
+
+
+class _Forgetful(dict):
+    """A stream cache that keeps nothing."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def test_a_shard_that_draws_only_bad_documents_in_one_epoch_is_not_dropped(tmp_path, tokenizer):
+    """4 files as 4 units over 4 shards, one file all empty texts: each epoch some shard
+    draws it and has nothing usable in that pass. It reads on in the next epoch instead of
+    being dropped for good (which, epoch by epoch, used to drop every shard)."""
+    (tmp_path / "d").mkdir()
+    for f in range(4):
+        rows = [{"id": f"{f}-{i}", "text": "" if f == 3 else DOCS[i]["text"]} for i in range(6)]
+        (tmp_path / "d" / f"part-{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = source_of(tmp_path / "d")
+    ds = TokenDataset([src], tokenizer, 16, data_shards=4, seed=7, streaming=True)
+    samples = take(ds, 400)
+    shards = {sp[5] for s in samples for sp in s["spans"]}
+    assert shards == {0, 1, 2, 3}
+    assert max(sp[4] for s in samples for sp in s["spans"]) >= 4  # several epochs passed
+    late = {sp[5] for s in samples[-40:] for sp in s["spans"]}
+    assert late == {0, 1, 2, 3}, "every shard still reads after several epochs"
 
 
 def test_document_count_is_exact_for_parquet_and_small_json_lines(tmp_path):

@@ -102,10 +102,13 @@ def test_resume_check_passes_and_fails_when_a_component_is_not_restored(tmp_path
 
 
 def test_block_causal_resumes_exactly_mid_document(tmp_path):
-    """block_causal (with dropout): the resumed run is bit-exact, and the resume lands in
-    the middle of a document that spans two sequences."""
+    """block_causal (with dropout, bf16 autocast and selective recompute): the resumed run
+    is bit-exact, and the resume lands in the middle of a document that spans two
+    sequences."""
     common = ["--steps", "6", "--interval", "3", "--delete", "1", "--model.dropout", "0.1",
-              "--model.attention_mask", "block_causal", "--training.data_shards", "4"]  # fmt: skip
+              "--model.attention_mask", "block_causal", "--training.data_shards", "4",
+              "--training.mixed_precision_param", "bfloat16",
+              "--activation_checkpoint.mode", "selective"]  # fmt: skip
     assert check(tmp_path, *common) == 0
     provenance = read_provenance(str(tmp_path / "dr" / "provenance"))
     first_after_resume = provenance[0][4][0][0]  # step 4, first sequence, first span
@@ -214,14 +217,14 @@ def run_until_step(dump, args: list, step: int) -> subprocess.Popen:
 
 
 def test_sigterm_saves_the_step_and_the_relaunch_is_exact_ddp(tmp_path):
-    """SIGTERM to the whole process group of a 2-rank DDP job (bf16 autocast, two
-    micro-batches per step, all-reduce on the last only) mid-run: every rank stops
+    """SIGTERM to the whole process group of a 2-rank DDP job (two micro-batches per
+    step, all-reduce on the last only) mid-run: every rank stops
     after the same step N, writes step-N, says so in one line; the relaunch continues
     bit-exactly (losses equal an uninterrupted run). Then a damaged shard stops both
     ranks with one line each naming the file and the fix."""
     common = ["--training.steps", 24, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
-              "--training.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16",
-              "--training.batch_size", 2, "--training.global_batch_size", 8]  # fmt: skip
+              "--training.data_parallel", "ddp", "--training.batch_size", 2,
+              "--training.global_batch_size", 8]  # fmt: skip
     train(tmp_path / "reference", *common)
     dump = tmp_path / "preempted"
     proc = run_until_step(dump, common, 3)

@@ -522,7 +522,7 @@ class CheckpointManager:
             path = self._choose()
         if path is None:
             if self.initial_load[0]:
-                load_initial_weights(self.states["model"].model, *self.initial_load, self.dims)
+                self._load_initial_weights()
             elif self.enabled:
                 logger.info("no checkpoint in %s: starting from scratch", self.folder)
             return 0
@@ -660,6 +660,50 @@ class CheckpointManager:
         problems = [p for p in self._all_gather(mine) if p is not None]
         return problems[0] if problems else None
 
+    def _load_initial_weights(self):
+        """Start from other weights while the run has no checkpoint of its own: a step
+        folder of another job (``dcp``: verified with each rank checking a share of its
+        files, O(checkpoint / ranks); then the model entries only, each rank reading its
+        own shard) or a Hugging Face folder (``hf``: rank 0 reads it, O(model), and
+        broadcasts each rank its part). Every rank raises the same one line on a bad one."""
+        path, fmt = self.initial_load
+        model = self.states["model"].model
+        begin = time.perf_counter()
+        if fmt == "dcp":
+            self._load_initial_dcp(model, path)
+        else:
+            _load_initial_hf(model, path, self.dims)
+        logger.info(
+            "no checkpoint of this run yet: model weights from %s (%s) in %.2fs",
+            path, fmt, time.perf_counter() - begin,
+        )  # fmt: skip
+
+    def _load_initial_dcp(self, model: torch.nn.Module, path: str):
+        what = f"checkpoint.initial_load_path {path}"
+        problem = self._verify(path) if os.path.isdir(path) else "it is not a folder"
+        if problem:
+            raise CheckpointError(f"{what}: {problem}; pass a complete step-N folder")
+        version = read_manifest(path).get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{what} has format {version}, this version reads {FORMAT_VERSION}; "
+                "convert it with the version that wrote it (e.g. to a HF folder)"
+            )
+        state = {"model": get_model_state_dict(model)}
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        for name, value in state["model"].items():
+            have = getattr(saved.get(f"model.{name}"), "size", None)
+            if have is None or tuple(have) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{what}: model weight {name} is "
+                    f"{'absent' if have is None else tuple(have)}, this model's is "
+                    f"{tuple(value.shape)}; use the model.flavor and tokenizer of the job "
+                    "that wrote it"
+                )
+        dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
+                 no_dist=self._no_dist)  # fmt: skip
+        set_model_state_dict(model, state["model"])
+
     def _load_from(self, path: str) -> list[str]:
         manifest = read_manifest(path)
         if manifest.get("format_version") != FORMAT_VERSION:
@@ -756,42 +800,22 @@ class CheckpointManager:
         return out
 
 
-def load_initial_weights(model: torch.nn.Module, path: str, fmt: str, dims):
-    """Start from other weights: a step folder of another job (``dcp``: the model entries
-    only, each rank reading its own shard, O(own shard)) or a Hugging Face folder
-    (``hf``: rank 0 reads it, O(model), and broadcasts each rank its part). Used only
-    while the run has no checkpoint of its own."""
-    begin = time.perf_counter()
-    if fmt == "dcp":
-        problem = verify_checkpoint(path) if os.path.isdir(path) else "it is not a folder"
-        if problem:
-            raise CheckpointError(
-                f"checkpoint.initial_load_path {path}: {problem}; pass a complete step-N folder"
-            )
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, process_group=dims.cpu_group,
-                 no_dist=not dist.is_initialized())  # fmt: skip
-        set_model_state_dict(model, state["model"])
-    else:
-        from torchtitan.hf import HFError, read_hf_folder
+def _load_initial_hf(model: torch.nn.Module, path: str, dims):
+    from torchtitan.hf import read_hf_folder
 
-        weights, problem = {}, [None]
-        if dims.is_main:
-            try:
-                weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
-            except HFError as e:
-                problem = [str(e)]
-        if dist.is_initialized():  # every rank raises the same one line
-            dist.broadcast_object_list(problem, src=0, group=dims.cpu_group)
-        if problem[0]:
-            raise CheckpointError(f"checkpoint.initial_load_path: {problem[0]}")
-        from_main = dist.is_initialized()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_main)
-        set_model_state_dict(model, weights, options=options)
-    logger.info(
-        "no checkpoint of this run yet: model weights from %s (%s) in %.2fs",
-        path, fmt, time.perf_counter() - begin,
-    )  # fmt: skip
+    weights, problem = {}, [None]
+    if dims.is_main:
+        try:
+            weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
+        except Exception as e:  # noqa: BLE001 - whatever stops the read is the folder's
+            problem = [str(e).splitlines()[0] if str(e) else type(e).__name__]
+    if dist.is_initialized():  # every rank raises the same one line
+        dist.broadcast_object_list(problem, src=0, group=dims.cpu_group)
+    if problem[0]:
+        raise CheckpointError(f"checkpoint.initial_load_path {path}: {problem[0]}")
+    from_main = dist.is_initialized()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_main)
+    set_model_state_dict(model, weights, options=options)
 
 
 def check_writable(folder: str):

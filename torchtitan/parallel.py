@@ -210,8 +210,13 @@ def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.d
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # A block's inputs arrive in param_dtype from the bf16 embedding already; casting them
+    # would also cast the fp32 RoPE tables passed alongside, and RoPE rotates in fp32.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 

@@ -6,7 +6,7 @@
 Builds the model as train.py does (meta device, FSDP2 over all ranks, each rank
 initializing only its shard), and again sharded over pairs of ranks (a 2 x 2 mesh: each
 pair holds a whole copy, as a 2-rank job would); rank 0 saves both sets of full weights
-to OUT.pt with the dtype a block computes in and the dtypes the parameters are kept in.
+to OUT.pt with the dtype a block computes in, the dtype its RoPE tables arrive in, and the dtypes the parameters are kept in.
 As a negative control it also saves the weights a naive sharded init gives: each rank's
 shard drawn from the global RNG, as though it were the whole tensor.
 """
@@ -36,6 +36,9 @@ def main():
         seen["compute"] = output.dtype
 
     model.layers[0].attention.wq.register_forward_hook(record_dtype)
+    model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.setdefault("rope", args[1].dtype) and None
+    )
     model(torch.zeros(1, 8, dtype=torch.long, device=dims.device))
     model.reshard()  # the root keeps its parameters gathered after a forward
     weights = full_weights(model)
@@ -56,7 +59,8 @@ def main():
         param_dtypes = {str(p.dtype) for p in model.parameters()}
         torch.save(
             {"weights": weights, "on_two": on_two, "naive": naive,
-             "compute": str(seen["compute"]), "params": sorted(param_dtypes)}, out,
+             "compute": str(seen["compute"]), "rope": str(seen["rope"]),
+             "params": sorted(param_dtypes)}, out,
         )  # fmt: skip
     parallel.destroy_distributed()
 

@@ -57,7 +57,8 @@ def auto_data_shards(consumers: int, documents: int) -> int:
     if documents < consumers:
         raise DataError(
             f"the smallest source has {documents} documents, fewer than the {consumers} data "
-            "consumers (ranks x max(1, workers)); use fewer ranks or workers, or more documents"
+            "consumers (ranks x max(1, workers)); use fewer ranks or workers, or more documents "
+            "(streaming, a compressed JSON-lines file counts as one: it is read whole)"
         )
     limit = min(documents, max(consumers * SHARDS_PER_CONSUMER, SHARDS_CAP))
     multiples = range(consumers, limit + 1, consumers)

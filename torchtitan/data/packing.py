@@ -21,6 +21,10 @@ from torchtitan.data.tokenizer import split_lines
 BAD_DATA_POLICIES = ("skip", "error")
 
 
+# Consecutive passes without a usable document after which a shard counts as empty.
+EMPTY_PASSES = 8
+
+
 class EmptyShard(DataError):
     """A virtual shard whose documents are all unusable (a whole pass found none)."""
 
@@ -74,9 +78,12 @@ class DocumentPacker:
         while True:
             doc = self.cursor.current()
             if doc is None:
-                # Two epoch ends with no usable document in between: this shard has none.
+                # A shard's documents change with each epoch's order (a permutation of
+                # documents, or of streaming units), so one pass without a usable document
+                # does not make it empty: EMPTY_PASSES in a row do. A shard holding nothing
+                # at all passes them without reading anything.
                 epoch_ends += 1
-                if epoch_ends > 1:
+                if epoch_ends > EMPTY_PASSES:
                     raise EmptyShard(
                         f"dataset {self.source_name!r} has no usable document in virtual shard "
                         f"{self.cursor.shard} of {self.cursor.num_shards}; lower "

@@ -118,7 +118,6 @@ class StreamSource:
         columns = self._reader.columns(spec.files[0])
         if columns is not None:
             _check_column(spec, self.value_field, columns)
-        self.has_id = columns is None or self.id_field in columns
 
     def __getstate__(self):
         # Loader workers decode their own blocks; a weak cache does not pickle.
@@ -305,7 +304,9 @@ class ParquetReader(_RowReader):
         import pyarrow.parquet as pq
 
         with _open_binary(path) as f:
-            table = pq.ParquetFile(f).read_row_group(b, columns=_columns(source))
+            parquet = pq.ParquetFile(f)
+            present = _present_columns(source, path, parquet.schema_arrow.names)
+            table = parquet.read_row_group(b, columns=present)
         return _table_block(source, table)
 
 
@@ -340,7 +341,8 @@ class ArrowReader(_RowReader):
         import pyarrow as pa
 
         batch = self.batches(path)[b]
-        return _table_block(source, pa.Table.from_batches([batch]).select(_columns(source)))
+        present = _present_columns(source, path, batch.schema.names)
+        return _table_block(source, pa.Table.from_batches([batch]).select(present))
 
 
 def _arrow_batches(path: str) -> list:
@@ -356,13 +358,21 @@ def _arrow_batches(path: str) -> list:
         return list(pa.ipc.open_stream(f))
 
 
-def _columns(source: StreamSource) -> list[str]:
-    return [source.value_field] + ([source.id_field] if source.has_id else [])
+def _present_columns(source: StreamSource, path: str, names: list[str]) -> list[str]:
+    """The value column and, where this file has it, the id column. The first file's
+    columns were checked at open; a later file may differ, found here when it is read."""
+    if source.value_field not in names:
+        raise DataError(
+            f"dataset {source.spec.where!r}: file {source.spec.relative_name(path)} has no "
+            f"column {source.value_field!r} (columns: {names}); make every file hold it"
+        )
+    return [source.value_field] + ([source.id_field] if source.id_field in names else [])
 
 
 def _table_block(source: StreamSource, table) -> _Block:
     column = table.column(source.value_field)
-    ids = table.column(source.id_field).to_pylist() if source.has_id else None
+    has_id = source.id_field in table.column_names
+    ids = table.column(source.id_field).to_pylist() if has_id else None
     if source.value_field != source.text_field:
         try:
             return _Block(ids, token_arrays(column))
@@ -412,6 +422,7 @@ class JsonLinesReader:
 
     def __init__(self, spec: SourceSpec):
         self.spec = spec
+        self._streams: dict[int, object] = {}  # file -> open compressed or remote stream
 
     def columns(self, path: str) -> list[str] | None:
         """The keys of the objects in the first MiB, or None if it has none."""
@@ -429,12 +440,14 @@ class JsonLinesReader:
 
     def document_estimate(self, path: str) -> int:
         """Non-empty lines: counted in a file up to 1 MiB; in a larger one, the first MiB's
-        count scaled to the file's size (rounded down; for a compressed file, the first
-        MiB's count alone). At least one per file."""
+        count scaled to the file's size (rounded down). At least one per file. A compressed
+        file counts as one: it streams whole, so it can feed one shard per epoch only."""
+        if _compressed(path):
+            return 1
         with _open_binary(path) as f:
             head = f.read(SAMPLE_BYTES)
         lines = sum(1 for line in head.split(b"\n") if line.strip())
-        size = len(head) if _compressed(path) else _file_size(path)
+        size = _file_size(path)
         if size > len(head):
             lines = lines * size // max(1, len(head))
         return max(1, lines)
@@ -468,16 +481,40 @@ class JsonLinesReader:
         cuts = sorted(cuts)
         return [(f, a, b) for a, b in zip(cuts, cuts[1:])]
 
+    def _stream(self, f: int, at: int):
+        """File ``f`` open at byte ``at``. A compressed or remote file stays open between
+        reads: seeking in it would decompress (or download) everything before ``at``, so
+        reopening per read would cost O(position). It is reopened only when a read starts
+        elsewhere (a resume). A local plain file is opened per read (a seek is free)."""
+        path = self.spec.files[f]
+        if not (is_remote(path) or _compressed(path)):
+            fh = open(path, "rb")
+            fh.seek(at)
+            return fh
+        fh = self._streams.pop(f, None)
+        if fh is None or fh.tell() != at:
+            if fh is not None:
+                fh.close()
+            fh = _open_binary(path)
+            fh.seek(at)
+        self._streams[f] = fh
+        return fh
+
+    def __getstate__(self):
+        return {**self.__dict__, "_streams": {}}  # a worker opens its own
+
     def read(self, source: StreamSource, unit, at: int):
         f, lo, hi = unit
         path = self.spec.files[f]
         if 0 <= hi <= at:
             return [], None, None
-        with _open_binary(path) as fh:
-            fh.seek(at)  # a line start: ranges are cut at line starts
-            data = fh.read(READ_BYTES if hi < 0 else min(READ_BYTES, hi - at))
-            if data and not data.endswith(b"\n"):
-                data += fh.readline()  # finish the last line
+        fh = self._stream(f, at)  # at a line start: ranges are cut at line starts
+        data = fh.read(READ_BYTES if hi < 0 else min(READ_BYTES, hi - at))
+        if data and not data.endswith(b"\n"):
+            data += fh.readline()  # finish the last line
+        if f not in self._streams or not data:
+            fh.close()
+            self._streams.pop(f, None)
         if not data:
             return [], None, None
         name = self.spec.relative_name(path)
