@@ -170,6 +170,14 @@ def read_manifest(path: str) -> dict:
         return json.load(f)
 
 
+def format_problem(path: str, manifest: dict | None = None) -> str | None:
+    """Why this version cannot read the checkpoint at ``path`` (its format), or None."""
+    version = (manifest if manifest is not None else read_manifest(path)).get("format_version")
+    if version != FORMAT_VERSION:
+        return f"has format {version}, this version reads {FORMAT_VERSION}"
+    return None
+
+
 def holds_training_state(path: str) -> bool:
     """A full checkpoint (not weights-only, not a seed): it has a train state to resume."""
     try:
@@ -683,11 +691,10 @@ class CheckpointManager:
         problem = self._verify(path) if os.path.isdir(path) else "it is not a folder"
         if problem:
             raise CheckpointError(f"{what}: {problem}; pass a complete step-N folder")
-        version = read_manifest(path).get("format_version")
-        if version != FORMAT_VERSION:
+        problem = format_problem(path)
+        if problem:
             raise CheckpointError(
-                f"{what} has format {version}, this version reads {FORMAT_VERSION}; "
-                "convert it with the version that wrote it (e.g. to a HF folder)"
+                f"{what} {problem}; convert it with the version that wrote it (e.g. to a HF folder)"
             )
         state = {"model": get_model_state_dict(model)}
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -706,10 +713,10 @@ class CheckpointManager:
 
     def _load_from(self, path: str) -> list[str]:
         manifest = read_manifest(path)
-        if manifest.get("format_version") != FORMAT_VERSION:
+        problem = format_problem(path, manifest)
+        if problem:
             raise CheckpointError(
-                f"checkpoint {path} has format {manifest.get('format_version')}, this version "
-                f"reads {FORMAT_VERSION}; resume it with the version that wrote it"
+                f"checkpoint {path} {problem}; resume it with the version that wrote it"
             )
         saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         present = {k.split(".", 1)[0] for k in saved_keys}

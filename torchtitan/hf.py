@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.checkpoint import FORMAT_VERSION, read_manifest, verify_checkpoint
+from torchtitan.checkpoint import format_problem, read_manifest, verify_checkpoint
 from torchtitan.config import resolve_path
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 from torchtitan.models.llama import ModelArgs, Transformer, llama_configs
@@ -276,12 +276,9 @@ def read_dcp_model(step_dir: str) -> dict[str, torch.Tensor]:
     problem = verify_checkpoint(step_dir)
     if problem is not None:
         raise HFError(f"checkpoint {step_dir} cannot be exported: {problem}; pick another step")
-    version = read_manifest(step_dir).get("format_version")
-    if version != FORMAT_VERSION:
-        raise HFError(
-            f"checkpoint {step_dir} has format {version}, this version reads {FORMAT_VERSION}; "
-            "export it with the version that wrote it"
-        )
+    problem = format_problem(step_dir)
+    if problem:
+        raise HFError(f"checkpoint {step_dir} {problem}; export it with the version that wrote it")
     metadata = dcp.FileSystemReader(step_dir).read_metadata()
     weights = {}
     for key, info in metadata.state_dict_metadata.items():
