@@ -18,7 +18,7 @@ from torchtitan import parallel
 from torchtitan.config import parse_args
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
-from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps
+from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps, peak_tflops
 
 ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
 
@@ -226,6 +226,41 @@ def test_tokens_per_second_per_rank_and_mfu_in_the_log(tmp_path):
     per_token = flops_per_token(args, cfg.training.seq_len)
     assert record["mfu_pct"] == 100 * record["tokens_per_s"] * per_token / 0.5e12
     assert record["tokens_per_s"] == pytest.approx(4 * 128 / (record["step_ms"] / 1000))
+
+
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.5),  # SXM5
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.5),  # was read as SXM
+        ("NVIDIA H200", 989.5),
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA GH200 480GB", 989.5),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100-SXM4-40GB", 312.0),
+        ("NVIDIA A100-PCIE-40GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA A10G", 125.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L40S", 362.05),
+        ("NVIDIA L40", 181.05),  # was read as L4
+        ("NVIDIA L4", 121.0),
+        # Negative controls: devices not in the table get no MFU, not a neighbour's peak.
+        ("NVIDIA RTX A1000", 0.0),
+        ("NVIDIA GeForce RTX 4090", 0.0),
+        ("NVIDIA B200", 0.0),
+    ],
+)
+def test_peak_tflops_by_exact_device_model(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(config(), torch.device("cuda")) == peak
+
+
+def test_configured_peak_wins_and_cpu_has_none(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
+    assert peak_tflops(config("--metrics.peak_tflops", 100), torch.device("cuda")) == 100
+    assert peak_tflops(config(), torch.device("cpu")) == 0.0
 
 
 # ---- compile ---------------------------------------------------------------------------
