@@ -454,6 +454,38 @@ def test_workers_send_groups_without_changing_the_order_or_a_resume(
     assert not resumed_from({"dp_rank_0": pickle.dumps(entry)}, 3)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_loader_state_counts_only_batches_handed_out(small_corpus, tokenizer, monkeypatch, workers):
+    """A loader resumed after k batches, for every k through two groups per worker, gives
+    the rest. Each worker owns 8 / workers shards and a batch of 2 reads only 2 of them,
+    so a state that counted a received group as consumed (shards the trainer has not
+    seen yet placed at the group's end) would skip their sequences on resume; with as
+    many shards per worker as a batch has sequences, every batch overwrites them all."""
+    from torchtitan.data import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "GROUP_TOKENS", 3 * 2 * (SEQ + 1))  # groups of 3
+
+    def loader():
+        made = ParallelDataLoader(make(small_corpus, tokenizer, data_shards=8), 2,
+                                  num_workers=workers)  # fmt: skip
+        assert made.group == 3
+        return made
+
+    first = loader()
+    steps, ahead = 6 * workers + 1, 4
+    states, reference = [], []
+    for _ in range(steps + ahead):
+        states.append(first.state_dict())
+        reference.append(next(first))
+    for k in range(steps):
+        again = loader()
+        again.load_state_dict(states[k])
+        for i in range(k, k + ahead):
+            got = next(again)
+            assert torch.equal(got["input"], reference[i]["input"]), (k, i)
+            assert got["spans"] == reference[i]["spans"], (k, i)
+
+
 def test_loader_reshards_workers_2_to_0(tiny_corpus, tokenizer):
     def loader(workers):
         ds = make(tiny_corpus, tokenizer, dp_rank=0, dp_world=1, data_shards=4, shuffle=False)
