@@ -204,6 +204,22 @@ def test_exactly_once_check_sees_duplicates_and_holes():
     assert report(("d", 3, 10, 0)).gaps == 1, "a document must be read from its start"
 
 
+def test_exactly_once_check_counts_a_replayed_step():
+    """A step trained twice (a relaunch that replayed it, here as step 3, or another rank
+    reading the same data) repeats its spans exactly: every token of them is a duplicate.
+    A checker that kept a set of spans would see each once and report nothing."""
+    from torchtitan.provenance import check_exactly_once
+
+    step = [[["src", "a", 0, 10, 0, 0], ["src", "b", 0, 6, 0, 1]], [["src", "a", 10, 16, 0, 0]]]
+    later = [[["src", "a", 16, 20, 0, 0]]]
+    replayed = check_exactly_once({0: {1: step, 2: later, 3: step}})["src"]
+    assert (replayed.duplicate_tokens, replayed.gaps, replayed.tokens) == (22, 0, 48)
+    two_ranks = check_exactly_once({0: {1: step}, 1: {1: step}})["src"]
+    assert (two_ranks.duplicate_tokens, two_ranks.gaps) == (22, 0)
+    overlapping = [[["src", "a", 0, 10, 0, 0]], [["src", "a", 4, 12, 0, 0]]]
+    assert check_exactly_once({0: {1: overlapping}})["src"].duplicate_tokens == 6
+
+
 def test_completeness_check_sees_a_skipped_document(tiny_corpus, tokenizer):
     """Two ranks read several epochs; check_complete finds every document of every finished
     epoch read whole. Negative controls: a document dropped from one epoch, and a second
