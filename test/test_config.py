@@ -339,3 +339,21 @@ def test_process_help_lists_every_key():
             default = json.dumps(defaults[section.name][f.name])
             assert f"(default: {default})" in line
             assert f.metadata["help"] in line
+
+
+def test_tensorboard_missing_is_one_error_line_before_anything_is_built(tmp_path, monkeypatch):
+    """Without tensorboard, --metrics.enable_tensorboard stops the job at start-up with one
+    line naming the option and the fix, instead of a traceback from the metric logger
+    after the model is built. Importing a module whose sys.modules entry is None fails,
+    as it does when the package is not installed."""
+    from conftest import error_lines, train_here
+
+    for name in ("tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)
+    dump = tmp_path / "run"
+    status, log = train_here(dump, "--metrics.enable_tensorboard", "true", expect_ok=False)
+    assert status != 0
+    assert "Traceback" not in log
+    [line] = error_lines(log)
+    assert "metrics.enable_tensorboard" in line and "pip install tensorboard" in line
+    assert not dump.exists()  # nothing was built or written

@@ -6,7 +6,8 @@ command line > TOML file (`--job.config_file`) > dataclass defaults.
 
 Every problem is raised as one ConfigError, during parsing, before anything is built.
 This module must never build models, data or process groups; it only imports the
-model and data modules lazily to read their lists of valid names.
+model and data modules lazily to read their lists of valid names (and TensorBoard, only
+when it is asked for, to check that it can be imported).
 """
 
 import difflib
@@ -345,6 +346,20 @@ class JobConfig:
                 "checkpoint.create_seed_checkpoint is true but checkpoint.enable_checkpoint "
                 "is false; set --checkpoint.enable_checkpoint"
             )
+        if self.metrics.enable_tensorboard:
+            _check_tensorboard()
+
+
+def _check_tensorboard() -> None:
+    # Checked here, on every rank before anything is built: otherwise only rank 0 finds
+    # out, with a traceback, when the metric logger imports it after the model is built.
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"metrics.enable_tensorboard is true but TensorBoard cannot be imported ({e}); "
+            "pip install tensorboard, or drop --metrics.enable_tensorboard"
+        ) from None
 
 
 def _choices(meta) -> list | None:
