@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.checkpoint import format_problem, read_manifest, verify_checkpoint
+from torchtitan.checkpoint.folder import read_manifest
+from torchtitan.checkpoint.integrity import format_problem, verify_checkpoint
 from torchtitan.config import resolve_path
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 from torchtitan.models.llama import ModelArgs, Transformer, llama_configs

@@ -165,6 +165,33 @@ def barrier(dims: ParallelDims):
         dist.barrier(group=dims.cpu_group)
 
 
+def broadcast_from_main(dims: ParallelDims, obj):
+    """Rank 0's ``obj`` on every rank (checkpoint group; pickled, for small objects)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=dims.cpu_group)
+    return box[0]
+
+
+def gather_objects(dims: ParallelDims, obj) -> list:
+    """Every rank's ``obj`` on rank 0, in rank order (others get an empty list)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dims.world_size if dims.is_main else None
+    dist.gather_object(obj, out, dst=0, group=dims.cpu_group)
+    return out or []
+
+
+def all_gather_objects(dims: ParallelDims, obj) -> list:
+    """Every rank's ``obj`` on every rank, in rank order (checkpoint group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dims.world_size
+    dist.all_gather_object(out, obj, group=dims.cpu_group)
+    return out
+
+
 def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     """Turn a model built on the meta device into the training model on this rank:
     activation checkpointing, compilation, FSDP2 (or DDP), then materialization.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
+import signal
 import time
 
 import torch
@@ -70,6 +71,18 @@ class WorkerGroups(IterableDataset):
                 self.collate([next(samples) for _ in range(self.batch_size)])
                 for _ in range(self.group)
             ]
+
+
+# Signals that ask a job to stop (schedulers send SIGTERM or SIGUSR1 to the whole
+# process group, workers included). The rank decides when to stop and shuts its
+# workers down; a worker killed by one would instead break the rank's next batch and
+# the save it was about to make. Workers still exit with their parent.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def _leave_stop_signals_to_the_rank(worker_id: int):
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _as_is(group: list[dict]) -> list[dict]:
@@ -144,6 +157,7 @@ class ParallelDataLoader(Stateful):
                 prefetch_factor=4 if self.group == 1 else 2,  # keeps every worker busy
                 persistent_workers=True,
                 generator=generator,
+                worker_init_fn=_leave_stop_signals_to_the_rank,
             )
         else:
             self._loader = DataLoader(

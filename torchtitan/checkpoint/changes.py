@@ -1,0 +1,56 @@
+"""What changed between a checkpoint and this run: config and data-fingerprint diffs.
+
+Owns: turning two nested config dicts or two data fingerprints into readable
+'key: old -> new' lines. Never: decide what a change means (the manager does).
+"""
+
+from __future__ import annotations
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Each differing leaf of two nested config dicts, as 'section.key: old -> new'."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += config_diff(a, b, name + ".")
+        elif a != b:
+            diffs.append(f"{name}: {a!r} -> {b!r}")
+    return diffs
+
+
+def fingerprint_diff(old: dict, new: dict) -> list[str]:
+    """Each differing field of two data fingerprints, as 'field: old -> new'."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if key == "sources" and isinstance(a, list) and isinstance(b, list):
+            diffs += _sources_diff(a, b)
+        else:
+            diffs.append(f"{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def _sources_diff(old: list[dict], new: list[dict]) -> list[str]:
+    if [(s["name"], s["weight"]) for s in old] != [(s["name"], s["weight"]) for s in new]:
+        return [
+            f"sources: {[(s['name'], s['weight']) for s in old]} -> {[(s['name'], s['weight']) for s in new]}"
+        ]
+    diffs = []
+    for a, b in zip(old, new):
+        files_a = {f[0]: f[1:] for f in a["files"]}
+        files_b = {f[0]: f[1:] for f in b["files"]}
+        for name in sorted(set(files_a) | set(files_b)):
+            if files_a.get(name) != files_b.get(name):
+                what = (
+                    "added"
+                    if name not in files_a
+                    else "removed"
+                    if name not in files_b
+                    else "changed"
+                )
+                diffs.append(f"source {a['name']!r} file {name} {what}")
+    return diffs

@@ -1,0 +1,38 @@
+"""Whether a checkpoint fits this run, decided before any tensor is read.
+
+Owns: comparing what a checkpoint holds (DCP's metadata, the manifest's config) with
+what this run would load into: model weight shapes, the optimizer that wrote the
+optimizer state. A mismatch is one line naming the entry and the fix, on every rank
+(every rank reads the same metadata), instead of DCP's traceback from inside a load.
+
+Cost: the metadata file only (O(entries)), read once per rank.
+
+Never: load tensors or decide what to resume from.
+"""
+
+from __future__ import annotations
+
+
+def model_mismatch(model_state: dict, saved: dict) -> str | None:
+    """The first model weight whose shape differs from the checkpoint's (or is absent).
+
+    ``model_state``: this run's model state dict; ``saved``: DCP's ``state_dict_metadata``.
+    """
+    for name, value in model_state.items():
+        have = getattr(saved.get(f"model.{name}"), "size", None)
+        if have is None or tuple(have) != tuple(value.shape):
+            return (
+                f"model weight {name} is {'absent' if have is None else tuple(have)} there, "
+                f"this model's is {tuple(value.shape)}"
+            )
+    return None
+
+
+def optimizer_mismatch(saved_config: dict, config: dict) -> str | None:
+    """The optimizer of the checkpoint's run when it is not this run's (its state's keys
+    differ: AdamW's moments are not SGD's momentum)."""
+    old = (saved_config.get("optimizer") or {}).get("name")
+    new = (config.get("optimizer") or {}).get("name")
+    if old is not None and old != new:
+        return f"its optimizer state is {old}'s, this run's optimizer.name is {new!r}"
+    return None

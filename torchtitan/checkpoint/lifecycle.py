@@ -1,0 +1,285 @@
+"""A save's life: ``step-N.partial`` written by DCP, then finalized into ``step-N``.
+
+Owns: writing a state with DCP (sync, or async on the checkpoint's own gloo group with
+one persistent stager), the finalizer (every rank checksums and fsyncs the files it
+wrote, rank 0 gathers the digests, writes ``manifest.json``, renames the folder and
+purges), and finishing a ``.partial`` that a killed job left behind.
+
+An async save is finalized in a background thread the moment DCP's write completes,
+so it is durable without waiting for the next save. A folder named ``step-N`` is
+complete by construction: the manifest is written inside the ``.partial`` before the
+rename, and a ``.partial`` that already holds a manifest is finished by verifying
+against it (a kill between the two is harmless).
+
+Never: choose what to save or what to resume from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from torchtitan import parallel
+from torchtitan.checkpoint import integrity, timeline
+from torchtitan.checkpoint.folder import (
+    MANIFEST,
+    PENDING,
+    CheckpointError,
+    complete_steps,
+    fsync_dir,
+    read_manifest,
+    step_folder,
+    write_json,
+)
+
+logger = logging.getLogger("torchtitan")
+# DCP notes on every call of a single process (no process group) that it assumes one;
+# here that is intended (python train.py, seed checkpoints), and async saves warn from
+# DCP's own thread, out of reach of a local catch_warnings.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+
+
+class Saver:
+    """Writes and finalizes checkpoints in ``folder``; at most one async save in flight."""
+
+    def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int):
+        self.folder, self.dims = folder, dims
+        self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
+        self._staging: Future | None = None  # the in-memory copy of an async save
+        self._pending: Future | None = None  # its write and finalization
+        self._pending_step = -1
+        self._stager = None
+        self._finalizer = None  # one background thread: finalizes async saves in order
+        # This rank's share of the last finalization: checksumming and fsyncing its files.
+        self.last_checksum_s = self.last_fsync_s = 0.0
+
+    @property
+    def _no_dist(self) -> bool:
+        return not torch.distributed.is_initialized()
+
+    def save(self, step: int, state: dict, manifest: dict):
+        """Write ``step-N``; in async mode return once the copy to memory has started.
+
+        Blocks the caller for: a pending async save of an earlier step (normally done
+        long before), and (sync mode) the write and finalization.
+        """
+        self.wait()
+        partial = step_folder(self.folder, step) + ".partial"
+        if self.dims.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            write_json(os.path.join(partial, PENDING), manifest)
+        parallel.barrier(self.dims)
+        begin = time.perf_counter()
+        if self.async_mode == "async":
+            with self._save_errors(step):
+                response = dcp.async_save(
+                    state,
+                    checkpoint_id=partial,
+                    process_group=self.dims.cpu_group,
+                    async_stager=self._async_stager(),
+                    no_dist=self._no_dist,
+                )
+            self._staging = response.staging_completion
+            if self._finalizer is None:
+                self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finalize")
+            written = response.upload_completion
+            self._pending = self._finalizer.submit(lambda: (written.result(), self.finalize(step)))
+            self._pending_step = step
+            logger.info(
+                "checkpoint step-%d handed off in %.2fs, staging and writing in the background",
+                step,
+                time.perf_counter() - begin,
+            )
+        else:
+            with self._save_errors(step):
+                dcp.save(state, checkpoint_id=partial, process_group=self.dims.cpu_group,
+                         no_dist=self._no_dist)  # fmt: skip
+                self.finalize(step)
+            logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)
+
+    def _async_stager(self):
+        # One stager for the whole run: it keeps its CPU copy buffers between saves,
+        # and stages in a background thread so the save returns at once.
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+    def wait_for_staging(self):
+        """Call before the optimizer step: staging copies the parameters it would change."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
+    def wait(self):
+        """Block until a pending async save is written and finalized (or raise its error)."""
+        self.wait_for_staging()
+        if self._pending is not None:
+            future, step = self._pending, self._pending_step
+            self._pending = None
+            with self._save_errors(step):
+                future.result()
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int):
+        """A failed write (disk full, I/O error) on any rank: one clear error on every rank.
+
+        DCP gathers every rank's write result and the finalizer every rank's digest,
+        so all ranks see the failure together.
+        """
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            shutil.rmtree(step_folder(self.folder, step) + ".partial", ignore_errors=True)
+            done = complete_steps(self.folder)
+            raise CheckpointError(
+                f"saving checkpoint step-{step} in {self.folder} failed: {root_cause(e)}; free "
+                f"space or set --checkpoint.folder elsewhere, then resume (last complete "
+                f"checkpoint: {('step-' + str(done[-1])) if done else 'none'})"
+            ) from e
+
+    def finalize(self, step: int, share: list[str] | None = None):
+        """``step-N.partial`` -> ``step-N`` once every rank's data is on disk.
+
+        Each rank checksums and fsyncs the files it wrote (O(own shard)), or ``share``
+        when finishing a partial left by a killed job; rank 0 gathers the digests
+        (O(ranks) small messages), writes the manifest, renames, purges, and tells
+        every rank the outcome. Runs on the training thread (sync, restart) or the
+        finalizer thread (async), always on the checkpoint group.
+        """
+        partial = step_folder(self.folder, step) + ".partial"
+        try:
+            names = integrity.own_files(partial, self.dims.rank) if share is None else share
+            begin = time.perf_counter()
+            mine: dict | str = integrity.digest(partial, names)
+            self.last_checksum_s = time.perf_counter() - begin
+            integrity.fsync_files(partial, names)
+            self.last_fsync_s = time.perf_counter() - begin - self.last_checksum_s
+        except OSError as e:
+            mine = f"rank {self.dims.rank} could not checksum its files: {e}"
+        every = parallel.gather_objects(self.dims, mine)
+        outcome = None
+        if self.dims.is_main:
+            problems = [d for d in every if isinstance(d, str)]
+            if problems:
+                outcome = problems[0]
+            else:
+                files = {name: info for d in every for name, info in d.items()}
+                try:
+                    with open(os.path.join(partial, PENDING)) as f:
+                        manifest = {**json.load(f), "files": files}
+                    write_json(os.path.join(partial, MANIFEST), manifest)
+                    self.publish(step)
+                except OSError as e:  # the others wait for the outcome: always send one
+                    outcome = f"rank 0 could not publish step-{step}: {e}"
+        outcome = parallel.broadcast_from_main(self.dims, outcome)
+        if outcome is not None:
+            raise CheckpointError(outcome)
+
+    def publish(self, step: int):
+        """Rank 0: a ``.partial`` holding its manifest becomes ``step-N``, then the purge.
+
+        The manifest is written before this, inside the partial: a kill anywhere in here
+        leaves either a partial with a manifest (finished by ``finish_partial``) or a
+        complete ``step-N``.
+        """
+        partial = step_folder(self.folder, step) + ".partial"
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(partial, PENDING))
+        timeline.make_room(self.folder, step)
+        os.replace(partial, step_folder(self.folder, step))
+        fsync_dir(self.folder)
+        timeline.purge(self.folder, self.keep_latest_k)
+
+    def finish_partial(self, step: int):
+        """Finish or remove ``step-N.partial`` left by a killed job (collective, every rank).
+
+        - it holds ``manifest.json``: the kill came after the digests were written;
+          the ranks verify their share of its files against it (O(total / ranks)) and
+          rank 0 renames it;
+        - it holds only the pending manifest and DCP's data is complete: the kill came
+          between DCP's last write and the finalization; the ranks digest a share of
+          its files each and it is finalized;
+        - otherwise it is an interrupted write and is removed.
+        """
+        path = step_folder(self.folder, step) + ".partial"
+        status = None
+        if self.dims.is_main:
+            if os.path.isfile(os.path.join(path, MANIFEST)):
+                status = "manifest"
+            elif os.path.isfile(os.path.join(path, PENDING)) and integrity.dcp_data_complete(path):
+                status = "data"
+            else:
+                status = "incomplete"
+        status = parallel.broadcast_from_main(self.dims, status)
+        if status == "incomplete":
+            if self.dims.is_main:
+                logger.warning("ignoring and removing incomplete checkpoint %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+            parallel.barrier(self.dims)
+            return
+        logger.warning("finishing checkpoint %s: its data was written before the job stopped", path)
+        try:
+            if status == "manifest":
+                self._publish_verified(step, path)
+            else:
+                files = integrity.data_files(path)
+                self.finalize(step, share=files[self.dims.rank :: self.dims.world_size])
+        except CheckpointError as e:  # every rank gets the same outcome
+            if self.dims.is_main:
+                logger.warning("removing %s: %s", path, e)
+                shutil.rmtree(path, ignore_errors=True)
+        parallel.barrier(self.dims)
+
+    def _publish_verified(self, step: int, path: str):
+        mine = integrity.verify_share(path, self.dims.rank, self.dims.world_size)
+        problems = [p for p in parallel.all_gather_objects(self.dims, mine) if p is not None]
+        if problems:
+            raise CheckpointError(problems[0])
+        outcome = None
+        if self.dims.is_main:
+            try:
+                read_manifest(path)  # readable, or the partial is not finished
+                self.publish(step)
+            except (OSError, ValueError) as e:
+                outcome = f"rank 0 could not publish step-{step}: {e}"
+        outcome = parallel.broadcast_from_main(self.dims, outcome)
+        if outcome is not None:
+            raise CheckpointError(outcome)
+
+    def close(self):
+        self.wait()
+        if self._finalizer is not None:
+            self._finalizer.shutdown()
+            self._finalizer = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def root_cause(e: BaseException) -> str:
+    """DCP wraps every rank's traceback into one message; keep the first 'XError: ...' line."""
+    text = str(e)
+    match = re.search(r"^\w*(Error|Exception): .*$", text, flags=re.MULTILINE)
+    line = match.group(0) if match else (text.splitlines() or [type(e).__name__])[0]
+    return line[:300]

@@ -1,0 +1,291 @@
+"""CheckpointManager: save and load the whole training state with torch.distributed.checkpoint.
+
+Owns: when to save, what a checkpoint holds, and loading the timeline's resume point
+into every component. Every component follows torch's ``Stateful`` protocol: ``model``,
+``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank),
+``train_state`` and ``rng`` (one entry per rank). It composes the package's parts:
+``lifecycle`` writes and finalizes, ``timeline`` chooses and keeps, ``integrity``
+verifies, ``compat`` refuses a checkpoint that does not fit, ``stateful`` adapts.
+
+A start: rank 0 surveys the folder and plans (O(checkpoints) manifest reads), every
+rank finishes or removes ``.partial`` folders and verifies the chosen checkpoint's
+files by shares (O(total / ranks) each), then loads its own shard.
+
+Never: decide what a component's state is, build components, or load initial weights
+from another job (``initial_weights.py`` does, when this run has no checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan import parallel
+from torchtitan.checkpoint import compat, integrity, timeline
+from torchtitan.checkpoint.changes import config_diff, fingerprint_diff
+from torchtitan.checkpoint.folder import (
+    FORMAT_VERSION,
+    CheckpointError,
+    check_writable,
+    partial_steps,
+    read_manifest,
+    step_folder,
+)
+from torchtitan.checkpoint.lifecycle import Saver, root_cause
+from torchtitan.checkpoint.stateful import ModelState, OptimizerState, RNGState
+
+logger = logging.getLogger("torchtitan")
+
+# Config sections a resume may change; the log lists what did change.
+_RESUMABLE_CHANGES = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
+
+
+class CheckpointManager:
+    """Saves every ``interval`` steps and at the last step; loads the timeline's resume point."""
+
+    def __init__(
+        self, cfg, dims, *, model, optimizer, lr_scheduler, dataloader, train_state, fingerprint
+    ):
+        ck = cfg.checkpoint
+        self.enabled = ck.enable_checkpoint
+        self.folder = os.path.join(cfg.job.dump_folder, ck.folder)
+        self.interval = ck.interval
+        self.options = timeline.recovery_options(ck.load_step, list(ck.exclude_from_loading))
+        self.model_weights_only = ck.model_weights_only
+        self.fallback_on_corruption = ck.fallback_on_corruption
+        self.accept_data_change = ck.accept_data_change
+        self.last_step = cfg.training.steps
+        self.dims = dims
+        self.fingerprint = fingerprint
+        self.config_dict = cfg.to_dict()
+        self.states: dict[str, Stateful] = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+            "rng": RNGState(dims.rank),
+        }
+        self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k)
+        # What this run's checkpoints record of their timeline (set by load()).
+        self.timeline = {"generation": 0, "origin": self.options}
+        self.loaded_from: str | None = None
+        if self.enabled:
+            check_writable(self.folder)
+
+    # ---- saving ---------------------------------------------------------------------
+    def should_save(self, step: int, stop_at: int = -1) -> bool:
+        """Every ``interval`` steps, at the last step, and where the job stops early."""
+        return self.enabled and (step % self.interval == 0 or step in (self.last_step, stop_at))
+
+    def save(self, step: int, *, model_only: bool = False):
+        """Write ``step-N`` (see ``Saver.save`` for what blocks the caller)."""
+        self.saver.wait()  # the previous save's state_dict views must not be reused
+        if model_only or (self.model_weights_only and step == self.last_step):
+            names = ["model"]
+        else:
+            names = [n for n, s in self.states.items() if s is not None]
+        state = {name: self.states[name].state_dict() for name in names}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "contents": names,
+            "world_size": self.dims.world_size,
+            "torch_version": torch.__version__,
+            "config": self.config_dict,
+            "data_fingerprint": self.fingerprint,
+            "timeline": self.timeline,
+        }
+        self.saver.save(step, state, manifest)
+
+    def wait_for_staging(self):
+        self.saver.wait_for_staging()
+
+    def wait(self):
+        self.saver.wait()
+
+    def close(self):
+        self.saver.close()
+
+    # ---- loading --------------------------------------------------------------------
+    def load(self) -> int:
+        """Load the timeline's resume point into every component; return its step (0 if none)."""
+        if not self.enabled:
+            return 0
+        for step in parallel.broadcast_from_main(self.dims, partial_steps(self.folder)):
+            self.saver.finish_partial(step)
+        path, exclude = self._choose()
+        if path is None:
+            logger.info("no checkpoint in %s: starting from scratch", self.folder)
+            return 0
+        begin = time.perf_counter()
+        loaded = self._load_from(path, exclude)
+        self.loaded_from = path
+        logger.info(
+            "loaded checkpoint %s (%s) in %.2fs",
+            path,
+            ", ".join(loaded),
+            time.perf_counter() - begin,
+        )
+        # Without a train state (a seed or weights-only checkpoint, or train_state
+        # excluded) the run counts its steps from 0.
+        return self.states["train_state"].step if "train_state" in loaded else 0
+
+    def _choose(self) -> tuple[str | None, list[str]]:
+        """Rank 0 plans (timeline.plan_resume); every rank verifies; rank 0 sets newer
+        checkpoints aside. Returns the path to load and the components not to load."""
+        survey = plan = None
+        if self.dims.is_main:
+            survey = timeline.survey(self.folder)
+            plan = timeline.plan_resume(survey, self.options, self.fingerprint)
+            for note in plan.notes:
+                logger.info("%s", note)
+        survey, plan = parallel.broadcast_from_main(self.dims, (survey, plan))
+        if plan.problem:
+            raise CheckpointError(plan.problem)
+        chosen = None
+        for i, step in enumerate(plan.candidates):
+            path = step_folder(self.folder, step)
+            problem = self._verify(path)
+            if problem is None:
+                chosen = step
+                break
+            older = plan.candidates[i + 1 :]
+            if not self.fallback_on_corruption or not older:
+                fix = (
+                    f"resume from the previous one with --checkpoint.load_step {older[0]}, or set "
+                    "--checkpoint.fallback_on_corruption to do that automatically"
+                    if older
+                    else "there is no older checkpoint: delete it to start from scratch"
+                )
+                raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
+            logger.warning(
+                "CHECKPOINT %s IS DAMAGED (%s): falling back to an older one", path, problem
+            )
+        generation, origin = timeline.generation_for(survey, plan, chosen)
+        self.timeline = {"generation": generation, "origin": origin}
+        if chosen is None:
+            return None, []
+        if self.dims.is_main:
+            timeline.set_aside_after(self.folder, survey, chosen)
+            if plan.branch and self.options:
+                logger.info(
+                    "%s: a new timeline (generation %d) begins at step-%d; relaunching this "
+                    "command continues it",
+                    timeline.describe(self.options), generation, chosen,
+                )  # fmt: skip
+        parallel.barrier(self.dims)
+        return step_folder(self.folder, chosen), plan.exclude
+
+    def _verify(self, path: str) -> str | None:
+        """Every rank checks a share of the files (O(total / ranks)); all get the first problem."""
+        mine = integrity.verify_share(path, self.dims.rank, self.dims.world_size)
+        problems = [p for p in parallel.all_gather_objects(self.dims, mine) if p is not None]
+        return problems[0] if problems else None
+
+    def _load_from(self, path: str, exclude: list[str]) -> list[str]:
+        manifest = read_manifest(path)
+        problem = integrity.format_problem(path, manifest)
+        if problem:
+            raise CheckpointError(
+                f"checkpoint {path} {problem}; resume it with the version that wrote it"
+            )
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        present = {k.split(".", 1)[0] for k in saved}
+        if "dataloader" in present:  # a weights-only or seed checkpoint has no data position
+            self._check_fingerprint(manifest.get("data_fingerprint") or {}, path, exclude)
+        if "train_state" in present:
+            self._log_config_changes(manifest.get("config") or {}, path)
+        names = [n for n in self.states if n in present and n not in exclude]
+        skipped = [n for n in self.states if n in exclude and n in present]
+        if skipped:
+            logger.info("not loading %s (checkpoint.exclude_from_loading)", ", ".join(skipped))
+        self._check_fits(path, manifest, saved, names)
+        state = {}
+        for name in names:
+            if name == "dataloader":
+                # Every rank's entry: the loader needs all of them to reshard.
+                state[name] = {
+                    k.split(".", 1)[1]: b"" for k in saved if k.startswith("dataloader.")
+                }
+            elif name == "rng":
+                key = self.states["rng"].key
+                if f"rng.{key}" not in saved:
+                    logger.warning(
+                        "checkpoint has no RNG state for %s: keeping the seeded RNG", key
+                    )
+                    continue
+                state[name] = {key: b""}
+            else:
+                state[name] = self.states[name].state_dict()
+        try:
+            dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
+                     no_dist=not dist.is_initialized())  # fmt: skip
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded into this run: {root_cause(e)}; "
+                "resume with the settings of the run that wrote it, or leave the component "
+                "out with --checkpoint.exclude_from_loading"
+            ) from e
+        for name, value in state.items():
+            self.states[name].load_state_dict(value)
+        return list(state)
+
+    def _check_fits(self, path: str, manifest: dict, saved: dict, names: list[str]):
+        """Refuse, in one line, a checkpoint whose model or optimizer is not this run's."""
+        if "model" in names:
+            model = self.states["model"].model
+            problem = compat.model_mismatch(get_model_state_dict(model), saved)
+            if problem:
+                config = (manifest.get("config") or {}).get("model") or {}
+                raise CheckpointError(
+                    f"checkpoint {path} does not fit this model: {problem}; resume with the "
+                    f"model.flavor ({config.get('flavor')!r}) and tokenizer of the run that wrote it"
+                )
+        if "optimizer" in names:
+            problem = compat.optimizer_mismatch(manifest.get("config") or {}, self.config_dict)
+            if problem:
+                old = manifest["config"]["optimizer"]["name"]
+                raise CheckpointError(
+                    f"checkpoint {path}: {problem}; resume with --optimizer.name {old}, or start "
+                    "the new optimizer's state afresh with --checkpoint.exclude_from_loading optimizer"
+                )
+
+    def _log_config_changes(self, saved: dict, path: str):
+        def resumable(diff: str) -> bool:
+            key = diff.split(":")[0]
+            return key in _RESUMABLE_CHANGES or key.split(".")[0] in _RESUMABLE_CHANGES
+
+        changes = [d for d in config_diff(saved, self.config_dict) if resumable(d)]
+        if changes:
+            logger.info("config changed since %s, the config wins: %s", path, "; ".join(changes))
+
+    def _check_fingerprint(self, saved: dict, path: str, exclude: list[str]):
+        diffs = fingerprint_diff(saved, self.fingerprint)
+        if not diffs:
+            return
+        if "dataloader" in exclude:
+            logger.warning(
+                "data changed since %s, data state not loaded: %s", path, "; ".join(diffs)
+            )
+        elif self.accept_data_change:
+            logger.warning(
+                "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
+                "positions are applied to the new data as they are",
+                path,
+                "; ".join(diffs),
+            )
+        else:
+            raise CheckpointError(
+                f"the data stream differs from checkpoint {path}: {'; '.join(diffs)}. Resume with "
+                "the original data settings, or pass --checkpoint.accept_data_change (keep the data "
+                "positions) or --checkpoint.exclude_from_loading dataloader (restart the data)"
+            )

@@ -1,0 +1,90 @@
+"""Initial weights for a run that has no checkpoint of its own: ``checkpoint.initial_load_path``.
+
+Owns: reading the model weights of another job's finished ``step-N`` folder (``dcp``)
+or of a Hugging Face ``LlamaForCausalLM`` folder (``hf``) into this run's (possibly
+sharded) model, and refusing a bad one with the same one line on every rank.
+
+Cost: ``dcp``: each rank verifies a share of the folder's files (O(checkpoint / ranks))
+and reads its own shard of the model entries. ``hf``: rank 0 reads the folder (O(model))
+and torch's ``set_model_state_dict(broadcast_from_rank0)`` sends each rank its part.
+
+Never: load optimizer, data or RNG state, or write into a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from torchtitan import parallel
+from torchtitan.checkpoint import compat, integrity
+from torchtitan.checkpoint.folder import CheckpointError
+
+
+def load_initial_weights(cfg, model: torch.nn.Module, dims):
+    """Load ``checkpoint.initial_load_path`` into ``model``; nothing when it is unset."""
+    path, fmt = cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_format
+    if not path:
+        return
+    begin = time.perf_counter()
+    if fmt == "dcp":
+        _load_dcp(model, path, dims)
+    else:
+        _load_hf(model, path, dims)
+    logging.getLogger("torchtitan").info(
+        "no checkpoint of this run yet: model weights from %s (%s) in %.2fs",
+        path, fmt, time.perf_counter() - begin,
+    )  # fmt: skip
+
+
+def _load_dcp(model: torch.nn.Module, path: str, dims):
+    what = f"checkpoint.initial_load_path {path}"
+    if os.path.isdir(path):
+        mine = integrity.verify_share(path, dims.rank, dims.world_size)
+        problems = [p for p in parallel.all_gather_objects(dims, mine) if p is not None]
+        problem = problems[0] if problems else None
+    else:
+        problem = "it is not a folder"
+    if problem:
+        raise CheckpointError(f"{what}: {problem}; pass a complete step-N folder")
+    problem = integrity.format_problem(path)
+    if problem:
+        raise CheckpointError(
+            f"{what} {problem}; convert it with the version that wrote it (e.g. to a HF folder)"
+        )
+    state = {"model": get_model_state_dict(model)}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    problem = compat.model_mismatch(state["model"], saved)
+    if problem:
+        raise CheckpointError(
+            f"{what}: {problem}; use the model.flavor and tokenizer of the job that wrote it"
+        )
+    dcp.load(state, checkpoint_id=path, process_group=dims.cpu_group,
+             no_dist=not dist.is_initialized())  # fmt: skip
+    set_model_state_dict(model, state["model"])
+
+
+def _load_hf(model: torch.nn.Module, path: str, dims):
+    from torchtitan.hf import read_hf_folder
+
+    weights, problem = {}, None
+    if dims.is_main:
+        try:
+            weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
+        except Exception as e:  # noqa: BLE001 - whatever stops the read is the folder's
+            problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+    problem = parallel.broadcast_from_main(dims, problem)  # every rank raises the same line
+    if problem:
+        raise CheckpointError(f"checkpoint.initial_load_path {path}: {problem}")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    set_model_state_dict(model, weights, options=options)
