@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import opened
+from conftest import error_lines, losses, opened, train_here
 
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
@@ -372,6 +372,26 @@ def test_automatic_shard_count_fits_clusters_and_tiny_corpora():
     assert auto_data_shards(2, 24) % 3 == 0, "a small corpus still admits 3 consumers"
     with pytest.raises(DataError, match="fewer than the 8 data consumers"):
         auto_data_shards(8, 5)
+
+
+def test_resume_takes_the_chosen_shard_count_given_explicitly(tmp_path, dozen_corpus):
+    """A run with the automatic shard count (12 for this corpus) resumes with
+    --training.data_shards 12, the count the loader names, and that run's checkpoint
+    resumes with the automatic count again; the losses are those of an uninterrupted
+    run. Negative control: another count is refused in one line naming the one to use."""
+    common = ["--training.steps", 6, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2,
+              "--training.dataset_path", dozen_corpus, "--training.seq_len", 32,
+              "--training.batch_size", 2]  # fmt: skip
+    train_here(tmp_path / "whole", *common)
+    dump = tmp_path / "resumed"
+    train_here(dump, *common, "--training.stop_at_step", 2)
+    status, log = train_here(dump, *common, "--training.data_shards", 6, expect_ok=False)
+    assert status != 0 and len(error_lines(log)) == 1, log[-2000:]
+    assert "12 virtual shards" in log and "--training.data_shards 12" in log, log[-2000:]
+    train_here(dump, *common, "--training.data_shards", 12, "--training.stop_at_step", 4)
+    train_here(dump, *common)
+    assert losses(dump) == losses(tmp_path / "whole")
+    assert sorted(losses(dump)) == list(range(1, 7))
 
 
 def test_a_shard_without_usable_documents_is_skipped_on_every_run(tmp_path, tokenizer):

@@ -117,7 +117,13 @@ def build_dataloader(
 
 
 def data_fingerprint(cfg, tokenizer) -> dict:
-    """Everything the order and content of the data stream depends on."""
+    """Everything the order and content of the data stream depends on, but the shard count.
+
+    The shard count is the loader's: its state records the count the run resolved (given,
+    or chosen at the start), and a resume compares that with the config's, or adopts it
+    under ``training.data_shards = 0`` (see ``ParallelDataLoader.load_state_dict``). The
+    raw setting here would refuse the equal count given explicitly.
+    """
     t = cfg.training
     return {
         "sources": [
@@ -128,7 +134,6 @@ def data_fingerprint(cfg, tokenizer) -> dict:
         "seq_len": t.seq_len,
         "shuffle": t.shuffle,
         "seed": t.seed,
-        "data_shards": t.data_shards,
         "streaming": t.streaming,
         "text_field": t.text_field,
     }
