@@ -273,3 +273,148 @@ def test_moving_the_data_between_two_halves_of_a_run(tiny_corpus, tmp_path, monk
     status, log = train_here(tmp_path / "run", *common, "--training.dataset_path", "./corpus",
                              expect_ok=False)  # fmt: skip
     assert status == 1 and "file part-009.jsonl added" in error_lines(log)[0]
+
+
+# ---- recovery that is safe to requeue (timeline branches) ---------------------------------
+
+
+def test_a_requeued_load_step_continues_its_branch(trained, tmp_path):
+    """The command that rewound to step-6 is relaunched as it was (a scheduler's requeue):
+    it continues the branch from its newest checkpoint (step-8), rewinding nothing and
+    setting nothing more aside. Negative control: without the branch record (an old
+    manifest), the same command rewinds to step-6 again."""
+    dump = copy_run(trained, tmp_path)
+    folder = dump / "checkpoint"
+    rewind = [*CK, "--checkpoint.interval", 3, "--checkpoint.load_step", 6]
+    train_here(dump, "--training.steps", 9, *rewind, "--training.stop_at_step", 8)
+    assert complete_steps(str(folder)) == [6, 8] and (folder / "step-7.abandoned").is_dir()
+    origin = json.loads((folder / "step-8" / MANIFEST).read_text())["timeline"]
+    assert origin == {"generation": 1, "origin": {"load_step": 6, "exclude_from_loading": []}}
+
+    control = copy_run(dump, tmp_path / "control")
+    _, log = train_here(dump, "--training.steps", 9, *rewind)
+    assert "continuing the timeline that --checkpoint.load_step 6 began" in log
+    assert "training steps 9..9" in log and "moved" not in log
+    assert sorted(losses(dump)) == list(range(1, 10))
+
+    manifest = control / "checkpoint" / "step-8" / MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "timeline": None}))
+    _, log = train_here(control, "--training.steps", 9, *rewind)
+    assert "training steps 7..9" in log and "step-8.abandoned" in log, "the check can fail"
+
+
+def test_a_requeued_data_restart_restarts_the_data_once(trained, tmp_path):
+    """--checkpoint.exclude_from_loading dataloader, preempted after step 8 and requeued
+    with the same command: the requeue loads the branch's data position, so its steps
+    are bit-equal to the same restart run without interruption (a second restart would
+    train the first documents again and differ)."""
+    restart = [*CK, "--checkpoint.interval", 3, "--checkpoint.exclude_from_loading", "dataloader"]
+    whole = copy_run(trained, tmp_path / "whole")
+    train_here(whole, "--training.steps", 10, *restart)
+    dump = copy_run(trained, tmp_path / "requeued")
+    train_here(dump, "--training.steps", 10, *restart, "--training.stop_at_step", 8)
+    _, log = train_here(dump, "--training.steps", 10, *restart)
+    assert "continuing the timeline" in log and "not loading" not in log
+    assert "(model, optimizer, lr_scheduler, dataloader, train_state, rng)" in log
+    assert losses(dump) == losses(whole)
+
+
+def test_keep_latest_k_never_removes_the_checkpoint_just_written(trained, tmp_path):
+    """train_state excluded: the step count restarts at 0 below the old timeline's steps.
+    keep_latest_k counts in timeline order, so the new step-3 and step-4 are kept and the
+    old step-6/7 go; the requeue continues from step-4."""
+    dump = copy_run(trained, tmp_path)
+    again = [*CK, "--checkpoint.interval", 3, "--checkpoint.keep_latest_k", 2,
+             "--checkpoint.exclude_from_loading", "train_state"]  # fmt: skip
+    _, log = train_here(dump, "--training.steps", 4, *again)
+    assert "removed old checkpoint step-3" not in log
+    assert complete_steps(str(dump / "checkpoint")) == [3, 4]
+    _, log = train_here(dump, "--training.steps", 5, *again)
+    assert "training steps 5..5" in log
+
+
+def test_plan_resume_matches_a_branch_by_its_options_and_data():
+    """The rule itself, with negative controls: other options, or a data restart whose
+    data changed again, begin a new branch."""
+    from torchtitan.checkpoint.timeline import Entry, generation_for, plan_resume, recovery_options
+
+    restart = recovery_options(-1, ["dataloader"])
+    entries = [
+        Entry(6),
+        Entry(7),
+        Entry(3, 1, restart, True, {"seed": 1}),
+        Entry(4, 1, restart, True, {"seed": 1}),
+    ]
+    plan = plan_resume(entries, restart, {"seed": 1})
+    assert (plan.candidates, plan.exclude, plan.branch) == ([4, 3], [], False)
+    assert generation_for(entries, plan, 4) == (1, restart)
+    plan = plan_resume(entries, restart, {"seed": 2})  # the data changed again
+    assert (plan.candidates[0], plan.exclude, plan.branch) == (4, ["dataloader"], True)
+    assert generation_for(entries, plan, 4) == (2, restart)
+    plan = plan_resume(entries, recovery_options(6, []), {"seed": 1})
+    assert (plan.candidates, plan.branch) == ([6], True)
+    plan = plan_resume(entries, None, {"seed": 1})
+    assert plan.candidates == [4, 3, 7, 6], "newest by generation, then step"
+
+
+# ---- a kill anywhere inside the finalization ----------------------------------------------
+
+
+@pytest.mark.parametrize("pending_removed", [False, True])
+def test_a_kill_inside_the_publish_leaves_a_checkpoint_that_is_finished(
+    trained, tmp_path, pending_removed
+):
+    """Killed after manifest.json was written inside step-7.partial (before or after the
+    pending manifest's removal, before the rename): the restart verifies it against its
+    manifest, renames it and resumes from it; it is neither called damaged nor removed."""
+    dump = copy_run(trained, tmp_path)
+    folder = dump / "checkpoint"
+    final, partial = folder / "step-7", folder / "step-7.partial"
+    manifest = json.loads((final / MANIFEST).read_text())
+    if not pending_removed:
+        (final / PENDING).write_text(
+            json.dumps({k: v for k, v in manifest.items() if k != "files"})
+        )
+    os.rename(final, partial)
+    _, log = train_here(dump, "--training.steps", 8, *CK, "--checkpoint.interval", 3)
+    assert "finishing checkpoint" in log and "training steps 8..8" in log
+    assert verify_checkpoint(str(folder / "step-7")) is None
+    assert not partial.exists()
+
+
+def test_the_writable_probe_never_collides_between_ranks_sharing_a_pid(tmp_path):
+    """Ranks in containers on different nodes often share a pid: 16 concurrent probers
+    in one process (one pid) x 100 probes each, none may fail."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchtitan.checkpoint import check_writable
+
+    def probe(_):
+        for _ in range(100):
+            check_writable(str(tmp_path))
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(probe, range(16)))
+    assert os.listdir(tmp_path) == []
+
+
+# ---- a checkpoint that does not fit this run: one line ------------------------------------
+
+
+def test_another_optimizer_or_model_is_one_line(trained, tmp_path):
+    dump = copy_run(trained, tmp_path)
+    status, log = train_here(dump, "--training.steps", 8, *CK, "--optimizer.name", "SGD",
+                             expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-2000:]
+    assert "exp_avg" in errors[0] and "--optimizer.name AdamW" in errors[0]
+    # Adam keeps the same moments as AdamW: it resumes, and the config wins.
+    _, log = train_here(dump, "--training.steps", 8, *CK, "--optimizer.name", "Adam")
+    assert "optimizer.name: 'AdamW' -> 'Adam'" in log
+
+    dump = copy_run(trained, tmp_path / "flavor")
+    status, log = train_here(dump, "--training.steps", 8, *CK, "--model.flavor", "125M",
+                             expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-2000:]
+    assert "does not fit this model" in errors[0] and "'debugmodel'" in errors[0]

@@ -216,27 +216,54 @@ def run_until_step(dump, args: list, step: int) -> subprocess.Popen:
     raise AssertionError(f"the job never reached step {step}: {proc.communicate()[0][-3000:]}")
 
 
-def test_sigterm_saves_the_step_and_the_relaunch_is_exact_ddp(tmp_path):
-    """SIGTERM to the whole process group of a 2-rank DDP job (two micro-batches per
-    step, all-reduce on the last only) mid-run: every rank stops
-    after the same step N, writes step-N, says so in one line; the relaunch continues
-    bit-exactly (losses equal an uninterrupted run). Then a damaged shard stops both
-    ranks with one line each naming the file and the fix."""
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of one rank of a torchrun job (a child of the launcher with that RANK)."""
+    for child in open(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read().split():
+        with contextlib.suppress(OSError):
+            environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+    raise AssertionError(f"no rank {rank} under the launcher {launcher_pid}")
+
+
+def preempted_step(out: str, nproc: int = 2) -> int:
+    """The step every rank says it stopped after (asserting they all agree)."""
+    lines = [line for line in out.splitlines() if "preempted at step" in line]
+    assert len(lines) == nproc, out[-3000:]
+    step = int(lines[0].split("preempted at step ")[1].split(":")[0])
+    assert all(f"preempted at step {step}: checkpoint step-{step} written" in x for x in lines)
+    return step
+
+
+def test_preemption_of_one_rank_or_all_saves_and_the_relaunches_are_exact_ddp(tmp_path):
+    """A 2-rank DDP job with 2 loader workers per rank (two micro-batches per step,
+    all-reduce on the last only), preempted twice: first SIGUSR1 to rank 1 alone (a
+    scheduler preempting one node: every rank must still stop after the same step),
+    then SIGTERM to every process of the job, loader workers included (they must leave
+    the signal to their rank). Each time every rank stops after the same step N, writes
+    step-N and says so in one line; the last relaunch finishes bit-exactly (losses equal
+    an uninterrupted run). Then a damaged shard stops both ranks with one line each
+    naming the file and the fix."""
     common = ["--training.steps", 24, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
               "--training.data_parallel", "ddp", "--training.batch_size", 2,
-              "--training.global_batch_size", 8]  # fmt: skip
+              "--training.global_batch_size", 8, "--training.num_workers", 2]  # fmt: skip
     train(tmp_path / "reference", *common)
     dump = tmp_path / "preempted"
     proc = run_until_step(dump, common, 3)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGUSR1)
+    out = proc.communicate(timeout=120)[0]
+    first = preempted_step(out)
+    assert "(SIGUSR1)" in out and "(signal to another rank)" in out
+    assert 3 <= first < 24 and complete_steps(str(dump / "checkpoint"))[-1] == first
+
+    proc = run_until_step(dump, common, first + 2)
     os.killpg(proc.pid, signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
-    lines = [line for line in out.splitlines() if "preempted at step" in line]
-    assert len(lines) == 2, out[-3000:]
-    step = int(lines[0].split("preempted at step ")[1].split(":")[0])
-    assert all(f"preempted at step {step}: checkpoint step-{step} written" in x for x in lines)
-    assert 3 <= step < 24 and step in complete_steps(str(dump / "checkpoint"))
+    second = preempted_step(out)
+    assert "killed by signal" not in out, out[-3000:]
+    assert first < second < 24 and complete_steps(str(dump / "checkpoint"))[-1] == second
     proc = train(dump, *common)
-    assert f"step-{step}" in proc.stderr and "loaded checkpoint" in proc.stderr
+    assert f"step-{second}" in proc.stderr and "loaded checkpoint" in proc.stderr
     assert losses(dump) == losses(tmp_path / "reference")
 
     # Each rank digested what it wrote: the two ranks' own files are the manifest's files.
@@ -252,6 +279,31 @@ def test_sigterm_saves_the_step_and_the_relaunch_is_exact_ddp(tmp_path):
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
     assert {e.split("]")[0] for e in errors} == {"[rank0", "[rank1"}
     assert all("__1_0.distcp" in e and f"--checkpoint.load_step {previous}" in e for e in errors)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_signal_on_a_save_step_stops_there_with_one_save(tmp_path, monkeypatch, interval):
+    """SIGTERM during step 4, a save step (every step with interval 1): the job stops
+    after step 4, and step-4's regular save is the preemption's (no second save).
+    Negative control: with interval 1 the old loop never asked and trained to the end."""
+    import train as train_script
+
+    class SignalAtStep4(train_script.TrainStep):
+        calls = 0
+
+        def __call__(self, batches):
+            SignalAtStep4.calls += 1
+            if SignalAtStep4.calls == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().__call__(batches)
+
+    monkeypatch.setattr(train_script, "TrainStep", SignalAtStep4)
+    _, log = train_here(tmp_path, "--training.steps", 12, "--checkpoint.enable_checkpoint",
+                        "--checkpoint.interval", interval)  # fmt: skip
+    assert "preempted at step 4: checkpoint step-4 written (SIGTERM)" in log
+    assert log.count("saved checkpoint step-4 ") == 1
+    assert complete_steps(str(tmp_path / "checkpoint"))[-1] == 4
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
 
 
 def test_one_ranks_data_error_stops_every_rank_with_one_line(tmp_path):

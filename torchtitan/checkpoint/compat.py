@@ -28,11 +28,19 @@ def model_mismatch(model_state: dict, saved: dict) -> str | None:
     return None
 
 
-def optimizer_mismatch(saved_config: dict, config: dict) -> str | None:
-    """The optimizer of the checkpoint's run when it is not this run's (its state's keys
-    differ: AdamW's moments are not SGD's momentum)."""
-    old = (saved_config.get("optimizer") or {}).get("name")
-    new = (config.get("optimizer") or {}).get("name")
-    if old is not None and old != new:
-        return f"its optimizer state is {old}'s, this run's optimizer.name is {new!r}"
-    return None
+def optimizer_mismatch(optimizer_state: dict, saved: dict, saved_config: dict) -> str | None:
+    """Why this run's optimizer cannot take the checkpoint's optimizer state, or None.
+
+    The kinds of per-parameter state must agree (AdamW's ``exp_avg``/``exp_avg_sq``
+    are not SGD's ``momentum_buffer``); an optimizer with the same kinds (AdamW after
+    Adam) loads, and the config's hyperparameters win.
+    """
+    have = {key.rsplit(".", 1)[1] for key in saved if key.startswith("optimizer.state.")}
+    want = {kind for per_param in optimizer_state.get("state", {}).values() for kind in per_param}
+    if have == want:
+        return None
+    old = (saved_config.get("optimizer") or {}).get("name", "another optimizer")
+    return (
+        f"its optimizer state is {old}'s ({', '.join(sorted(have)) or 'none'}), this run's "
+        f"optimizer keeps {', '.join(sorted(want)) or 'none'}"
+    )

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan import parallel
@@ -208,7 +207,6 @@ class CheckpointManager:
         skipped = [n for n in self.states if n in exclude and n in present]
         if skipped:
             logger.info("not loading %s (checkpoint.exclude_from_loading)", ", ".join(skipped))
-        self._check_fits(path, manifest, saved, names)
         state = {}
         for name in names:
             if name == "dataloader":
@@ -226,6 +224,7 @@ class CheckpointManager:
                 state[name] = {key: b""}
             else:
                 state[name] = self.states[name].state_dict()
+                self._check_fits(path, manifest, saved, name, state[name])
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
                      no_dist=not dist.is_initialized())  # fmt: skip
@@ -239,21 +238,23 @@ class CheckpointManager:
             self.states[name].load_state_dict(value)
         return list(state)
 
-    def _check_fits(self, path: str, manifest: dict, saved: dict, names: list[str]):
-        """Refuse, in one line, a checkpoint whose model or optimizer is not this run's."""
-        if "model" in names:
-            model = self.states["model"].model
-            problem = compat.model_mismatch(get_model_state_dict(model), saved)
+    def _check_fits(self, path: str, manifest: dict, saved: dict, name: str, state: dict):
+        """Refuse, in one line, a checkpoint whose model or optimizer is not this run's
+        (checked as each state is built: a model that does not fit stops the load before
+        the optimizer's state is)."""
+        if name == "model":
+            problem = compat.model_mismatch(state, saved)
             if problem:
                 config = (manifest.get("config") or {}).get("model") or {}
                 raise CheckpointError(
                     f"checkpoint {path} does not fit this model: {problem}; resume with the "
                     f"model.flavor ({config.get('flavor')!r}) and tokenizer of the run that wrote it"
                 )
-        if "optimizer" in names:
-            problem = compat.optimizer_mismatch(manifest.get("config") or {}, self.config_dict)
+        if name == "optimizer":
+            config = manifest.get("config") or {}
+            problem = compat.optimizer_mismatch(state, saved, config)
             if problem:
-                old = manifest["config"]["optimizer"]["name"]
+                old = (config.get("optimizer") or {}).get("name", "of the run that wrote it")
                 raise CheckpointError(
                     f"checkpoint {path}: {problem}; resume with --optimizer.name {old}, or start "
                     "the new optimizer's state afresh with --checkpoint.exclude_from_loading optimizer"
