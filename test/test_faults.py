@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CONFIG, REPO, bundled_documents, error_lines, run_main, train_here
+from conftest import CONFIG, REPO, bundled_documents, error_lines, read_jsonl, run_main, train_here
 from test_data import make, take
 
 from torchtitan.data.sources import DataError, resolve_source
@@ -126,6 +126,9 @@ def test_a_small_partly_bad_corpus_trains_out_of_the_box(tmp_path):
     _, log = train_here(tmp_path / "run", "--training.dataset_path", folder,
                         "--training.steps", 3, "--training.seq_len", 64)  # fmt: skip
     assert "done: 3 steps" in log
+    # The console says so, with the count the JSONL has (not only the JSONL).
+    skipped = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["skipped_documents"]
+    assert skipped > 0 and f"{skipped} documents skipped so far" in log
 
 
 # ---- bad config and environment ---------------------------------------------------------

@@ -60,6 +60,7 @@ class MetricLogger:
         self.log_freq = cfg.metrics.log_freq
         self.jsonl_path = cfg.jsonl_path() if rank == 0 else None
         self.tb = None
+        self._skipped_seen = 0  # skipped documents the console has reported
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
             truncate_jsonl_after(self.jsonl_path, start_step)
@@ -90,6 +91,14 @@ class MetricLogger:
             values["data_wait_ms"],
             values["memory_gib"],
         )
+        skipped = values.get("skipped_documents", 0)
+        if skipped > self._skipped_seen:  # said on the console, not only in the JSONL
+            logger.warning(
+                "step %d: %d documents skipped so far (%d since the last line): empty, null, "
+                "non-string or undecodable text; --training.bad_data error stops at the first",
+                step, skipped, skipped - self._skipped_seen,
+            )  # fmt: skip
+            self._skipped_seen = skipped
         extra = [f"{k} {values[k]:.4f}" for k in ("mfu_pct", "validation_loss") if k in values]
         if extra:
             logger.info("step %5d  %s", step, "  ".join(extra))
