@@ -383,6 +383,57 @@ def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_p
     assert any(changed in d for d in diffs), diffs
 
 
+# ---- plain folders with another tool's files ---------------------------------------------
+
+STRAYS = {  # what other tools leave in a data folder, under the names the kinds look for
+    "stats.json": json.dumps({"documents": 6, "tokens": 1234}),  # one line, as json.dump writes
+    "manifest.json": json.dumps({"files": ["part-000.jsonl"], "created": "2026-01-01"}),
+    "state.json": json.dumps({"step": 3}, indent=2),
+    "meta/info.json": json.dumps([{"text": "an array, not JSON lines"}]),
+}
+
+
+def documents(spec, streaming: bool) -> list[tuple]:
+    source = open_source(spec, "text", "id", 7, True, streaming)
+    if streaming:
+        return list(source.all_documents())
+    return [source.document(i) for i in range(len(source))]
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet", "json"])
+def test_a_folder_with_stray_json_files_reads_only_its_data(tmp_path, ext):
+    """Another tool's stats.json, manifest.json or state.json beside the data makes the
+    folder neither a pretokenized corpus nor a save_to_disk folder, and is not read as
+    documents: the folder reads the documents, identity and fingerprint of the same folder
+    without them. A folder of JSON lines named .json keeps them, and skips the strays
+    that are not JSON lines. Negative control: a pretokenized manifest of another
+    version is still refused."""
+    docs = bundled_documents("shakespeare", 6, 300)
+    clean, stray = tmp_path / "clean" / "c", tmp_path / "stray" / "c"
+    if ext == "parquet":
+        write_parquet(clean / "part-000.parquet", docs)
+    else:
+        write_jsonl(clean, docs)
+        for f in clean.glob("*.jsonl"):
+            f.rename(f.with_suffix(f".{ext}"))
+    shutil.copytree(clean, stray)
+    # Beside .json data a one-line JSON object could be a one-document file: keep the
+    # strays that are not JSON lines (pretty-printed, an array).
+    strays = STRAYS if ext != "json" else {k: STRAYS[k] for k in ("state.json", "meta/info.json")}
+    for name, text in strays.items():
+        (stray / name).parent.mkdir(exist_ok=True)
+        (stray / name).write_text(text)
+    expected, got = resolve_source(path=str(clean)), resolve_source(path=str(stray))
+    assert [Path(f).name for f in got.files] == [Path(f).name for f in expected.files]
+    assert (got.identity(), fingerprint(got)) == (expected.identity(), fingerprint(expected))
+    for streaming in (False, True):
+        read = [documents(spec, streaming) for spec in (expected, got)]
+        assert read[1] == read[0] and len(read[0]) == len(docs), streaming
+    (stray / "manifest.json").write_text(json.dumps({"format": "torchtitan-pretokenized/v0"}))
+    with pytest.raises(DataError, match="has format 'torchtitan-pretokenized/v0'"):
+        resolve_source(path=str(stray))
+
+
 # ---- pretokenized -----------------------------------------------------------------------
 
 

@@ -33,8 +33,12 @@ _HUB_URL = re.compile(r"^(hf://datasets/[^/]+/[^/@]+)(?:@([^/]+))?/")
 
 
 def is_saved(folder: Path) -> bool:
-    """A ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk`` folder."""
-    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+    """A ``Dataset.save_to_disk`` folder (state.json beside dataset_info.json) or a
+    ``DatasetDict.save_to_disk`` folder (dataset_dict.json): the rule ``load_from_disk``,
+    which reads it, applies. A state.json alone is another tool's, not one."""
+    if (folder / "dataset_dict.json").is_file():
+        return True
+    return (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
 
 
 def is_hub_folder(folder: Path) -> bool:

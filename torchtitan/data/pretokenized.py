@@ -43,6 +43,7 @@ from torchtitan.data.sources import (
 logger = logging.getLogger(__name__)
 
 FORMAT = "torchtitan-pretokenized/v1"
+FORMAT_KIND = FORMAT.rsplit("/", 1)[0] + "/"  # any version of the format
 MANIFEST = "manifest.json"
 ID_COLUMN, TOKENS_COLUMN = "id", "tokens"
 CHUNK_DOCUMENTS = 1024  # documents per task and per parquet row group
@@ -50,7 +51,14 @@ FILE_TOKENS = 1 << 26  # a file is closed after the chunk that brings it past th
 
 
 def is_pretokenized(folder: Path) -> bool:
-    return (folder / MANIFEST).is_file()
+    """A folder whose manifest.json names this kind's format, in any version (an older
+    one is refused by ``read_manifest``); a manifest.json of another tool's is not one."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    return isinstance(fmt, str) and fmt.startswith(FORMAT_KIND)
 
 
 def read_manifest(folder: Path) -> dict:

@@ -8,6 +8,17 @@ shard of a map-style source (a ``MapCursor``). Streaming sources and their curso
 streaming.py's; ``open_source`` and ``make_cursor`` choose between the two. A cursor's
 state is a *position* to seek to, never a count of items to replay.
 
+A folder's kind is told by its signature, not by a file name another tool may also
+write: a pretokenized manifest names its format, a ``save_to_disk`` folder has what
+``load_from_disk`` requires, a Hub-style folder's README lists ``configs:``. Any other
+folder is plain files, searched for data; there a ``.json`` file is data only as JSON
+lines (this project reads ``.json`` as JSON lines, map-style and streaming) and only in
+a folder with no data of another format: beside jsonl, parquet, text or Arrow files it
+is a tool's metadata (stats.json, a stray manifest.json), and one whose first line is
+not a JSON object (pretty-printed, or an array) is not JSON lines. Such files are
+skipped, logged, and no part of the fingerprint. A file or a glob names its files as
+given.
+
 Never: tokenize, pack or know about ranks and workers (dataset.py does that).
 """
 
@@ -15,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import logging
 import os
 import zlib
@@ -186,7 +198,7 @@ def resolve_files(path: str) -> list[str]:
     if p.is_file():
         files = [str(p)]
     elif p.is_dir():
-        files = [str(f) for f in sorted(p.rglob("*")) if _data_suffix(f) in _FORMATS]
+        files = _folder_data_files(p, path)
     else:
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
@@ -204,6 +216,47 @@ def resolve_files(path: str) -> list[str]:
     return nonempty
 
 
+def _folder_data_files(folder: Path, path: str) -> list[str]:
+    """The data files under a folder, searched recursively, without the ``.json`` files
+    that are not data (see the module docstring). Cost: one small read per ``.json``
+    file, where no other format is present."""
+    found = [f for f in sorted(folder.rglob("*")) if _data_suffix(f) in _FORMATS and f.is_file()]
+    plain_json = [f for f in found if f.suffix.lower() == ".json"]
+    if len(plain_json) < len(found):
+        skipped, why = plain_json, "beside other data files they are taken for metadata"
+    else:
+        skipped = [f for f in plain_json if not _starts_as_json_lines(f)]
+        why = "their first line is not a JSON object, so they are not JSON lines"
+    if skipped:
+        names = [os.path.relpath(f, folder) for f in skipped]
+        logger.info("dataset path %r: not reading %s as data (%s)", path, names[:5], why)
+    skip = set(skipped)
+    return [str(f) for f in found if f not in skip]
+
+
+JSON_LINES_SNIFF = 1 << 16  # bytes read to see whether a .json file's first line is an object
+
+
+def _starts_as_json_lines(path: Path) -> bool:
+    """Whether a .json file's first line is a JSON object. An empty file counts (the
+    empty-file check reports it), and so does a first line that starts an object but
+    runs past the bytes read (a long document)."""
+    with open(path, "rb") as f:
+        head = f.read(JSON_LINES_SNIFF)
+    text = head.lstrip()
+    if not head:
+        return True
+    if not text.startswith(b"{"):
+        return False
+    line, newline, _ = text.partition(b"\n")
+    if not newline and len(head) == JSON_LINES_SNIFF:
+        return True
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 def resolve_source(
     name: str = "", path: str = "", weight: float = 1.0, config: str = "",
     split: str = DEFAULT_SPLIT,
@@ -211,8 +264,9 @@ def resolve_source(
     """A registry name, a Hub dataset id (``owner/name``), or a local path (optionally
     with a name of the user's) -> SourceSpec.
 
-    A local folder may be a pretokenized corpus (its manifest.json), a ``save_to_disk``
-    folder, or laid out like a Hub dataset repository (README.md with ``configs:``);
+    A local folder may be a pretokenized corpus (a manifest.json of that format), a
+    ``save_to_disk`` folder, laid out like a Hub dataset repository (README.md with
+    ``configs:``), or plain files (see the module docstring);
     ``config`` and ``split`` choose part of the kinds that have them and must keep their
     defaults for the others. An unnamed path source is named after its root folder for
     provenance. Cost: a Hub id or Hub-style folder runs ``datasets``' resolution (for a
