@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,3 +203,21 @@ def test_fault_injection_campaign(tmp_path, mode):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "mismatched steps 0" in proc.stdout and "kills 0" not in proc.stdout
+
+
+# ---- SIGTERM / SIGUSR1 anywhere ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_preemption_campaign(tmp_path):
+    """24 trials over {0, 2} workers x {sync, async} x {DDP, FSDP} on 2 ranks, each
+    signalled once (SIGTERM or SIGUSR1, every rank or one; mid-step, mid-save, by a
+    validation, twice), plus one during the first compile where a C++ compiler exists:
+    each stops by itself within 3 steps with its newest checkpoint at the stop, and its
+    relaunch is bit-equal to an uninterrupted run."""
+    compile_trials = "1" if shutil.which("g++") else "0"
+    cmd = [sys.executable, str(REPO / "scripts" / "preemption_campaign.py"), "--trials", "24",
+           "--compile-trials", compile_trials, "--seed", "0", "--dump-folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "failed 0" in proc.stdout and "PASS" in proc.stdout

@@ -21,9 +21,13 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def fingerprint_diff(old: dict, new: dict) -> list[str]:
-    """Each differing field of two data fingerprints, as 'field: old -> new'."""
+    """Each differing field of two data fingerprints, as 'field: old -> new'.
+
+    Only the fields this version fingerprints count: a field an older version recorded
+    and this one dropped (``data_shards``: the loader state checks it) is not a change.
+    """
     diffs = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(new):
         a, b = old.get(key), new.get(key)
         if a == b:
             continue
