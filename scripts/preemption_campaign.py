@@ -30,15 +30,17 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from fault_injection import command, last_step, launch, saving, workers_of
+from fault_injection import command, last_step, saving, workers_of
 
+from torchtitan import REPO_ROOT
 from torchtitan.checkpoint import complete_steps
 from torchtitan.provenance_check import main as check_provenance
-from torchtitan.runs import DEBUG_CONFIG, losses
+from torchtitan.runs import DEBUG_CONFIG, losses, run_env
 
 LAYOUTS = [
     (workers, mode, parallel)
@@ -48,6 +50,15 @@ LAYOUTS = [
 ]
 MOMENTS = ["step", "save", "validation", "twice"]
 VALIDATION_FREQ = 4
+
+
+def launch(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The job in a process group of its own, as a scheduler's job step is: SIGTERM to
+    the group reaches torchrun, every rank and every loader worker."""
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=run_env(), stdout=open(log, "a"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
 def layout_args(workers: int, mode: str, parallel: str) -> list[str]:
@@ -60,8 +71,8 @@ def wait_for(proc, dump: Path, moment: str, at_step: int, timeout: float) -> boo
     """Wait for the signal's moment; False if the job ended (or never got there)."""
     deadline, started = time.monotonic() + timeout, time.time()
     while proc.poll() is None and time.monotonic() < deadline:
-        if moment == "save" and saving(dump, started):
-            return True
+        if moment == "save" and saving(dump, started) and last_step(dump) <= at_step:
+            return True  # a save with steps left after it (not the last one)
         if moment == "compile" and "training steps" in (dump / "runs.log").read_text():
             return True
         if moment in ("step", "validation", "twice") and last_step(dump) >= at_step:
@@ -104,6 +115,7 @@ def trial(args, i: int, root: Path, extra: list[str], rng: random.Random, moment
     sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
     target = rng.choice(["all", "one"])
     at_step = {
+        "save": args.steps - 4,
         "step": rng.randint(2, args.steps - 4),
         "twice": rng.randint(2, args.steps - 4),
         "validation": VALIDATION_FREQ * rng.randint(1, (args.steps - 4) // VALIDATION_FREQ) - 1,
@@ -115,10 +127,14 @@ def trial(args, i: int, root: Path, extra: list[str], rng: random.Random, moment
         return [f"never reached its moment ({label})"], label, 0.0
     before = last_step(dump)
     begin = time.monotonic()
-    ranks = send(proc, sig, target, rng)
-    if moment == "twice":
-        time.sleep(0.02)
-        send(proc, sig, target, rng)
+    try:
+        ranks = send(proc, sig, target, rng)
+        if moment == "twice":
+            time.sleep(0.02)
+            send(proc, sig, target, rng)
+    except ProcessLookupError:
+        proc.wait()
+        return [f"the job ended before the signal ({label})"], label, 0.0
     proc.wait(timeout=args.timeout)
     gone(ranks, args.timeout)
     exit_s = time.monotonic() - begin
@@ -159,11 +175,8 @@ def reference_run(args, root, parallel: str, workers: int, compile_: bool, extra
     dump = root / f"reference-{parallel}-{workers}w{'-compile' if compile_ else ''}"
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
-    run = [
-        *layout_args(0, "disabled", parallel),
-        *extra,
-        *(["--training.compile"] if compile_ else []),
-    ]
+    run = [*layout_args(workers, "disabled", parallel), *extra]
+    run += ["--training.compile"] if compile_ else []
     if launch(command(args, dump, run), dump / "runs.log").wait(timeout=args.timeout) != 0:
         raise SystemExit(f"reference run failed; see {dump / 'runs.log'}")
     return losses(dump)
