@@ -21,10 +21,11 @@ from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import DataError, build_dataloader, data_fingerprint
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
-from torchtitan.metrics import MetricLogger, ProvenanceWriter, memory_gib
+from torchtitan.metrics import MetricLogger, ProvenanceWriter, across_ranks, memory_gib
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
+from torchtitan.profiling import Profiler
 from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps, peak_tflops
 
 logger = logging.getLogger("torchtitan")
@@ -169,60 +170,64 @@ def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_sta
     model.train()
     last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
     epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last log line
-    while train_state.step < last_step:
-        step_start = time.perf_counter()
-        batches, data_wait_s = [], 0.0
-        for _ in range(accumulation):
-            batches.append(next(dataloader))
-            data_wait_s += dataloader.last_wait_s
-        train_state.step += 1
-        train_state.tokens_seen += tokens_per_step
-        epoch_starts += [[train_state.step, *e] for b in batches for e in b["epoch_starts"]]
-        loss, grad_norm, lr = step(batches)
+    with Profiler(cfg, dims.rank, dims.world_size) as profiler:
+        while train_state.step < last_step:
+            step_start = time.perf_counter()
+            batches, data_wait_s = [], 0.0
+            for _ in range(accumulation):
+                batches.append(next(dataloader))
+                data_wait_s += dataloader.last_wait_s
+            train_state.step += 1
+            train_state.tokens_seen += tokens_per_step
+            epoch_starts += [[train_state.step, *e] for b in batches for e in b["epoch_starts"]]
+            loss, grad_norm, lr = step(batches)
 
-        if provenance is not None:
-            provenance.write(train_state.step, [s for b in batches for s in b["spans"]])
-        step_s = time.perf_counter() - step_start  # throughput excludes validation
-        validation = {}
-        if validator is not None and validator.due(train_state.step, last_step):
-            validation["validation_loss"] = validator.run(model)
-        if validation or metrics.should_log(train_state.step, last_step):
-            per_rank = tokens_per_step / dims.world_size / step_s
-            mfu = {"mfu_pct": 100 * per_rank * flops_per_token / (peak * 1e12)} if peak else {}
-            metrics.log(
-                train_state.step,
-                {
-                    "loss": parallel.mean_over_ranks(loss),
-                    "grad_norm": grad_norm.item(),
-                    "lr": lr,
-                    "tokens_per_s": per_rank,
-                    **mfu,
-                    "step_ms": 1000 * step_s,
-                    "data_wait_ms": 1000 * data_wait_s,
-                    # the previous step's stop agreement (save on preemption)
-                    "stop_check_ms": 1000 * preemption.last_check_s,
-                    "memory_gib": memory_gib(dims.device),
-                    "tokens_seen": train_state.tokens_seen,
-                    "skipped_documents": parallel.sum_over_ranks(dataloader.skipped_documents()),
-                    **validation,
-                },
-                epoch_starts=sorted(parallel.gather_to_main(dims, epoch_starts)),
-            )
-            epoch_starts = []
-        saved = checkpoint.should_save(train_state.step, stop_at=t.stop_at_step)
-        if saved:
-            checkpoint.save(train_state.step)
-        # Asked after every step, save steps included: a signal that lands during a
-        # save is acted on right after it, and that save is the preemption's.
-        if preemption.requested():
-            if not saved:
+            if provenance is not None:
+                provenance.write(train_state.step, [s for b in batches for s in b["spans"]])
+            step_s = time.perf_counter() - step_start  # throughput excludes validation
+            validation = {}
+            if validator is not None and validator.due(train_state.step, last_step):
+                validation["validation_loss"] = validator.run(model)
+            if validation or metrics.should_log(train_state.step, last_step):
+                per_rank = tokens_per_step / dims.world_size / step_s
+                mfu = {"mfu_pct": 100 * per_rank * flops_per_token / (peak * 1e12)} if peak else {}
+                ranks = across_ranks(dims, loss, 1000 * step_s, 1000 * data_wait_s,
+                                     dataloader.skipped_documents(), epoch_starts)  # fmt: skip
+                metrics.log(
+                    train_state.step,
+                    {
+                        "loss": ranks.get("loss", 0.0),
+                        "grad_norm": grad_norm.item(),
+                        "lr": lr,
+                        "tokens_per_s": per_rank,
+                        **mfu,
+                        "step_ms": 1000 * step_s,
+                        "data_wait_ms": 1000 * data_wait_s,
+                        # the previous step's stop agreement (save on preemption)
+                        "stop_check_ms": 1000 * preemption.last_check_s,
+                        "memory_gib": memory_gib(dims.device),
+                        "tokens_seen": train_state.tokens_seen,
+                        **{k: v for k, v in ranks.items() if k not in ("loss", "epoch_starts")},
+                        **validation,
+                    },
+                    epoch_starts=ranks.get("epoch_starts", []),
+                )
+                epoch_starts = []
+            saved = checkpoint.should_save(train_state.step, stop_at=t.stop_at_step)
+            if saved:
                 checkpoint.save(train_state.step)
-            checkpoint.close()
-            logger.warning(
-                "preempted at step %d: checkpoint step-%d written (%s)",
-                train_state.step, train_state.step, preemption.received or "signal to another rank",
-            )  # fmt: skip
-            break
+            # Asked after every step, save steps included: a signal that lands during a
+            # save is acted on right after it, and that save is the preemption's.
+            if preemption.requested():
+                if not saved:
+                    checkpoint.save(train_state.step)
+                checkpoint.close()
+                logger.warning(
+                    "preempted at step %d: checkpoint step-%d written (%s)",
+                    train_state.step, train_state.step, preemption.received or "signal to another rank",
+                )  # fmt: skip
+                break
+            profiler.step(train_state.step)
     checkpoint.close()
     metrics.close()
     if provenance is not None:

@@ -25,6 +25,7 @@ def test_dataloader_through_dcp_into_a_never_iterated_loader(tmp_path, tiny_corp
     proc = torchrun([str(tiny_corpus), str(tmp_path)], script="test/dist/dataloader_dcp.py")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("restored exactly") == 4
+    assert "across ranks: the slowest rank named" in proc.stdout  # metrics.across_ranks
 
 
 @pytest.fixture(scope="module")

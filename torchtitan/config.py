@@ -292,6 +292,24 @@ class Metrics:
         "MFU is not logged on an unknown device)",
         ge=0.0,
     )
+    enable_wandb: bool = _opt(
+        False,
+        "log to Weights & Biases (rank 0; project from WANDB_PROJECT, offline with "
+        "WANDB_MODE=offline; needs pip install wandb)",
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _opt(False, "torch profiler traces on rank 0 and the last rank")
+    profile_freq: int = _opt(10, "steps between profiled steps", ge=1)
+    save_traces_folder: str = _opt(
+        "profile_traces", "trace folder, relative to job.dump_folder (iteration_<step>/)"
+    )
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "with the traces, the CUDA allocator's memory snapshot (on CPU: a memory summary)",
+    )
 
 
 @dataclass
@@ -305,6 +323,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -347,18 +366,22 @@ class JobConfig:
                 "is false; set --checkpoint.enable_checkpoint"
             )
         if self.metrics.enable_tensorboard:
-            _check_tensorboard()
+            _check_importable(
+                "torch.utils.tensorboard", "metrics.enable_tensorboard", "tensorboard"
+            )
+        if self.metrics.enable_wandb:
+            _check_importable("wandb", "metrics.enable_wandb", "wandb")
 
 
-def _check_tensorboard() -> None:
+def _check_importable(module: str, option: str, package: str) -> None:
     # Checked here, on every rank before anything is built: otherwise only rank 0 finds
     # out, with a traceback, when the metric logger imports it after the model is built.
     try:
-        import torch.utils.tensorboard  # noqa: F401
+        __import__(module)
     except ImportError as e:
         raise ConfigError(
-            f"metrics.enable_tensorboard is true but TensorBoard cannot be imported ({e}); "
-            "pip install tensorboard, or drop --metrics.enable_tensorboard"
+            f"{option} is true but {module} cannot be imported ({e}); "
+            f"pip install {package}, or drop --{option}"
         ) from None
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torchtitan import parallel
 from torchtitan.data import ParallelDataLoader, TokenDataset
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -47,11 +48,32 @@ def save_and_restore(corpus: str, ckpt: str, workers: int):
     print(f"rank {dist.get_rank()}: dataloader with {workers} workers restored exactly", flush=True)
 
 
+def across_ranks_names_the_slowest():
+    """The log line's view of all ranks, from one real gather: rank r took 10 (r + 1) ms."""
+    from torchtitan.metrics import across_ranks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = parallel.ParallelDims(rank, world, 0, torch.device("cpu"), "gloo",
+                                 control_group=dist.group.WORLD)  # fmt: skip
+    got = across_ranks(dims, torch.tensor(rank + 1.0), 10.0 * (rank + 1), 3.0 * rank, rank,
+                       [[1, rank, "s", 1]])  # fmt: skip
+    if rank == 0:
+        want = {"loss": (world + 1) / 2, "step_ms_median": 5.0 * (world + 1),
+                "step_ms_max": 10.0 * world, "slowest_rank": world - 1,
+                "data_wait_ms_max": 3.0 * (world - 1), "skipped_documents": world * (world - 1) // 2,
+                "epoch_starts": [[1, r, "s", 1] for r in range(world)]}  # fmt: skip
+        assert got == want, (got, want)
+        print("across ranks: the slowest rank named", flush=True)
+    else:
+        assert got == {}
+
+
 def main():
     corpus, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     for workers in (0, 2):
         save_and_restore(corpus, os.path.join(root, f"workers{workers}"), workers)
+    across_ranks_names_the_slowest()
     dist.destroy_process_group()
 
 
