@@ -18,7 +18,14 @@ import torch
 from torchtitan import parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
-from torchtitan.data import DataError, build_dataloader, data_fingerprint
+from torchtitan.data import (
+    DataError,
+    DataPlan,
+    build_dataloader,
+    combine,
+    inspect_share,
+    list_sources,
+)
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.metrics import MetricLogger, ProvenanceWriter, across_ranks, memory_gib
@@ -80,6 +87,27 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
     return parallel.parallelize(model, cfg, dims)
 
 
+def resolve_data(cfg: JobConfig, tokenizer: Tokenizer, dims: parallel.ParallelDims) -> DataPlan:
+    """One resolution of the data per job (torchtitan/data/plan.py): rank 0 lists the
+    sources, every rank inspects its share of the files, rank 0 combines the shares.
+    O(files / ranks) file reads per rank; a DataError anywhere stops every rank with it."""
+    t = cfg.training
+    specs = parallel.on_main(dims, list_sources, t)
+    try:
+        share = inspect_share(specs, t, tokenizer, dims.rank, dims.world_size)
+    except DataError as e:
+        share = e  # rank 0 raises it for every rank
+    shares = parallel.gather_objects(dims, share)
+
+    def combined():
+        for share in shares:
+            if isinstance(share, Exception):
+                raise share
+        return combine(specs, shares, t, tokenizer)
+
+    return parallel.on_main(dims, combined)
+
+
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
     if dims.world_size != 1:
         raise ConfigError(
@@ -118,7 +146,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size, accumulation)
+    plan = resolve_data(cfg, tokenizer, dims)
+    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size, accumulation, plan)
     train_state = TrainState()
     # Ranks draw different dropout masks; the checkpoint restores each rank's RNG.
     torch.manual_seed(t.seed + dims.rank)
@@ -130,7 +159,7 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         lr_scheduler=scheduler,
         dataloader=dataloader,
         train_state=train_state,
-        fingerprint=data_fingerprint(cfg, tokenizer),
+        fingerprint=plan.fingerprint,
     )
     # Handlers go up before the load: a signal from here on stops the job at a step boundary.
     preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])

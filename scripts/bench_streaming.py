@@ -172,7 +172,7 @@ def our_rate(tokenizer, where: str, streaming: bool, workers: int, seq_len: int,
 
 # ---- the peer: torchtitan 0.3.0, in its own interpreter --------------------------------
 
-PEER = r"""
+PEER_SETUP = r"""
 import importlib.metadata, json, os, sys, time
 args = json.loads(sys.argv[1])
 try:
@@ -210,6 +210,11 @@ class SentencePieceAdapter(BaseTokenizer):
 
 
 tokenizer = SentencePieceAdapter(args["tokenizer"])
+"""
+
+PEER_RATE = (
+    PEER_SETUP
+    + r"""
 DATASETS["bench"] = DatasetConfig(
     path="bench",
     loader=lambda _: load_dataset(args["fmt"], data_files=args["files"], split="train",
@@ -231,6 +236,45 @@ for _ in range(args["batches"]):
 rate = args["batches"] * args["batch"] * args["seq_len"] / (time.perf_counter() - start)
 print("RESULT", json.dumps({"tokens_per_s": rate, "probe": tokenizer.encode(args["probe"])}))
 """
+)
+
+
+# Resume to the first batch, as a relaunched job does: build the dataset and loader, load
+# the state, take a batch. The peer's state is its streaming dataset's (``datasets``'
+# IterableDataset: a file and a row in it), made for the position without iterating to it.
+PEER_RESUME = (
+    PEER_SETUP
+    + r"""
+import pyarrow.parquet as pq
+rows = [pq.ParquetFile(f).metadata.num_rows for f in args["files"]]
+target = int(args["fraction"] * sum(rows))
+shard = 0
+while target >= rows[shard]:
+    target, shard = target - rows[shard], shard + 1
+target -= target % args["row_group"]  # a row group's start: where datasets resumes exactly
+DATASETS["bench"] = DatasetConfig(
+    path="bench",
+    loader=lambda _: load_dataset("parquet", data_files=args["files"], split="train",
+                                  streaming=True),
+    sample_processor=lambda sample: sample["text"],
+)
+times = []
+for _ in range(args["repeats"]):
+    start = time.perf_counter()
+    dataset = HuggingFaceTextDataset("bench", None, tokenizer, seq_len=args["seq_len"],
+                                     dp_rank=0, dp_world_size=1, infinite=True)
+    state = dataset.state_dict()
+    inner = state["data"]["examples_iterable"]
+    inner["examples_iterable"].update(shard_idx=shard, shard_example_idx=target)
+    inner["batch_idx"] = sum(rows[:shard]) + target
+    dataset.load_state_dict(state)
+    loader = ParallelAwareDataloader(dataset, dp_rank=0, dp_world_size=1,
+                                     batch_size=args["batch"], num_workers=0)
+    batch = next(iter(loader))
+    times.append(time.perf_counter() - start)
+print("RESULT", json.dumps({"seconds": times}))
+"""
+)
 
 
 class PeerUnavailable(Exception):
@@ -247,7 +291,7 @@ def peer_rate(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     # Run from the temporary folder so that this repository's torchtitan is not on the path.
-    proc = subprocess.run([python, "-c", PEER, json.dumps(args)], cwd=tempfile.gettempdir(),
+    proc = subprocess.run([python, "-c", PEER_RATE, json.dumps(args)], cwd=tempfile.gettempdir(),
                           env=env, capture_output=True, text=True)  # fmt: skip
     out = proc.stdout
     if "SKIP" in out:
@@ -294,10 +338,37 @@ def time_resume(tokenizer, folder: Path, state: bytes) -> tuple[float, str, int]
     return elapsed, batch["spans"][0][0][1], loader.dataset.sources[0].rows_decoded
 
 
+def resume_from_scratch(tokenizer, folder: Path, state: bytes) -> float:
+    """Seconds from nothing to the first batch, as a relaunched job pays them: the data
+    plan (list, sign and count the files), the loader, its state, the first batch."""
+    import pickle
+
+    start = time.perf_counter()
+    loader = our_loader(tokenizer, str(folder), True, 0, SEQ)
+    loader.load_state_dict(pickle.loads(state))
+    next(loader)
+    return time.perf_counter() - start
+
+
+def peer_resume(python: str, folder: Path, fraction: float, repeats: int) -> list[float]:
+    args = {"files": sorted(str(p) for p in folder.glob("*.parquet")), "fraction": fraction,
+            "row_group": 128, "seq_len": SEQ, "batch": BATCH, "repeats": repeats,
+            "tokenizer": DEFAULT_TOKENIZER_PATH, "repo": str(REPO_ROOT)}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([python, "-c", PEER_RESUME, json.dumps(args)], cwd=tempfile.gettempdir(),
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    if "SKIP" in proc.stdout:
+        raise PeerUnavailable(proc.stdout.split("SKIP", 1)[1].strip())
+    if proc.returncode != 0 or "RESULT" not in proc.stdout:
+        raise SystemExit(f"the peer failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.split("RESULT", 1)[1])["seconds"]
+
+
 # ---- report ----------------------------------------------------------------------------
 
 
-def summarize(rows: list[dict], resume: dict) -> dict:
+def summarize(rows: list[dict], resume: dict, resume_side: dict) -> dict:
     """The issue's targets, each as measured: ratio and whether it is met."""
 
     def rate(corpus, streaming, workers, seq_len=SEQ, side="ours"):
@@ -308,7 +379,7 @@ def summarize(rows: list[dict], resume: dict) -> dict:
         return None
 
     targets = []
-    for corpus in ("bundled", "pydocs"):
+    for corpus in ("bundled", "pydocs") if rows else ():
         for workers in (0, 2):
             ours, peer = rate(corpus, True, workers), rate(corpus, True, workers, side="peer")
             if peer:
@@ -318,7 +389,7 @@ def summarize(rows: list[dict], resume: dict) -> dict:
             own = rate(corpus, False, workers)
             targets.append({"target": f"{corpus} streaming / own map-style, {workers} workers "
                             ">= 0.8", "ratio": ours / own, "met": ours / own >= 0.8})  # fmt: skip
-    for streaming in (False, True):
+    for streaming in (False, True) if rows else ():
         zero, two = rate("bundled", streaming, 0, 128), rate("bundled", streaming, 2, 128)
         kind = "streaming" if streaming else "map-style"
         targets.append({"target": f"seq_len 128 {kind}: 2 workers / 0 workers >= 1.0",
@@ -326,6 +397,11 @@ def summarize(rows: list[dict], resume: dict) -> dict:
     for fmt, r in resume.items():
         targets.append({"target": f"resume at 99% / at 1% ({fmt}) <= 1.3",
                         "ratio": r["ratio_99_over_1"], "met": r["ratio_99_over_1"] <= 1.3})  # fmt: skip
+    for label, r in resume_side.items():
+        if r["peer_s"]:
+            ratio = r["ours_s"] / r["peer_s"]
+            targets.append({"target": f"streaming resume to first batch at {label} (parquet): "
+                            "ours / torchtitan 0.3.0 <= 1.0", "ratio": ratio, "met": ratio <= 1.0})  # fmt: skip
     return {"targets": targets}
 
 
@@ -342,6 +418,10 @@ def print_table(result: dict):
     for fmt, r in result["resume"].items():
         print(f"resume {fmt}: 1% {r['median_1pct_s']:.3f} s, 99% {r['median_99pct_s']:.3f} s, "
               f"ratio {r['ratio_99_over_1']:.2f}; rows decoded {r['rows_decoded']}")  # fmt: skip
+    for label, r in result["resume_side_by_side"].items():
+        peer = f"{r['peer_s']:.3f} s" if r["peer_s"] else "-"
+        print(f"resume to first batch at {label} (parquet, from nothing): ours {r['ours_s']:.3f} s, "
+              f"peer {peer}")  # fmt: skip
     print()
     for t in result["summary"]["targets"]:
         print(f"{'met ' if t['met'] else 'MISS'} {t['ratio']:6.2f}  {t['target']}")
@@ -364,6 +444,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=str(WORK), help="where the built corpora go")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
     p.add_argument("--json", default="")
+    p.add_argument("--resume-only", action="store_true", help="skip the tokens/s rows")
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.tokens, args.pydocs_mb = 1, 20_000, 0.5
@@ -376,7 +457,7 @@ def main(argv=None) -> int:
     peer = {"python": args.peer_python, "skipped": "" if args.peer_python else "no --peer-python"}
     measured = {i: {"ours": [], "peer": []} for i in range(len(ROWS))}
     layout = {}
-    for _ in range(args.rounds):
+    for _ in range(0 if args.resume_only else args.rounds):
         for i, (label, corpus, streaming, workers, seq_len, with_peer) in enumerate(ROWS):
             rate, layout[i] = our_rate(tokenizer, where[corpus], streaming, workers, seq_len,
                                        args.tokens)  # fmt: skip
@@ -397,7 +478,9 @@ def main(argv=None) -> int:
                 print(f"peer {corpus} {label} seq {seq_len}: {rate:,.0f} tokens/s", flush=True)
 
     rows = []
-    for i, (label, corpus, streaming, workers, seq_len, _) in enumerate(ROWS):
+    for i, (label, corpus, streaming, workers, seq_len, _) in enumerate(
+        [] if args.resume_only else ROWS
+    ):
         ours = statistics.median(measured[i]["ours"])
         peer_runs = measured[i]["peer"]
         peer_rate_ = statistics.median(peer_runs) if peer_runs else None
@@ -426,14 +509,33 @@ def main(argv=None) -> int:
                        "corpus": json.loads((work / "large" / f"DONE-{args.resume_mb}").read_text())
                        | {"mb": args.resume_mb, "files": 8}}  # fmt: skip
 
+    # Side by side with the peer: parquet, from nothing to the first batch, interleaved.
+    folder = build_large(work / "large", args.resume_mb)["parquet"]
+    states = resume_states(tokenizer, folder)
+    side = {label: {"ours": [], "peer": []} for label in ("1%", "99%")}
+    for _ in range(args.rounds):
+        for label, fraction in (("1%", 0.01), ("99%", 0.99)):
+            side[label]["ours"].append(resume_from_scratch(tokenizer, folder, states[label]))
+            if not peer["skipped"]:
+                try:
+                    side[label]["peer"] += peer_resume(args.peer_python, folder, fraction, 1)
+                except PeerUnavailable as e:
+                    peer["skipped"] = str(e)
+    resume_side = {
+        label: {"ours_s": statistics.median(v["ours"]), "ours_runs": v["ours"],
+                "peer_s": statistics.median(v["peer"]) if v["peer"] else None,
+                "peer_runs": v["peer"]}
+        for label, v in side.items()
+    }  # fmt: skip
+
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
         "seq_len": SEQ, "batch": BATCH, "rounds": args.rounds, "tokens": args.tokens,
-        "peer": peer, "rows": rows, "resume": resume,
+        "peer": peer, "rows": rows, "resume": resume, "resume_side_by_side": resume_side,
     }  # fmt: skip
-    result["summary"] = summarize(rows, resume)
+    result["summary"] = summarize(rows, resume, resume_side)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -99,6 +99,19 @@ def torchrun(
     return _torchrun(nproc, list(args), script=script, timeout=timeout)
 
 
+def shim_env(folder: Path, code: str, **env: str) -> dict:
+    """The environment of a launched job whose every interpreter runs ``code`` first (a
+    ``sitecustomize`` module in ``folder``): a probe wrapped around the real code, to
+    count or slow it, never a stand-in for it."""
+    import os
+
+    from torchtitan.runs import run_env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(code)
+    return {**run_env(), "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]), **env}
+
+
 def train(dump, *extra, nproc=2, expect_ok=True) -> subprocess.CompletedProcess:
     """The debug config as a real ``nproc``-rank torchrun job."""
     proc = torchrun([*CONFIG, "--job.dump_folder", str(dump), *map(str, extra)], nproc=nproc)

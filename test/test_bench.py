@@ -79,10 +79,21 @@ def check_streaming(r: dict):
         first, decoded = resume["first_document"], resume["rows_decoded"]
         assert first["1%"] != first["99%"], f"{fmt}: the 99% state was not applied"
         assert 0 < decoded["99%"] <= 3 * decoded["1%"], f"{fmt}: a late resume re-reads the data"
+    for side in r.get("resume_side_by_side", {}).values():
+        assert positive(side["ours_s"]), side
     for target in r["summary"]["targets"]:
         bound = float(target["target"].rsplit(" ", 1)[1])
         at_most = "<=" in target["target"]
         assert target["met"] == (target["ratio"] <= bound if at_most else target["ratio"] >= bound)
+
+
+def check_startup(r: dict):
+    for row in r["results"]:
+        mine, alone = row["per_rank"], row["baseline_resolving_alone"]
+        assert positive(mine["seconds"], mine["bytes_read"]) and mine["files_opened"] >= 1
+        assert alone["files_opened"] == r["files"], "resolving alone opens every file"
+        if row["ranks"] > 1:
+            assert mine["files_opened"] < alone["files_opened"], "a rank opens its share only"
 
 
 CHECKS = {
@@ -93,6 +104,7 @@ CHECKS = {
     "bench_step.py": check_step,
     "bench_checkpoint.py": check_checkpoint,
     "bench_streaming.py": check_streaming,
+    "bench_startup.py": check_startup,
 }
 
 
@@ -137,6 +149,9 @@ NONSENSE = [
                                               "first_document": {"1%": "a", "99%": "a"},
                                               "rows_decoded": {"1%": 128, "99%": 128}}},
                        "summary": {"targets": []}}),
+    (check_startup, {"files": 200, "results": [
+        {"ranks": 64, "per_rank": {"seconds": 0.1, "bytes_read": 10, "files_opened": 200},
+         "baseline_resolving_alone": {"files_opened": 200}}]}),
 ]  # fmt: skip
 
 

@@ -6,7 +6,8 @@ sharded) model, and refusing a bad one with the same one line on every rank.
 
 Cost: ``dcp``: each rank verifies a share of the folder's files (O(checkpoint / ranks))
 and reads its own shard of the model entries. ``hf``: rank 0 reads the folder (O(model))
-and torch's ``set_model_state_dict(broadcast_from_rank0)`` sends each rank its part.
+while the others wait for as long as the folder's size says (``load_timeout_s``), and
+torch's ``set_model_state_dict(broadcast_from_rank0)`` sends each rank its part.
 
 Never: load optimizer, data or RNG state, or write into a checkpoint folder.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,17 +76,55 @@ def _load_dcp(model: torch.nn.Module, path: str, dims):
     set_model_state_dict(model, state["model"])
 
 
+# Rank 0 reads a Hugging Face folder while the others wait: they wait this long plus the
+# folder's bytes at this rate (an 8B folder, 16 GB: 120 s + 640 s), not the process
+# group's fixed timeout, and say so in one line if rank 0 is slower than that.
+WAIT_BASE_S = 120.0
+WAIT_MIN_BYTES_PER_S = 25e6
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files in a folder (not recursive). Cost: one stat per file."""
+    if not os.path.isdir(path):
+        return 0
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+
+
+def load_timeout_s(nbytes: int) -> float:
+    """How long the other ranks wait for rank 0 to read ``nbytes`` of weights."""
+    return WAIT_BASE_S + nbytes / WAIT_MIN_BYTES_PER_S
+
+
 def _load_hf(model: torch.nn.Module, path: str, dims):
+    """Rank 0 reads; the others wait in a broadcast on a gloo group whose timeout is sized
+    from the folder (every rank stats the same files, so all agree on it)."""
     from torchtitan.hf import read_hf_folder
 
+    nbytes = folder_bytes(path)
+    timeout_s = load_timeout_s(nbytes)
+    group = None
+    if dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     weights, problem = {}, None
     if dims.is_main:
         try:
             weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
         except Exception as e:  # noqa: BLE001 - whatever stops the read is the folder's
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
-    problem = parallel.broadcast_from_main(dims, problem)  # every rank raises the same line
-    if problem:
+    if group is not None:
+        box = [problem]
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError:  # the wait ran out (or rank 0 is gone): one line, every rank
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path}: rank 0 did not finish reading it "
+                f"({nbytes / 1e9:.1f} GB) within {timeout_s:.0f} s, i.e. slower than "
+                f"{WAIT_MIN_BYTES_PER_S / 1e6:.0f} MB/s; copy the folder to faster storage "
+                "(local disk) or convert it once with the dcp format (each rank reads its shard)"
+            ) from None
+        problem = box[0]
+        dist.destroy_process_group(group)
+    if problem:  # every rank raises the same line
         raise CheckpointError(f"checkpoint.initial_load_path {path}: {problem}")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
     set_model_state_dict(model, weights, options=options)

@@ -165,6 +165,22 @@ def barrier(dims: ParallelDims):
         dist.barrier(group=dims.cpu_group)
 
 
+def on_main(dims: ParallelDims, fn, *args):
+    """``fn(*args)`` on rank 0 only; every rank returns its result, or raises its error
+    (the same exception, so a user error stays one line on every rank). For work done
+    once per job and moved as a value. Collective: every rank must call it."""
+    outcome = None
+    if dims.is_main:
+        try:
+            outcome = (True, fn(*args))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            outcome = (False, e)
+    ok, value = broadcast_from_main(dims, outcome)
+    if not ok:
+        raise value
+    return value
+
+
 def broadcast_from_main(dims: ParallelDims, obj):
     """Rank 0's ``obj`` on every rank (checkpoint group; pickled, for small objects)."""
     if not dist.is_initialized():

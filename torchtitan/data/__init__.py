@@ -9,11 +9,17 @@ from __future__ import annotations
 from torchtitan.data.dataset import TokenDataset
 from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
+from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.pretokenized import check_tokenizer, stored_lengths
-from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
+from torchtitan.data.sources import DataError, SourceSpec, open_source
 
 __all__ = [
     "DataError",
+    "DataPlan",
+    "combine",
+    "inspect_share",
+    "list_sources",
+    "local_plan",
     "ParallelDataLoader",
     "TokenDataset",
     "build_dataloader",
@@ -24,24 +30,8 @@ __all__ = [
 
 
 def source_specs(training) -> list[SourceSpec]:
-    """The configured sources: a weighted mix, a local path, or a registry name or Hub id.
-
-    Names label provenance, so two sources of a mix never share one.
-    """
-    t = training
-    if t.datasets:
-        specs = [resolve_source(d.name, d.path, d.weight, d.config, d.split) for d in t.datasets]
-    elif t.dataset_path:
-        specs = [
-            resolve_source(path=t.dataset_path, config=t.dataset_config, split=t.dataset_split)
-        ]
-    else:
-        specs = [resolve_source(name=t.dataset, config=t.dataset_config, split=t.dataset_split)]
-    names = [s.name for s in specs]
-    for i, spec in enumerate(specs):
-        if names.count(spec.name) > 1:
-            spec.name = f"{spec.name}#{i}"
-    return specs
+    """The configured sources, resolved in this process (see ``plan.list_sources``)."""
+    return list_sources(training)
 
 
 # The automatic shard count: a multiple of the consumer count with as many divisors as
@@ -75,18 +65,21 @@ def _divisor_count(n: int) -> int:
 
 
 def build_dataloader(
-    cfg, tokenizer, dp_rank: int, dp_world: int, accumulation: int = 1
+    cfg, tokenizer, dp_rank: int, dp_world: int, accumulation: int = 1, plan: DataPlan | None = None
 ) -> ParallelDataLoader:
-    """The loader of one data-parallel rank. With ``training.data_shards = 0`` the shard
-    count is chosen here from the corpus and the layout; a resume takes the checkpoint's
-    (see ``ParallelDataLoader.load_state_dict``). Cost: opening the sources (for a
-    streaming parquet source, reading each file's footer)."""
+    """The loader of one data-parallel rank, from the job's data ``plan`` (resolved in this
+    process when not given: a single process, the validation data). With
+    ``training.data_shards = 0`` the shard count is chosen here from the corpus and the
+    layout; a resume takes the checkpoint's (see ``ParallelDataLoader.load_state_dict``).
+    Cost with a plan: opening the sources (a map-style one is memory-mapped by
+    ``datasets``; a streaming one opens no file until its shards read)."""
     t = cfg.training
-    specs = source_specs(t)
-    for spec in specs:
-        check_tokenizer(spec, tokenizer)
+    plan = plan or local_plan(t, tokenizer)
+    documents = plan.documents or [None] * len(plan.specs)
+    block_rows = plan.block_rows or [None] * len(plan.specs)
     sources = [
-        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming) for s in specs
+        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming, n, rows)
+        for s, n, rows in zip(plan.specs, documents, block_rows)
     ]
     consumers = dp_world * max(1, t.num_workers)
     shards = t.data_shards or auto_data_shards(
@@ -116,27 +109,16 @@ def build_dataloader(
     )
 
 
-def data_fingerprint(cfg, tokenizer) -> dict:
-    """Everything the order and content of the data stream depends on, but the shard count.
+def data_fingerprint(cfg, tokenizer, plan: DataPlan | None = None) -> dict:
+    """Everything the order and content of the data stream depends on, but the shard count
+    (the data plan's fingerprint; see ``plan.combine``).
 
     The shard count is the loader's: its state records the count the run resolved (given,
     or chosen at the start), and a resume compares that with the config's, or adopts it
     under ``training.data_shards = 0`` (see ``ParallelDataLoader.load_state_dict``). The
     raw setting here would refuse the equal count given explicitly.
     """
-    t = cfg.training
-    return {
-        "sources": [
-            {"name": s.name, "identity": s.identity(), "weight": s.weight, "files": s.fingerprint()}
-            for s in source_specs(t)
-        ],
-        "tokenizer_sha256": tokenizer.sha256(),
-        "seq_len": t.seq_len,
-        "shuffle": t.shuffle,
-        "seed": t.seed,
-        "streaming": t.streaming,
-        "text_field": t.text_field,
-    }
+    return (plan or local_plan(cfg.training, tokenizer)).fingerprint
 
 
 def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:

@@ -124,15 +124,22 @@ class SourceSpec:
         listing = "\n".join(f"{self.relative_name(f)}\t{os.path.getsize(f)}" for f in self.files)
         return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
 
-    def fingerprint(self) -> list[list]:
+    def fingerprint(self, signatures: list[list] | None = None) -> list[list]:
         """Per file: its path relative to ``root``, size, and CRC32 of its first and last
         MiB (cheap, and any edit that moves bytes shows); then the ``stamps``. A remote
-        file (a Hub URL) is named only: the revision stamp pins its bytes. Cost: O(files),
-        2 MiB read each, no network."""
-        return [
-            [self.relative_name(f), *([] if is_remote(f) else _file_signature(f))]
-            for f in self.files
-        ] + [list(s) for s in self.stamps]
+        file (a Hub URL) is named only: the revision stamp pins its bytes. ``signatures``
+        (one per file, as ``signature`` gives them) are used as given: the ranks of a job
+        sign a share each (see plan.py). Cost without them: O(files), 2 MiB read each."""
+        if signatures is None:
+            signatures = [[] if is_remote(f) else self.signature(f) for f in self.files]
+        return [[self.relative_name(f), *sig] for f, sig in zip(self.files, signatures)] + [
+            list(s) for s in self.stamps
+        ]
+
+    @staticmethod
+    def signature(path: str) -> list:
+        """[size, CRC32 of the first and the last MiB] of a local file. Cost: 2 MiB read."""
+        return _file_signature(path)
 
 
 def is_remote(path: str) -> bool:
@@ -437,12 +444,16 @@ def _check_column(spec: SourceSpec, text_field: str, columns: list[str]):
 
 
 def open_source(
-    spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool, streaming: bool
-):
+    spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool, streaming: bool,
+    documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
+):  # fmt: skip
+    """A source ready to read. ``documents`` and ``block_rows``: a streaming source's
+    document count and per-file block rows from the data plan (then no file is opened
+    here, and its units are cut without reading any footer)."""
     if streaming:
         from torchtitan.data.streaming import StreamSource  # it builds on this module
 
-        return StreamSource(spec, text_field, id_field, seed, shuffle)
+        return StreamSource(spec, text_field, id_field, seed, shuffle, documents, block_rows)
     return MapSource(spec, text_field, id_field, seed, shuffle)
 
 

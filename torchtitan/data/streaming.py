@@ -101,7 +101,10 @@ class StreamSource:
 
     streaming = True
 
-    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
+    def __init__(
+        self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool,
+        documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
+    ):  # fmt: skip
         self.spec = spec
         self.text_field = text_field
         self.id_field = spec.id_field or id_field  # a pretokenized source names its own
@@ -112,12 +115,15 @@ class StreamSource:
         self._identity = spec.identity()
         self._reader = _READERS[spec.fmt](spec)
         self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
+        for f, counts in (block_rows or {}).items():  # from the data plan: no footer to read
+            self._starts[f] = _starts_of(counts)
         self._units: dict[int, list[tuple[int, int, int]]] = {}  # shard count -> units
         self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
         self.rows_decoded = 0
-        columns = self._reader.columns(spec.files[0])
-        if columns is not None:
-            _check_column(spec, self.value_field, columns)
+        # From a data plan: the count and the column check were made once for the job.
+        self._documents = documents
+        if documents is None:
+            check_columns(spec, text_field)
 
     def __getstate__(self):
         # Loader workers decode their own blocks; a weak cache does not pickle.
@@ -131,8 +137,11 @@ class StreamSource:
     def document_count(self) -> int:
         """Documents in the source, for the automatic shard count: parquet footers' and
         Arrow batch headers' row counts; one per text file; for JSON lines an estimate
-        (``JsonLinesReader.document_estimate``). Cost: one footer (or 1 MiB) per file."""
-        return sum(self._reader.document_estimate(f) for f in self.spec.files)
+        (``JsonLinesReader.document_estimate``). Cost: nothing when the data plan gave it,
+        else one footer (or 1 MiB) per file."""
+        if self._documents is None:
+            self._documents = sum(document_estimate(self.spec, f) for f in self.spec.files)
+        return self._documents
 
     def units(self, num_shards: int) -> list[tuple[int, int, int]]:
         """The units ``(file, lo, hi)`` each epoch orders: rows ``[lo, hi)`` of the file
@@ -162,8 +171,7 @@ class StreamSource:
     def block_starts(self, f: int) -> tuple[int, ...]:
         """First row of each block of file ``f``, then its row count (cached per file)."""
         if f not in self._starts:
-            counts = self._reader.block_rows(self.spec.files[f])
-            self._starts[f] = (0, *(int(x) for x in np.cumsum(counts, dtype=np.int64)))
+            self._starts[f] = _starts_of(self._reader.block_rows(self.spec.files[f]))
         return self._starts[f]
 
     # ---- reading ----------------------------------------------------------------------
@@ -228,6 +236,34 @@ class StreamSource:
         if self.spec.fmt == "json":
             return _file_size(self.spec.files[f])
         return self.block_starts(f)[-1]
+
+
+def _starts_of(counts: list[int]) -> tuple[int, ...]:
+    return (0, *(int(x) for x in np.cumsum(counts, dtype=np.int64)))
+
+
+def check_columns(spec: SourceSpec, text_field: str):
+    """The source's first file has the column it is read from (JSON lines: if it names
+    any). Cost: one schema or 1 MiB read."""
+    columns = _READERS[spec.fmt](spec).columns(spec.files[0])
+    if columns is not None:
+        _check_column(spec, spec.tokens_field or text_field, columns)
+
+
+def inspect_file(spec: SourceSpec, path: str) -> tuple[int, list[int] | None]:
+    """(documents, rows of each block) of one file of a streaming source: the footer's
+    row counts for parquet and Arrow (one block for a text file); for JSON lines an
+    estimate and no blocks (its units are byte ranges). Cost: one footer or 1 MiB read."""
+    reader = _READERS[spec.fmt](spec)
+    if isinstance(reader, _RowReader):
+        rows = [int(n) for n in reader.block_rows(path)]
+        return sum(rows), rows
+    return reader.document_estimate(path), None
+
+
+def document_estimate(spec: SourceSpec, path: str) -> int:
+    """Documents in one file of a streaming source (see ``StreamSource.document_count``)."""
+    return inspect_file(spec, path)[0]
 
 
 class _RowReader:

@@ -1,0 +1,125 @@
+"""Start-up at scale: what one rank of R opens and reads before its first batch.
+
+    python scripts/bench_startup.py [--files 10000] [--ranks 1,64,1024] [--json out.json]
+
+One process simulates rank r of R (r = R // 2; R = 1, 64, 1,024) over a streaming
+parquet corpus of --files tiny files (4 documents each, generated under the temporary
+folder), through the path train.py runs: rank 0 lists the sources once
+(``list_sources``), every rank inspects its share of the files (``inspect_share``; the
+other ranks' shares are computed too, untimed, as rank 0 needs them), rank 0 combines
+them (``combine``), and rank r builds its loader from the plan and takes its first
+batch (``build_dataloader``, ``next``). Printed per R: the rank's data files opened,
+bytes read and seconds to its first batch; rank 0's listing and combining once per job;
+and, as the baseline, the same rank resolving the data alone, as every rank did before
+the plan (``local_plan``).
+
+Opens are counted from Python's audit events, bytes from /proc/self/io (rchar), each
+phase after a warm-up run, so the page cache is warm and imports are done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchtitan.io_count import counting
+
+
+def build_corpus(folder: Path, files: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = folder / f"DONE-{files}"
+    if done.exists():
+        return folder / "data"
+    data = folder / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        texts = [f"Document {f}-{r}. " + "A few words of a tiny file. " * (3 + (f + r) % 9)
+                 for r in range(4)]  # fmt: skip
+        pq.write_table(pa.table({"id": [f"d{f}-{r}" for r in range(4)], "text": texts}),
+                       data / f"part-{f:05d}.parquet")  # fmt: skip
+    done.write_text("ok")
+    return data
+
+
+def measure(fn, corpus: Path):
+    begin = time.perf_counter()
+    with counting() as access:
+        value = fn()
+    seconds = time.perf_counter() - begin
+    opened = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
+    return value, {"files_opened": len(opened), "bytes_read": access.bytes_read,
+                   "seconds": seconds, "files": opened}  # fmt: skip
+
+
+def simulate(cfg, tokenizer, corpus: Path, ranks: int) -> dict:
+    t, rank = cfg.training, ranks // 2
+    specs, listing = measure(lambda: list_sources(t), corpus)
+    others = [inspect_share(specs, t, tokenizer, r, ranks) for r in range(ranks) if r != rank]
+    mine, share = measure(lambda: inspect_share(specs, t, tokenizer, rank, ranks), corpus)
+    plan, combining = measure(lambda: combine(specs, [*others, mine], t, tokenizer), corpus)
+
+    def first_batch():
+        loader = build_dataloader(cfg, tokenizer, rank, ranks, plan=plan)
+        next(loader)
+        return loader.dataset.data_shards
+
+    shards, first = measure(first_batch, corpus)
+    _, alone = measure(lambda: local_plan(t, tokenizer), corpus)
+    per_rank = {k: share[k] + first[k] for k in ("bytes_read", "seconds")}
+    per_rank["files_opened"] = len(share.pop("files") | first.pop("files"))
+    for phase in (listing, combining, alone):
+        phase.pop("files")
+    return {"ranks": ranks, "rank": rank, "data_shards": shards, "per_rank": per_rank,
+            "share": share, "first_batch": first, "rank0_listing": listing,
+            "rank0_combine": combining, "baseline_resolving_alone": alone}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--files", type=int, default=10_000)
+    p.add_argument("--ranks", default="1,64,1024")
+    p.add_argument("--smoke", action="store_true", help="200 files, R = 1 and 64")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.files, args.ranks = 200, "1,64"
+    corpus = build_corpus(
+        Path(tempfile.gettempdir()) / "bench_startup" / str(args.files), args.files
+    )
+    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
+                      "--training.seq_len", "64", "--training.batch_size", "8"])  # fmt: skip
+    simulate(cfg, tokenizer, corpus, 2)  # warm-up: imports, page cache
+    results = [simulate(cfg, tokenizer, corpus, int(r)) for r in args.ranks.split(",")]
+
+    print(f"\nstart-up of one rank over {args.files:,} streaming parquet files (tiny)\n")
+    print("| R | rank | shards | files opened | MB read | s to first batch "
+          "| before: files | before: MB | before: s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        a, b = r["per_rank"], r["baseline_resolving_alone"]
+        print(f"| {r['ranks']:,} | {r['rank']} | {r['data_shards']:,} | {a['files_opened']} | "
+              f"{a['bytes_read'] / 1e6:.2f} | {a['seconds']:.3f} | {b['files_opened']:,} | "
+              f"{b['bytes_read'] / 1e6:.2f} | {b['seconds']:.3f} |")  # fmt: skip
+    r = results[-1]
+    print(f"\nonce per job, rank 0: listing {r['rank0_listing']['seconds']:.3f} s "
+          f"({r['rank0_listing']['files_opened']} files opened), combining "
+          f"{r['rank0_combine']['seconds']:.3f} s")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"files": args.files, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Start-up at scale: one resolution of the data per job, and a rank that opens only its
+share of the files and the files its own shards read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from conftest import CONFIG, REPO, shim_env
+
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchtitan.io_count import counting
+from torchtitan.runs import torchrun_command
+
+FILES = 200
+
+
+def tiny_parquet_corpus(folder: Path, files: int = FILES, rows: int = 4) -> Path:
+    folder.mkdir(parents=True)
+    for f in range(files):
+        texts = [f"Document {f}-{r}: " + "words of a small file " * (5 + (f * 7 + r) % 11)
+                 for r in range(rows)]  # fmt: skip
+        ids = [f"d{f}-{r}" for r in range(rows)]
+        pq.write_table(pa.table({"id": ids, "text": texts}), folder / f"part-{f:05d}.parquet")
+    return folder
+
+
+def test_a_rank_opens_its_share_and_its_own_shards_files(tmp_path):
+    """Rank 5 of 64 over 200 streaming parquet files, 128 virtual shards (whole files):
+    it inspects 200/64 files, and its first batch opens only its two shards' files.
+    Negative control: resolving the data alone, as every rank did before the plan,
+    opens all 200."""
+    corpus = tiny_parquet_corpus(tmp_path / "corpus")
+    cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
+                      "--training.data_shards", "128", "--training.seq_len", "64",
+                      "--training.batch_size", "2"])  # fmt: skip
+    t, tokenizer = cfg.training, Tokenizer(DEFAULT_TOKENIZER_PATH)
+    specs = list_sources(t)  # rank 0's, once per job
+    shares = [inspect_share(specs, t, tokenizer, r, 64) for r in range(64) if r != 5]
+    with counting() as access:
+        mine = inspect_share(specs, t, tokenizer, 5, 64)
+        plan = combine(specs, [*shares, mine], t, tokenizer)  # rank 0's, then broadcast
+        loader = build_dataloader(cfg, tokenizer, 5, 64, plan=plan)
+        next(loader)
+    opened = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
+    own = {
+        os.path.abspath(specs[0].files[u])
+        for v in loader.dataset.rank_shards(0)
+        for u in loader.dataset.sources[0].shard_units(0, v, 128)
+    }
+    share = {os.path.abspath(specs[0].files[f]) for f in range(5, FILES, 64)}
+    assert len(share) == 4 and len(own) <= 4
+    assert share <= opened and opened <= share | own, (sorted(opened), sorted(share | own))
+
+    with counting() as access:
+        local_plan(t, tokenizer)
+    parquet = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
+    assert len(parquet) == FILES, "the check can fail"
+
+
+def test_a_2_rank_job_resolves_a_hub_style_folder_once(tmp_path):
+    """The Hub-style folder is resolved by rank 0 alone (counted by a wrapper around the
+    resolution, installed in both ranks' interpreters); before the plan each rank
+    resolved it twice (loader and fingerprint)."""
+    folder = tmp_path / "hubdata"
+    (folder / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"text": [f"Line {i} of a document.\n" * 20 for i in range(16)]}),
+                   folder / "data" / "train-00000.parquet")  # fmt: skip
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+        "    path: data/train-*.parquet\n---\n"
+    )
+    count = tmp_path / "resolutions.txt"
+    env = shim_env(tmp_path / "shim", (
+        "import os\n"
+        "from torchtitan.data import hub\n"
+        "_resolve = hub.folder_source\n"
+        "def counted(*args, **kwargs):\n"
+        "    with open(os.environ['RESOLUTIONS'], 'a') as f:\n"
+        "        f.write(os.environ.get('RANK', '?') + '\\n')\n"
+        "    return _resolve(*args, **kwargs)\n"
+        "hub.folder_source = counted\n"
+    ), RESOLUTIONS=str(count))  # fmt: skip
+    args = [*CONFIG, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1",
+            "--training.dataset_path", str(folder), "--training.seq_len", "32"]  # fmt: skip
+    proc = subprocess.run(torchrun_command(2, args), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert count.read_text().split() == ["0"], count.read_text()
