@@ -295,11 +295,12 @@ def test_two_fsdp_ranks_start_from_a_hf_folder_read_by_rank_0(exported, tmp_path
 def test_the_wait_for_rank_0_is_sized_from_the_folder_and_says_when_storage_is_slow(
     exported, tmp_path
 ):
-    """Rank 0 takes 6 s to read the HF folder (a probe sleeps before the real read). With
-    the wait sized from the folder (120 s + its bytes at 25 MB/s) the 2-rank start
-    succeeds; with a budget of 2 s (as if the folder were that much larger than the
-    storage's speed), the waiting rank stops with one line naming the folder, its size
-    and the fix, instead of hanging in a collective until the process group's timeout."""
+    """The other ranks wait for rank 0's read of an HF folder as long as its size says
+    (120 s + its bytes at 25 MB/s), not the process group's fixed timeout. Rank 0 here
+    takes 5 s (a probe sleeps before the real read) against a budget of 1 s (as if the
+    folder were that much larger than the storage's speed): the waiting rank stops with
+    one line naming the folder, its size and the fix, instead of hanging in a collective.
+    (Rank 0, still reading, is then stopped by torchrun.)"""
     from conftest import error_lines, shim_env
 
     from torchtitan.initial_weights import load_timeout_s
@@ -307,34 +308,26 @@ def test_the_wait_for_rank_0_is_sized_from_the_folder_and_says_when_storage_is_s
 
     assert load_timeout_s(16e9) == 120 + 640  # an 8B folder
     _, folder, _ = exported
-    slow = (
-        "import os, time\n"
+    env = shim_env(tmp_path / "shim", (
+        "import time\n"
         "from torchtitan import hf, initial_weights\n"
         "_read = hf.read_hf_folder\n"
         "def slow(*args, **kwargs):\n"
-        "    time.sleep(6)\n"
+        "    time.sleep(5)\n"
         "    return _read(*args, **kwargs)\n"
         "hf.read_hf_folder = slow\n"
-        "if os.environ.get('BUDGET_S'):\n"
-        "    initial_weights.WAIT_BASE_S = float(os.environ['BUDGET_S'])\n"
-        "    initial_weights.WAIT_MIN_BYTES_PER_S = 1e15\n"
-    )
-    for budget, ok in (("", True), ("2", False)):
-        env = shim_env(tmp_path / "shim", slow, BUDGET_S=budget)
-        args = ["--job.config_file", "train_configs/debug_model.toml", "--training.steps", 1,
-                "--job.dump_folder", tmp_path / f"run{budget}", "--checkpoint.initial_load_path",
-                folder, "--checkpoint.initial_load_format", "hf"]  # fmt: skip
-        proc = subprocess.run(torchrun_command(2, [str(a) for a in args]), cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        if ok:
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            continue
-        # Rank 1 says why; rank 0, still reading, is then stopped by torchrun.
-        errors = [e for e in error_lines(proc.stderr) if e.startswith("[rank1]")]
-        assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
-        assert "did not finish reading it" in errors[0] and "MB/s" in errors[0], errors
-        frames = [x for x in proc.stderr.splitlines() if x.strip().startswith("File ")]
-        assert not [f for f in frames if "torchtitan" in f or "train.py" in f], frames
+        "initial_weights.WAIT_BASE_S, initial_weights.WAIT_MIN_BYTES_PER_S = 1.0, 1e15\n"
+    ))  # fmt: skip
+    args = ["--job.config_file", "train_configs/debug_model.toml", "--training.steps", 1,
+            "--job.dump_folder", tmp_path / "run", "--checkpoint.initial_load_path", folder,
+            "--checkpoint.initial_load_format", "hf"]  # fmt: skip
+    proc = subprocess.run(torchrun_command(2, [str(a) for a in args]), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    errors = [e for e in error_lines(proc.stderr) if e.startswith("[rank1]")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "did not finish reading it" in errors[0] and "MB/s" in errors[0], errors
+    frames = [x for x in proc.stderr.splitlines() if x.strip().startswith("File ")]
+    assert not [f for f in frames if "torchtitan" in f or "train.py" in f], frames
 
 
 def test_a_bad_initial_load_path_is_one_line(exported, tmp_path):
