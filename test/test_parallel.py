@@ -164,12 +164,16 @@ def test_replicated_dropout_masks_agree_within_a_tp_group_also_after_a_layout_ch
     """Without sequence parallel every TP peer holds the whole residual stream, so its
     dropout masks must be the same on both peers: they are, at 2 DP x 2 TP, and on
     1 DP x 2 TP resumed from FSDP 4, whose two ranks had streams of their own (the
-    group takes its DP rank's). Negative control: the two DP ranks' masks differ."""
+    group takes its DP rank's). Data-parallel ranks draw their own: the two DP ranks'
+    masks differ, and so do all four ranks' after 2 x 2 resumed on FSDP 4 (the new DP
+    ranks 0 and 1 took the streams of the old DP ranks, not those of one TP group)."""
     drawn = [masks(layouts, r, "dropout") for r in range(4)]
     assert len(drawn[0]) == 3 * 2 * 2  # steps x micro-batches x blocks
     for a, b in TP_GROUPS:
         assert drawn[a] == drawn[b]
     assert all(x != y for x, y in zip(drawn[0], drawn[2]))
+    fsdp4 = [masks(layouts, r, "dropout-fsdp4") for r in range(4)]
+    assert len(fsdp4[0]) == 2 and all(len(set(m)) == 4 for m in zip(*fsdp4))
     after = [masks(layouts, r, "dropout-1x2") for r in (2, 3)]
     assert len(after[0]) == 2 * 4 * 2 and after[0] == after[1]
     assert "from 2x0 to 4x0" in layouts.log and "from 4x0 to 1x0" in layouts.log

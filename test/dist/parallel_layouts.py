@@ -144,10 +144,16 @@ def sequence_parallel_masks(dims):
     """One training forward under SP with dropout: each rank's residual-dropout masks."""
     global scenario
     scenario = "sp_masks"
-    model, _, _ = parallel_model(dims, "--parallelism.tensor_parallel_degree", 2,
+    model, _, layout = parallel_model(dims, "--parallelism.tensor_parallel_degree", 2,
                                  "--model.dropout", 0.5)  # fmt: skip
+    for block in model.layers:
+        # Ones in, so that the output's zeros are the mask alone: a row the attention
+        # dropout zeroed on one peer would otherwise look like a different mask.
+        block.attention.resid_dropout.register_forward_pre_hook(
+            lambda module, args: (torch.ones_like(args[0]),)
+        )
     observe(model).train()
-    torch.manual_seed(7 + dims.dp_rank)  # as train.py seeds: one stream per TP group
+    torch.manual_seed(7 + layout.dp_rank)  # as train.py seeds: one stream per TP group
     tokens = torch.arange(2 * 32).view(2, 32) % 4096
     model(tokens)
 
