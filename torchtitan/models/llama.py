@@ -437,12 +437,9 @@ def _held_indices(param: DTensor, dim: int) -> torch.Tensor | None:
 
 
 def _splits(placement, dim: int) -> bool:
-    # torch's _StridedShard (FSDP over TP's rows) is not is_shard() in every version.
-    return (
-        placement.is_shard(dim)
-        or getattr(placement, "split_factor", None) is not None
-        and (placement.dim == dim)
-    )
+    # torch's _StridedShard (FSDP over TP's rows) is not is_shard() in torch 2.13.
+    strided = getattr(placement, "split_factor", None) is not None
+    return placement.is_shard(dim) or (strided and placement.dim == dim)
 
 
 def _as_dim0(placement):
