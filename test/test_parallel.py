@@ -234,9 +234,9 @@ def test_a_layout_that_cannot_be_is_one_line_on_every_rank(layouts):
 
 
 def test_layout_config_errors_name_the_key_and_the_fix():
-    """Degrees that do not make the world size, DDP with TP or HSDP, shard degree 0, and a
-    model or sequence that does not split: one ConfigError line each, before anything
-    is built (the degrees need only the world size)."""
+    """Degrees that do not make the world size, DDP with TP or HSDP, shard degree 0, TP
+    with compile, and a model or sequence that does not split: one ConfigError line
+    each, before anything is built (the degrees need only the world size)."""
     four = parallel.ParallelDims(0, 4, 0, torch.device("cpu"), "gloo")
 
     def layout_error(*argv) -> str:
@@ -258,6 +258,8 @@ def test_layout_config_errors_name_the_key_and_the_fix():
         (["--parallelism.data_parallel_replicate_degree", "2", "--training.data_parallel", "ddp"],
          "is HSDP, an FSDP layout"),
         (["--parallelism.data_parallel_shard_degree", "0"], "or -1 for the world size"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.compile"],
+         "do not give the eager gradients"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match="parallelism") as e:
             parse_args([*CONFIG, *argv])

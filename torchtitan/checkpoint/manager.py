@@ -2,8 +2,9 @@
 
 Owns: when to save, what a checkpoint holds, and loading the timeline's resume point
 into every component. Every component follows torch's ``Stateful`` protocol: ``model``,
-``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank),
-``train_state`` and ``rng`` (one entry per rank). It composes the package's parts:
+``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank,
+written by the first rank of its TP group), ``train_state`` and ``rng`` (the dropout
+stream once per data-parallel rank, Python's and numpy's per rank). It composes the package's parts:
 ``lifecycle`` writes and finalizes, ``timeline`` chooses and keeps, ``integrity``
 verifies, ``compat`` refuses a checkpoint that does not fit, ``stateful`` adapts.
 
