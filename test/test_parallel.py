@@ -20,9 +20,16 @@ from conftest import CONFIG, assert_exactly_once, losses, read_jsonl, torchrun
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError, parse_args
+from torchtitan.data import document_lengths
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.models import build_model
 from torchtitan.models.llama import llama_configs
-from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.provenance import (
+    check_complete,
+    check_exactly_once,
+    read_provenance,
+    sequences_by_step,
+)
 
 TP_GROUPS = ((0, 1), (2, 3))  # rank = dp_rank x 2 + tp_rank
 
@@ -35,7 +42,7 @@ def layouts(tmp_path_factory, dozen_corpus):
                     script="test/dist/parallel_layouts.py")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = {r: json.loads((out / "records" / f"rank{r}.json").read_text()) for r in range(4)}
-    return SimpleNamespace(out=out, log=proc.stderr, records=records,
+    return SimpleNamespace(out=out, log=proc.stderr, records=records, corpus=dozen_corpus,
                            wall_s=time.perf_counter() - begin)  # fmt: skip
 
 
@@ -137,10 +144,16 @@ def test_tp_losses_equal_tp1_losses_on_the_same_global_batch(layouts):
 
 def test_the_chain_over_layouts_reads_every_token_once_and_keeps_the_global_batch(layouts):
     """Across the four layouts the provenance checker finds every token read once and no
-    gap; each leg resharded the data state from the one before; the global batch stayed
-    12 sequences (2 DP x 3 x 2 micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the
-    same records with one step's data written twice make the checker count duplicates."""
+    gap, and every document of each finished epoch read whole; each leg resharded the
+    data state from the one before; the global batch stayed 12 sequences (2 DP x 3 x 2
+    micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the same records with one
+    step's data written twice make the checker count duplicates."""
     assert_exactly_once(layouts.out / "chain")
+    config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
+    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
+    chain = read_provenance(str(layouts.out / "chain" / "provenance"))
+    report = check_complete(chain, lengths, 12)["shakespeare"]
+    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
     log = layouts.log
     for moved in ("from 2x0 to 4x0", "from 4x0 to 1x0"):
         assert f"resharding data state {moved} (ranks x workers; 12 virtual shards)" in log
