@@ -102,6 +102,9 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
     )  # fmt: skip
 
 
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
 def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
     """``dims`` with the layout of ``parallelism.*`` and its ``DeviceMesh``.
 
@@ -143,11 +146,8 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
     return replace(dims, tp=tp, dp_replicate=replicate, mesh=mesh)
 
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
 def describe_layout(dims: ParallelDims) -> str:
-    """e.g. '2 data-parallel (HSDP 1 x 2) x 2 tensor-parallel' for the log."""
+    """e.g. '4 data-parallel (HSDP 2 x 2) x 1 tensor-parallel', for the log."""
     dp = f"{dims.dp_world} data-parallel"
     if dims.dp_replicate > 1:
         dp += f" (HSDP {dims.dp_replicate} x {dims.dp_shard})"
