@@ -10,12 +10,12 @@ import logging
 import os
 import random
 import sys
-import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from torchtitan import parallel
+from torchtitan import parallel, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import (
@@ -28,12 +28,12 @@ from torchtitan.data import (
 )
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
-from torchtitan.metrics import MetricLogger, ProvenanceWriter, across_ranks, memory_gib
+from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler
-from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps, peak_tflops
+from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps
 
 logger = logging.getLogger("torchtitan")
 
@@ -71,7 +71,12 @@ def seed_everything(seed: int, deterministic: bool):
 def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.ParallelDims):
     """Build on the meta device, apply parallelism, then let each rank materialize and
     initialize only what it holds: O(own shard) memory and init time per rank under
-    FSDP, with weights that do not depend on the number of ranks."""
+    FSDP and TP, with weights that do not depend on the layout."""
+    args = replace(llama.llama_configs[cfg.model.flavor], vocab_size=vocab_size)
+    p = cfg.parallelism
+    tensor_parallel.check_fits(
+        args, dims.tp, cfg.training.seq_len, p.sequence_parallel, cfg.model.flavor
+    )
     model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device="meta")
     if cfg.training.seq_len > model.args.max_seq_len:
         raise ConfigError(
@@ -137,20 +142,23 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
     t = cfg.training
+    dims = parallel.apply_layout(dims, cfg)
     seed_everything(t.seed, t.deterministic)
     tokenizer = build_tokenizer(cfg.model)
     if cfg.checkpoint.create_seed_checkpoint:
         return write_seed_checkpoint(cfg, dims, tokenizer)
 
-    accumulation = accumulation_steps(cfg, dims.world_size)
+    accumulation = accumulation_steps(cfg, dims.dp_world)
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
     plan = resolve_data(cfg, tokenizer, dims)
-    dataloader = build_dataloader(cfg, tokenizer, dims.rank, dims.world_size, accumulation, plan)
+    # TP peers train on the same batches: the loader is the data-parallel rank's.
+    dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, accumulation, plan)
     train_state = TrainState()
-    # Ranks draw different dropout masks; the checkpoint restores each rank's RNG.
-    torch.manual_seed(t.seed + dims.rank)
+    # Dropout streams differ between data-parallel ranks and are shared by TP peers, which
+    # hold the same activations (tensor_parallel.py); the checkpoint restores them.
+    torch.manual_seed(t.seed + dims.dp_rank)
     checkpoint = CheckpointManager(
         cfg,
         dims,
@@ -173,95 +181,40 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
 def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
         checkpoint, preemption, accumulation):  # fmt: skip
     """Resume, then train to the last step (or the preemption), then close."""
-    t = cfg.training
     train_state.step = checkpoint.load()
     if checkpoint.loaded_from is None:
         load_initial_weights(cfg, model, dims)
     batch_loss = BatchLoss(cfg, model, dims)
     step = TrainStep(cfg, model, optimizer, scheduler, batch_loss, checkpoint.wait_for_staging)
     validator = Validator(cfg, tokenizer, dims, batch_loss) if cfg.validation.enable else None
-
-    metrics = MetricLogger(cfg, dims.rank, train_state.step)
-    provenance = None
-    if cfg.metrics.data_provenance:
-        folder = os.path.join(cfg.job.dump_folder, "provenance")
-        provenance = ProvenanceWriter(folder, dims.rank, train_state.step, dims.is_main)
+    metrics = StepMetrics(cfg, dims, model, validator, preemption, accumulation, train_state.step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
-
-    tokens_per_step = t.batch_size * accumulation * t.seq_len * dims.world_size
-    flops_per_token = llama.flops_per_token(getattr(model, "module", model).args, t.seq_len)
-    peak = peak_tflops(cfg, dims.device)
-    logger.info(
-        "training steps %d..%d, %d tokens per step (%d micro-batches of %d x %d per rank, world size %d)",
-        train_state.step + 1, t.steps, tokens_per_step, accumulation, t.batch_size, t.seq_len,
-        dims.world_size,
-    )  # fmt: skip
     model.train()
-    last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
-    epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last log line
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
-        while train_state.step < last_step:
-            step_start = time.perf_counter()
-            batches, data_wait_s = [], 0.0
-            for _ in range(accumulation):
-                batches.append(next(dataloader))
-                data_wait_s += dataloader.last_wait_s
+        while train_state.step < metrics.last_step:
+            metrics.start_step()
+            batches, data_wait_s = next_batches(dataloader, accumulation)
             train_state.step += 1
-            train_state.tokens_seen += tokens_per_step
-            epoch_starts += [[train_state.step, *e] for b in batches for e in b["epoch_starts"]]
+            train_state.tokens_seen += metrics.tokens_per_step
             loss, grad_norm, lr = step(batches)
-
-            if provenance is not None:
-                provenance.write(train_state.step, [s for b in batches for s in b["spans"]])
-            step_s = time.perf_counter() - step_start  # throughput excludes validation
-            validation = {}
-            if validator is not None and validator.due(train_state.step, last_step):
-                validation["validation_loss"] = validator.run(model)
-            if validation or metrics.should_log(train_state.step, last_step):
-                per_rank = tokens_per_step / dims.world_size / step_s
-                mfu = {"mfu_pct": 100 * per_rank * flops_per_token / (peak * 1e12)} if peak else {}
-                ranks = across_ranks(dims, loss, 1000 * step_s, 1000 * data_wait_s,
-                                     dataloader.skipped_documents(), epoch_starts)  # fmt: skip
-                metrics.log(
-                    train_state.step,
-                    {
-                        "loss": ranks.get("loss", 0.0),
-                        "grad_norm": grad_norm.item(),
-                        "lr": lr,
-                        "tokens_per_s": per_rank,
-                        **mfu,
-                        "step_ms": 1000 * step_s,
-                        "data_wait_ms": 1000 * data_wait_s,
-                        # the previous step's stop agreement (save on preemption)
-                        "stop_check_ms": 1000 * preemption.last_check_s,
-                        "memory_gib": memory_gib(dims.device),
-                        "tokens_seen": train_state.tokens_seen,
-                        **{k: v for k, v in ranks.items() if k not in ("loss", "epoch_starts")},
-                        **validation,
-                    },
-                    epoch_starts=ranks.get("epoch_starts", []),
-                )
-                epoch_starts = []
-            saved = checkpoint.should_save(train_state.step, stop_at=t.stop_at_step)
-            if saved:
-                checkpoint.save(train_state.step)
-            # Asked after every step, save steps included: a signal that lands during a
-            # save is acted on right after it, and that save is the preemption's.
-            if preemption.requested():
-                if not saved:
-                    checkpoint.save(train_state.step)
-                checkpoint.close()
-                logger.warning(
-                    "preempted at step %d: checkpoint step-%d written (%s)",
-                    train_state.step, train_state.step, preemption.received or "signal to another rank",
-                )  # fmt: skip
+            metrics.end_step(train_state.step, train_state.tokens_seen, batches, data_wait_s,
+                             loss, grad_norm, lr, dataloader.skipped_documents())  # fmt: skip
+            saved = checkpoint.save_if_due(train_state.step, stop_at=cfg.training.stop_at_step)
+            if preemption.stop_after(train_state.step, checkpoint, saved):
                 break
             profiler.step(train_state.step)
     checkpoint.close()
     metrics.close()
-    if provenance is not None:
-        provenance.close()
     logger.info("done: %d steps, %d tokens", train_state.step, train_state.tokens_seen)
+
+
+def next_batches(dataloader, count: int) -> tuple[list[dict], float]:
+    """The next optimizer step's micro-batches, and the time spent waiting for them."""
+    batches, wait_s = [], 0.0
+    for _ in range(count):
+        batches.append(next(dataloader))
+        wait_s += dataloader.last_wait_s
+    return batches, wait_s
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,6 +96,13 @@ def check_startup(r: dict):
             assert mine["files_opened"] < alone["files_opened"], "a rank opens its share only"
 
 
+def check_tp_loader(r: dict):
+    assert r["batches"] > 0
+    for mode in ("build", "broadcast"):
+        m = r[mode]
+        assert positive(m["tp0_ms_per_batch"], m["peer_ms_per_batch"], m["group_cpu_ms_per_batch"])
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
     "bench_data.py": check_data,
@@ -105,6 +112,7 @@ CHECKS = {
     "bench_checkpoint.py": check_checkpoint,
     "bench_streaming.py": check_streaming,
     "bench_startup.py": check_startup,
+    "bench_tp_loader.py": check_tp_loader,
 }
 
 
@@ -138,6 +146,11 @@ NONSENSE = [
                           "pretokenize_s": 1.0, "same_batches": False,
                           "pretokenized_over_on_the_fly": 30.0, "corpus_tokens": 1,
                           "corpus_documents": 1}),
+    (check_tp_loader, {"shape": "4x128", "batches": 20,
+                       "build": {"tp0_ms_per_batch": 1.0, "peer_ms_per_batch": 1.0,
+                                 "group_cpu_ms_per_batch": 2.0},
+                       "broadcast": {"tp0_ms_per_batch": 1.0, "peer_ms_per_batch": 0.0,
+                                     "group_cpu_ms_per_batch": 2.0}}),
     (check_checkpoint, {"sync_save_s": 1.0, "checkpoint_mb": 1.0, "integrity_s": 0.1,
                         "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1}),
     (check_streaming, {"rows": [{"ours_tokens_per_s": 2.0, "peer_tokens_per_s": 1.0,

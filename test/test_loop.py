@@ -1,4 +1,4 @@
-"""The training loop's features: sharded init, mixed precision, activation checkpointing,
+"""The training loop's features: mixed precision, activation checkpointing,
 gradient accumulation, validation, throughput, compile and the shipped configs.
 
 Exact resume with them switched on is checked where resumes are: the 2-rank acceptance
@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import CONFIG, REPO, read_jsonl, torchrun, train_here
+from conftest import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
@@ -58,31 +58,6 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
         loss.cross_entropy = lambda logits, labels: inner(logits, labels) * scale
     TrainStep(cfg, model, optimizer, scheduler, loss, capture)(batches)
     return seen
-
-
-# ---- sharded initialization ------------------------------------------------------------
-
-
-def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
-    """Built on meta, sharded by FSDP2, each rank initializing only its rows: the step-0
-    weights are bit-equal for 1 rank, 2 ranks (pairs of a 4-rank job, each pair sharding
-    a whole copy) and 4 ranks. Drawing each shard from the global RNG (the naive way)
-    gives other weights. With bf16 the blocks compute in bf16 while the sharded
-    parameters and the RoPE tables stay float32."""
-    reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
-    out = tmp_path / "weights.pt"
-    proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", "bfloat16"],
-                    nproc=4, script="test/dist/sharded_init.py")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = torch.load(out)
-    for ranks in ("weights", "on_two"):
-        assert saved[ranks].keys() == reference.keys()
-        for name, value in reference.items():
-            assert torch.equal(saved[ranks][name], value), (ranks, name)
-    assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
-    assert saved["params"] == ["torch.float32"]
-    assert saved["compute"] == "torch.bfloat16"
-    assert saved["rope"] == "torch.float32", "FSDP must not cast the RoPE tables to bf16"
 
 
 # ---- gradient accumulation -------------------------------------------------------------

@@ -118,11 +118,22 @@ def test_init_draws_each_block_of_rows_independently_of_the_others(monkeypatch):
     llama.fill_normal(whole, 0.02, 5, "w")
     # Rows 4..9 filled as a rank holding only them would (blocks 1..3, kept from row 4).
     part = torch.empty(6, 4)
-    monkeypatch.setattr(llama, "_local", lambda p: (p, 4, 10))
+    monkeypatch.setattr(llama, "_local", lambda p: (p, torch.arange(4, 10), None, (10, 4)))
     llama.fill_normal(part, 0.02, 5, "w")
     assert torch.equal(part, whole[4:])
+    # Columns 1 and 3 of rows 4..9 (a tensor-parallel column split), strided rows.
+    cols = torch.empty(6, 2)
+    monkeypatch.setattr(
+        llama, "_local", lambda p: (p, torch.arange(4, 10), torch.tensor([1, 3]), (10, 4))
+    )
+    llama.fill_normal(cols, 0.02, 5, "w")
+    assert torch.equal(cols, whole[4:, [1, 3]])
+    strided = torch.empty(3, 4)
+    monkeypatch.setattr(llama, "_local", lambda p: (p, torch.tensor([1, 5, 9]), None, (10, 4)))
+    llama.fill_normal(strided, 0.02, 5, "w")
+    assert torch.equal(strided, whole[[1, 5, 9]])
     # Negative control: the same rows drawn as if they started the tensor differ.
-    monkeypatch.setattr(llama, "_local", lambda p: (p, 0, 10))
+    monkeypatch.setattr(llama, "_local", lambda p: (p, torch.arange(0, 6), None, (10, 4)))
     llama.fill_normal(part, 0.02, 5, "w")
     assert not torch.equal(part, whole[4:])
 

@@ -91,7 +91,10 @@ def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_p
     assert "provenance of the resumed run equals the first run's: True" in out
     assert "validation losses of the resumed run equal the first run's: True" in out
     log = (tmp_path / "dr" / "runs.log").read_text()
-    assert "2 micro-batches of 4 x 128 per rank, world size 2" in log
+    assert (
+        "2 micro-batches of 4 x 128 per data-parallel rank; 2 data-parallel x 1 tensor-parallel"
+        in log
+    )
     assert (tmp_path / "dr" / "loss_curves.png").stat().st_size > 0
     assert "staging and writing in the background" in log
     records = read_jsonl(tmp_path / "dr" / "metrics.jsonl")
@@ -194,7 +197,7 @@ def test_elastic_chain_ranks_and_workers(tmp_path, dozen_corpus):
     assert (
         "resharding data state from 2x0 to 1x3 (ranks x workers; 12 virtual shards)" in proc.stderr
     )
-    assert "2 micro-batches of 4 x 32 per rank, world size 1" in proc.stderr
+    assert "2 micro-batches of 4 x 32 per data-parallel rank; 1 data-parallel x 1" in proc.stderr
     proc = train(tmp_path, *common)
     assert "resharding data state from 1x3 to 2x0" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))

@@ -1,11 +1,18 @@
-"""Training metrics: the console line, a JSONL file, TensorBoard, and data provenance.
+"""Training metrics: what a step reports, on the console, in JSONL and TensorBoard, and
+the data provenance.
 
-Owns: formatting and writing what a step reports. Rank 0 writes the JSONL file and
-TensorBoard events; every rank may write its own provenance file. On resume, lines
-of steps after the resumed step (left by the interrupted run) are dropped, so the
-files always describe the run as it finally counts.
+Owns: the per-step values (``StepMetrics``: loss and skipped documents over ranks,
+grad norm, LR, throughput, MFU, data wait, memory, epoch starts, the held-out loss on
+its steps), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
+events; the first rank of each tensor-parallel group writes the provenance of its
+data-parallel rank (TP peers train on the same data). On resume, lines of steps after
+the resumed step (left by the interrupted run) are dropped, so the files always
+describe the run as it finally counts.
 
-Never: compute losses or reduce across ranks (train.py hands in global values).
+Cost: on a log step, three small collectives (the loss, the skipped count, the epoch
+starts gathered to rank 0); nothing on other steps but the provenance line.
+
+Never: compute losses, pull batches or decide when to stop.
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ import json
 import logging
 import os
 import resource
+import time
 
 import torch
 
 from torchtitan import parallel
+from torchtitan.models import llama
+from torchtitan.step import peak_tflops
 
 logger = logging.getLogger("torchtitan")
 
@@ -197,3 +207,79 @@ class ProvenanceWriter:
     def close(self):
         if self._file is not None:
             self._file.close()
+
+
+class StepMetrics:
+    """Times each step and reports it: every ``metrics.log_freq`` steps (and at the first
+    and last, and where a validation runs) the console line, JSONL and TensorBoard;
+    every step, the provenance line."""
+
+    def __init__(self, cfg, dims, model, validator, preemption, accumulation: int, start_step: int):
+        t = cfg.training
+        self.dims, self.model, self.validator = dims, model, validator
+        self.preemption = preemption
+        self.last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
+        self.tokens_per_step = t.batch_size * accumulation * t.seq_len * dims.dp_world
+        self.flops_per_token = llama.flops_per_token(
+            getattr(model, "module", model).args, t.seq_len
+        )
+        self.peak = peak_tflops(cfg, dims.device)
+        self.logger = MetricLogger(cfg, dims.rank, start_step)
+        self.provenance = None
+        if cfg.metrics.data_provenance and dims.tp_rank == 0:
+            folder = os.path.join(cfg.job.dump_folder, "provenance")
+            self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main)
+        self.epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last line
+        self._start = 0.0
+        logger.info(
+            "training steps %d..%d, %d tokens per step (%d micro-batches of %d x %d per "
+            "data-parallel rank; %s)",
+            start_step + 1, self.last_step, self.tokens_per_step, accumulation, t.batch_size,
+            t.seq_len, parallel.describe_layout(dims),
+        )  # fmt: skip
+
+    def start_step(self):
+        self._start = time.perf_counter()
+
+    def end_step(self, step: int, tokens_seen: int, batches: list[dict], data_wait_s: float,
+                 loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, skipped: int):  # fmt: skip
+        """Record the step just taken (``skipped``: this rank's skipped documents so far)."""
+        step_s = time.perf_counter() - self._start  # throughput excludes validation
+        if self.provenance is not None:
+            self.provenance.write(step, [s for b in batches for s in b["spans"]])
+        if self.dims.tp_rank == 0:  # TP peers read the same shards: count them once
+            self.epoch_starts += [[step, *e] for b in batches for e in b["epoch_starts"]]
+        else:
+            skipped = 0
+        validation = {}
+        if self.validator is not None and self.validator.due(step, self.last_step):
+            validation["validation_loss"] = self.validator.run(self.model)
+        if not validation and not self.logger.should_log(step, self.last_step):
+            return
+        per_rank = self.tokens_per_step / self.dims.world_size / step_s
+        peak, per_token = self.peak, self.flops_per_token
+        mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
+        ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s, skipped,
+                             self.epoch_starts)  # fmt: skip
+        values = {
+            "loss": ranks.get("loss", 0.0),
+            "grad_norm": grad_norm.item(),
+            "lr": lr,
+            "tokens_per_s": per_rank,
+            **mfu,
+            "step_ms": 1000 * step_s,
+            "data_wait_ms": 1000 * data_wait_s,
+            # the previous step's stop agreement (save on preemption)
+            "stop_check_ms": 1000 * self.preemption.last_check_s,
+            "memory_gib": memory_gib(self.dims.device),
+            "tokens_seen": tokens_seen,
+            **{k: v for k, v in ranks.items() if k not in ("loss", "epoch_starts")},
+            **validation,
+        }
+        self.logger.log(step, values, epoch_starts=ranks.get("epoch_starts", []))
+        self.epoch_starts = []
+
+    def close(self):
+        self.logger.close()
+        if self.provenance is not None:
+            self.provenance.close()

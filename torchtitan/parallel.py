@@ -1,13 +1,20 @@
-"""Device and process-group setup, and data-parallel wrapping (FSDP2 or DDP).
+"""Device and process-group setup, the layout of the ranks, and wrapping a model in it.
 
 Owns: choosing the device and backend from what is present (CUDA + NCCL, else CPU +
 gloo), initializing and tearing down the default process group and two gloo groups
 for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
-small collectives the trainer needs (a barrier, the mean of a scalar over ranks, a
-flag raised on any rank), telling the other ranks which rank failed and why (one key
-in the job's c10d store), and applying parallelism and its companions to a model:
-FSDP2 with mixed precision or DDP, gradient sync during accumulation, activation
-checkpointing and per-block compilation.
+layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
+``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
+collectives the trainer needs (a barrier, the mean of a scalar over ranks, a flag
+raised on any rank), telling the other ranks which rank failed and why (one key in the
+job's c10d store), and applying parallelism and its companions to a model: tensor
+parallel (``tensor_parallel.py`` holds the plan), FSDP2 or HSDP with mixed precision,
+or DDP, gradient sync during accumulation, activation checkpointing and per-block
+compilation.
+
+Rank layout: rank = (replica x shard_degree + shard) x tp_degree + tp_rank. Tensor
+parallel is innermost, so a TP group is adjacent ranks (one node's fast links), and
+the data-parallel rank is rank // tp_degree.
 
 Never: define or build the model (it arrives on the meta device), hold training state,
 or read the config beyond the parallelism, precision and recompute settings.
@@ -18,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -42,10 +49,32 @@ class ParallelDims:
     # checkpoint group that a background save may be using at the same moment.
     control_group: object = field(default=None, repr=False)
     store: object = field(default=None, repr=False)  # the job's c10d store (torchrun), if any
+    # The layout (set by ``apply_layout``); the data-parallel shard degree is the rest.
+    tp: int = 1
+    dp_replicate: int = 1
+    # dims ("dp_replicate", "dp_shard", "tp"); None in one plain process.
+    mesh: object = field(default=None, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: distinct batches per micro-step (TP peers share one)."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp_world // self.dp_replicate
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
 
 def init_distributed(timeout_s: int = 300) -> ParallelDims:
@@ -71,6 +100,58 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
         control_group=dist.new_group(backend="gloo"),
         store=_job_store(),
     )  # fmt: skip
+
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
+    """``dims`` with the layout of ``parallelism.*`` and its ``DeviceMesh``.
+
+    Raises a one-line ConfigError when the degrees do not make the world size, before
+    anything is built. Cost: one process group per mesh dimension (a collective over
+    all ranks each), at start-up only.
+    """
+    p, world = cfg.parallelism, dims.world_size
+    replicate, shard, tp = (
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.tensor_parallel_degree,
+    )
+    if shard == -1:
+        if world % (replicate * tp):
+            raise ConfigError(
+                f"world size {world} is not a multiple of parallelism.data_parallel_replicate_degree "
+                f"{replicate} x parallelism.tensor_parallel_degree {tp}; choose degrees whose "
+                f"product divides {world}"
+            )
+        shard = world // (replicate * tp)
+    if replicate * shard * tp != world:
+        raise ConfigError(
+            f"parallelism degrees {replicate} (data_parallel_replicate_degree) x {shard} "
+            f"(data_parallel_shard_degree) x {tp} (tensor_parallel_degree) = "
+            f"{replicate * shard * tp}, not the world size {world}; make them multiply to "
+            f"{world}, or set --parallelism.data_parallel_shard_degree -1 to fill the rest"
+        )
+    mesh = None
+    # Plain FSDP and DDP need no mesh: they use every rank (as FSDP's default mesh does).
+    if dist.is_initialized() and (tp > 1 or replicate > 1):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dims.device.type, (replicate, shard, tp), mesh_dim_names=MESH_DIMS)
+        if tp > 1:
+            # FSDP over TP puts parameters on (dp_shard, tp); with this flattened view a
+            # reduction over both (the gradient norm) is one all-reduce, not two in a row.
+            mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    return replace(dims, tp=tp, dp_replicate=replicate, mesh=mesh)
+
+
+def describe_layout(dims: ParallelDims) -> str:
+    """e.g. '4 data-parallel (HSDP 2 x 2) x 1 tensor-parallel', for the log."""
+    dp = f"{dims.dp_world} data-parallel"
+    if dims.dp_replicate > 1:
+        dp += f" (HSDP {dims.dp_replicate} x {dims.dp_shard})"
+    return f"{dp} x {dims.tp} tensor-parallel"
 
 
 def _job_store():
@@ -210,12 +291,18 @@ def all_gather_objects(dims: ParallelDims, obj) -> list:
 
 def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     """Turn a model built on the meta device into the training model on this rank:
-    activation checkpointing, compilation, FSDP2 (or DDP), then materialization.
+    tensor parallel, activation checkpointing, compilation, FSDP2/HSDP (or DDP), then
+    materialization.
 
     Each rank allocates and initializes only what it holds (``init_weights`` draws a
     shard exactly as the whole tensor would be drawn): O(own shard) memory and time
-    per rank under FSDP, and the same weights on any number of ranks.
+    per rank under FSDP and TP, and the same weights on any layout.
     """
+    if dims.tp > 1:
+        from torchtitan import tensor_parallel
+
+        p = cfg.parallelism
+        tensor_parallel.apply(model, dims.mesh["tp"], p.sequence_parallel, p.loss_parallel)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:
@@ -223,10 +310,17 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     fsdp = uses_fsdp(cfg.training.data_parallel, dims)
     if fsdp:
         reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
-        apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype)
+        apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype, data_parallel_mesh(dims))
     model.to_empty(device=dims.device)
     model.init_weights(cfg.training.seed)
     return model if fsdp else apply_ddp(model, dims)
+
+
+def data_parallel_mesh(dims: ParallelDims):
+    """FSDP's mesh: the shard dimension, or (replicate, shard) for HSDP; None: all ranks."""
+    if dims.mesh is None:
+        return None
+    return dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
 
 
 def compute_dtype(cfg, device: torch.device) -> torch.dtype:
@@ -245,7 +339,7 @@ def uses_fsdp(mode: str, dims: ParallelDims) -> bool:
 
 def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype, mesh=None):
     """Shard with FSDP2 per transformer block and at the root, in place (works on meta),
-    over ``mesh`` (default: all ranks).
+    over ``mesh`` (default: all ranks; a 2-D (replicate, shard) mesh is HSDP).
 
     Parameters stay float32 and sharded; each block's are gathered in ``param_dtype``
     for compute, and gradients are reduce-scattered in ``reduce_dtype``.

@@ -1,23 +1,26 @@
 """Save on preemption: a signal to any process of the job stops every rank at the same step.
 
 Owns: the signal handlers (``checkpoint.save_on_signal``, default SIGTERM and
-SIGUSR1) and the agreement at each step boundary. A handler only raises a flag;
-the training loop asks ``requested()`` after every step, which combines the flags
-of all ranks in one small all-reduce on the control group, so every rank stops
-after the same step, writes that step's checkpoint and exits.
+SIGUSR1), the agreement at each step boundary and the stop. A handler only raises a
+flag; the training loop asks ``stop_after(step)`` after every step, which combines
+the flags of all ranks in one small all-reduce on the control group, so every rank
+stops after the same step, has that step's checkpoint written and says so.
 
 Cost: one 4-byte gloo all-reduce per step on the control group (a CPU tensor:
 no device sync), independent of model size; O(log ranks) latency.
 
-Never: save, or exit the process (train.py does both).
+Never: decide what a checkpoint holds, or exit the process (train.py returns).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
 from torchtitan import parallel
+
+logger = logging.getLogger("torchtitan")
 
 
 class Preemption:
@@ -42,6 +45,24 @@ class Preemption:
         stop = parallel.any_rank(self.dims, self.received is not None)
         self.last_check_s = time.perf_counter() - begin
         return stop
+
+    def stop_after(self, step: int, checkpoint, saved: bool) -> bool:
+        """True when the job stops after ``step``: its checkpoint is then written (by the
+        regular save if ``saved``, else now) and the checkpointer closed.
+
+        Asked after every step, save steps included: a signal that lands during a save is
+        acted on right after it, and that save is the preemption's.
+        """
+        if not self.requested():
+            return False
+        if not saved:
+            checkpoint.save(step)
+        checkpoint.close()
+        logger.warning(
+            "preempted at step %d: checkpoint step-%d written (%s)",
+            step, step, self.received or "signal to another rank",
+        )  # fmt: skip
+        return True
 
     def close(self):
         for signum, handler in self._previous.items():

@@ -41,8 +41,11 @@ def torchrun_command(nproc: int, args: list[str], script: str = "train.py") -> l
 
 
 def run_env() -> dict:
-    """The environment of a launched job: one thread per process unless told otherwise."""
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    """The environment of a launched job: one thread per process unless told otherwise,
+    and the repository root on the path (a script under test/dist imports train.py)."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONPATH": path}  # fmt: skip
 
 
 def torchrun(

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from torchtitan import parallel
+from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError
 from torchtitan.data import build_dataloader
 from torchtitan.data.dataset import segment_lengths
@@ -50,20 +50,21 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def accumulation_steps(cfg, world_size: int) -> int:
-    """Micro-batches per optimizer step on each rank: global / (micro-batch x ranks).
+def accumulation_steps(cfg, dp_world: int) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank: global / (micro-batch
+    x data-parallel ranks); tensor-parallel peers share their DP rank's micro-batches.
 
     The global batch is what a job keeps when its layout changes: resumed on fewer
-    ranks, each rank accumulates more micro-batches of the same size.
+    data-parallel ranks, each accumulates more micro-batches of the same size.
     """
     t = cfg.training
-    per_pass = t.batch_size * world_size
+    per_pass = t.batch_size * dp_world
     if t.global_batch_size == 0:
         return 1
     if t.global_batch_size % per_pass:
         raise ConfigError(
             f"training.global_batch_size {t.global_batch_size} is not a multiple of "
-            f"training.batch_size {t.batch_size} x {world_size} ranks = {per_pass}; use a "
+            f"training.batch_size {t.batch_size} x {dp_world} ranks = {per_pass}; use a "
             f"multiple of {per_pass} or change the micro-batch size"
         )
     return t.global_batch_size // per_pass
@@ -101,9 +102,10 @@ class BatchLoss:
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
         self.autocast = dtype != torch.float32 and not parallel.is_fsdp(model)
         self.dtype = dtype
-        self.cross_entropy = (
-            torch.compile(_cross_entropy) if cfg.training.compile else _cross_entropy
-        )
+        # Loss parallel: cross-entropy over vocabulary-sharded logits, in its context.
+        self.context = lambda: tensor_parallel.loss_context(model)
+        compiled = cfg.training.compile and not getattr(model, "loss_parallel", False)
+        self.cross_entropy = torch.compile(_cross_entropy) if compiled else _cross_entropy
 
     def __call__(self, batch: dict) -> torch.Tensor:
         inputs = batch["input"].to(self.device, non_blocking=True)
@@ -140,9 +142,10 @@ class TrainStep:
         total = torch.zeros((), device=self.loss.device)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
-                loss = self.loss(batch) / len(batches)
-                loss.backward()
-            total += loss.detach()
+                with self.loss.context():
+                    loss = self.loss(batch) / len(batches)
+                    loss.backward()
+            total += tensor_parallel.local_value(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.max_norm, foreach=True
         )
@@ -173,7 +176,7 @@ class Validator:
         # Fixed data, read in order by the main process: nothing random, nothing that
         # depends on the training stream.
         t.shuffle, t.num_workers, t.data_shards = False, 0, 0
-        self.loader = build_dataloader(held_out, tokenizer, dims.rank, dims.world_size)
+        self.loader = build_dataloader(held_out, tokenizer, dims.dp_rank, dims.dp_world)
         self.freq, self.steps = v.freq, v.steps
         self.loss = loss
         self.dims = dims
@@ -190,7 +193,11 @@ class Validator:
         self.loader.seek({})
         model.eval()
         try:
-            total = sum(self.loss(next(self.loader)) for _ in range(self.steps))
+            with self.loss.context():
+                total = sum(
+                    tensor_parallel.local_value(self.loss(next(self.loader)))
+                    for _ in range(self.steps)
+                )
         finally:
             model.train()
         return parallel.mean_over_ranks(total / self.steps)

@@ -2,8 +2,9 @@
 
 Owns: when to save, what a checkpoint holds, and loading the timeline's resume point
 into every component. Every component follows torch's ``Stateful`` protocol: ``model``,
-``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank),
-``train_state`` and ``rng`` (one entry per rank). It composes the package's parts:
+``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank,
+written by the first rank of its TP group), ``train_state`` and ``rng`` (the dropout
+stream once per data-parallel rank, Python's and numpy's per rank). It composes the package's parts:
 ``lifecycle`` writes and finalizes, ``timeline`` chooses and keeps, ``integrity``
 verifies, ``compat`` refuses a checkpoint that does not fit, ``stateful`` adapts.
 
@@ -39,7 +40,7 @@ from torchtitan.checkpoint.folder import (
     step_folder,
 )
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
-from torchtitan.checkpoint.stateful import ModelState, OptimizerState, RNGState
+from torchtitan.checkpoint.stateful import DataLoaderState, ModelState, OptimizerState, RNGState
 
 logger = logging.getLogger("torchtitan")
 
@@ -69,9 +70,11 @@ class CheckpointManager:
             "model": ModelState(model),
             "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler,
-            "dataloader": dataloader,
+            "dataloader": None
+            if dataloader is None
+            else DataLoaderState(dataloader, dims.tp_rank == 0),
             "train_state": train_state,
-            "rng": RNGState(dims.rank),
+            "rng": RNGState(dims.rank, dims.dp_rank, dims.tp_rank),
         }
         self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k)
         # What this run's checkpoints record of their timeline (set by load()).
@@ -84,6 +87,13 @@ class CheckpointManager:
     def should_save(self, step: int, stop_at: int = -1) -> bool:
         """Every ``interval`` steps, at the last step, and where the job stops early."""
         return self.enabled and (step % self.interval == 0 or step in (self.last_step, stop_at))
+
+    def save_if_due(self, step: int, stop_at: int = -1) -> bool:
+        """Save ``step`` if ``should_save`` says so; whether it did."""
+        due = self.should_save(step, stop_at)
+        if due:
+            self.save(step)
+        return due
 
     def save(self, step: int, *, model_only: bool = False):
         """Write ``step-N`` (see ``Saver.save`` for what blocks the caller)."""
@@ -215,13 +225,17 @@ class CheckpointManager:
                     k.split(".", 1)[1]: b"" for k in saved if k.startswith("dataloader.")
                 }
             elif name == "rng":
-                key = self.states["rng"].key
-                if f"rng.{key}" not in saved:
+                keys = [k for k in self.states["rng"].keys() if f"rng.{k}" in saved]
+                missing = [k for k in self.states["rng"].keys() if k not in keys]
+                if missing:
                     logger.warning(
-                        "checkpoint has no RNG state for %s: keeping the seeded RNG", key
+                        "checkpoint has no RNG entry %s (written at another layout): this "
+                        "rank keeps its seeded generators for it",
+                        ", ".join(missing),
                     )
+                if not keys:
                     continue
-                state[name] = {key: b""}
+                state[name] = {k: b"" for k in keys}
             else:
                 state[name] = self.states[name].state_dict()
                 self._check_fits(path, manifest, saved, name, state[name])

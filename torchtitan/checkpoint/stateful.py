@@ -1,8 +1,9 @@
 """The ``Stateful`` adapters: what each checkpointed component saves and restores.
 
-Owns: the model and optimizer through torch's distributed state-dict API (sharded
-under FSDP, so each rank saves and loads its own shard), the train state, and every
-RNG a rank draws from.
+Owns: the model and optimizer through torch's distributed state-dict API (DTensors
+under FSDP, HSDP and TP, so each rank saves and loads its own shard and DCP reshards
+across layouts), the train state, which rank writes the loader's entry, and every RNG
+a rank draws from.
 
 Never: choose, write or verify checkpoints.
 """
@@ -67,29 +68,71 @@ class OptimizerState(Stateful):
             group.update(hyper)
 
 
+class DataLoaderState(Stateful):
+    """The loader's ``dp_rank_<d>`` entry, written by the first rank of its TP group only.
+
+    TP peers build the same loader and consume the same batches (test_parallel checks a
+    digest of them), so one writer per data-parallel rank keeps the checkpoint at one
+    entry per DP rank without leaning on DCP's merging of equal keys. Every rank loads
+    every entry (the loader reshards from all of them).
+    """
+
+    def __init__(self, loader, writes: bool):
+        self.loader, self.writes = loader, writes
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict() if self.writes else {}
+
+    def load_state_dict(self, state_dict: dict):
+        self.loader.load_state_dict(state_dict)
+
+
 class RNGState(Stateful):
-    """Every RNG a rank draws from, keyed by rank (DCP would merge equal keys across ranks).
+    """Every RNG a rank draws from, under keys that say whose (DCP would merge equal keys
+    across ranks).
+
+    Torch's generators (dropout) are one stream per data-parallel rank, shared by its
+    TP peers (tensor_parallel.py), written by the first of them as ``dp_rank_<d>``; so a
+    resume on another layout can only hand a TP group one stream. Python's and numpy's
+    are per rank, ``rank_<r>``. A checkpoint of an older version keeps all four under
+    ``rank_<r>``, which loads as well.
 
     CUDA: only the current device's generator, so a rank that lands on another GPU
     index after a restart still continues its own stream.
     """
 
-    def __init__(self, rank: int):
-        self.key = f"rank_{rank}"
+    def __init__(self, rank: int, dp_rank: int, tp_rank: int):
+        self.rank_key = f"rank_{rank}"
+        self.shared_key = f"dp_rank_{dp_rank}"
+        self.writes_shared = tp_rank == 0
+
+    def keys(self) -> list[str]:
+        """The entries this rank loads, if the checkpoint has them."""
+        return [self.shared_key, self.rank_key]
 
     def state_dict(self) -> dict:
-        state = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-        }
-        return {self.key: pickle.dumps(state)}
+        own = {"python": random.getstate(), "numpy": np.random.get_state()}
+        state = {self.rank_key: pickle.dumps(own)}
+        if self.writes_shared:
+            shared = {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            }
+            state[self.shared_key] = pickle.dumps(shared)
+        return state
 
     def load_state_dict(self, state_dict: dict):
-        state = pickle.loads(state_dict[self.key])
+        for key in self.keys():
+            if key in state_dict:
+                _set_rng(pickle.loads(state_dict[key]))
+
+
+def _set_rng(state: dict):
+    if "torch" in state:
         torch.set_rng_state(state["torch"])
-        if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "python" in state:
         random.setstate(state["python"])
+    if "numpy" in state:
         np.random.set_state(state["numpy"])

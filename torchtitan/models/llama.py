@@ -6,12 +6,15 @@ the same at any sharding), the named flavors in `llama_configs`, the FLOPs per
 token used for MFU, and `build_model`, the one way the trainer turns a flavor
 name into a model.
 
-It must never touch the process group or wrap itself for FSDP/DDP: parallelism,
+It must never touch the process group or wrap itself for FSDP/DDP/TP: parallelism,
 activation checkpointing and compilation are applied from outside (per block,
 on `Transformer.layers`). Dropout draws from torch's global generators, so that
-checkpointing torch's RNG state is enough to resume a run exactly.
+checkpointing torch's RNG state is enough to resume a run exactly; under tensor
+parallelism the draws over a rank's own part of an activation run inside a context
+set from outside (``heads_rng``, ``output_rng``; see tensor_parallel.py).
 """
 
+import contextlib
 import hashlib
 import itertools
 import math
@@ -20,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 # Rows of a weight drawn from one seeded generator. Any sharding of dim 0 then draws
@@ -190,6 +193,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.resid_dropout = nn.Dropout(args.dropout)
+        # Set from outside (tensor_parallel): contexts for the dropout draws over this
+        # rank's heads, and over the output; None draws from the global generators.
+        self.heads_rng = None
+        self.output_rng = None
 
     def _sdpa(self, q, k, v) -> torch.Tensor:
         return F.scaled_dot_product_attention(
@@ -210,22 +217,25 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
-        if segments is None:
-            y = self._sdpa(q, k, v)
-        else:
-            # Block-causal: each document attends causally within itself only. Run as
-            # one causal attention per document, so a document's result is the same
-            # computation wherever it sits in the sequence (bit for bit).
-            rows = []
-            for b, lengths in enumerate(segments):
-                bounds = [0, *itertools.accumulate(lengths)]
-                rows.append(torch.cat([
-                    self._sdpa(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
-                    for s, e in zip(bounds, bounds[1:])
-                ], dim=2))  # fmt: skip
-            y = torch.cat(rows)
+        with _draws(self.heads_rng, self.training and self.dropout > 0):
+            if segments is None:
+                y = self._sdpa(q, k, v)
+            else:
+                # Block-causal: each document attends causally within itself only. Run as
+                # one causal attention per document, so a document's result is the same
+                # computation wherever it sits in the sequence (bit for bit).
+                rows = []
+                for b, lengths in enumerate(segments):
+                    bounds = [0, *itertools.accumulate(lengths)]
+                    rows.append(torch.cat([
+                        self._sdpa(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
+                        for s, e in zip(bounds, bounds[1:])
+                    ], dim=2))  # fmt: skip
+                y = torch.cat(rows)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.resid_dropout(self.wo(y))
+        out = self.wo(y)
+        with _draws(self.output_rng, self.training and self.dropout > 0):
+            return self.resid_dropout(out)
 
 
 class FeedForward(nn.Module):
@@ -236,9 +246,17 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
         self.dropout = nn.Dropout(args.dropout)
+        self.output_rng = None  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        out = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        with _draws(self.output_rng, self.training and self.dropout.p > 0):
+            return self.dropout(out)
+
+
+def _draws(rng, drawing: bool):
+    """``rng()`` around dropout draws when there are any, else nothing."""
+    return rng() if rng is not None and drawing else contextlib.nullcontext()
 
 
 class TransformerBlock(nn.Module):
@@ -387,23 +405,47 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _local(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """The part of ``param`` this rank holds, the global index of its first row, and
-    the global number of rows.
+def _local(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple]:
+    """The part of ``param`` this rank holds, the global indices of its rows, those of
+    its columns (None: all columns), and the whole tensor's shape.
 
-    FSDP2 shards dim 0 like torch.chunk: ceil(rows / ranks) rows per rank, the last
-    ranks holding fewer (or none).
+    Any DTensor sharding: FSDP's Shard(0), HSDP's (Replicate, Shard(0)), tensor
+    parallel's row or column split, and FSDP over TP (a strided split of dim 0). The
+    indices come from splitting ``arange`` the way the parameter is split, locally
+    (``src_data_rank=None``: no communication). Cost: O(rows + columns).
     """
     if not isinstance(param, DTensor):
-        return param.data, 0, param.shape[0]
-    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-        raise ValueError(
-            f"init_weights supports parameters sharded on dim 0 over one mesh dimension, "
-            f"got placements {param.placements}; initialise before other parallelisms"
-        )
-    chunk = math.ceil(param.shape[0] / param.device_mesh.size())
-    first = min(param.device_mesh.get_local_rank() * chunk, param.shape[0])
-    return param.to_local(), first, param.shape[0]
+        return param.data, torch.arange(param.shape[0]), None, tuple(param.shape)
+    rows = _held_indices(param, 0)
+    cols = _held_indices(param, 1) if param.dim() > 1 else None
+    return param.to_local(), rows, cols, tuple(param.shape)
+
+
+def _held_indices(param: DTensor, dim: int) -> torch.Tensor | None:
+    """Global indices along ``dim`` of the local shard of ``param`` (None: all of them)."""
+    splits = [_splits(p, dim) for p in param.placements]
+    if not any(splits) and dim > 0:
+        return None
+    # The same placements applied to a 1-D index tensor: a split of ``dim`` becomes a
+    # split of dim 0 (strided ones keep their split factor); the rest replicate.
+    placements = [
+        _as_dim0(p) if split else Replicate() for p, split in zip(param.placements, splits)
+    ]
+    index = torch.arange(param.shape[dim])
+    split = distribute_tensor(index, param.device_mesh, placements, src_data_rank=None)
+    return split.to_local().cpu()
+
+
+def _splits(placement, dim: int) -> bool:
+    # torch's _StridedShard (FSDP over TP's rows) is not is_shard() in torch 2.13.
+    strided = getattr(placement, "split_factor", None) is not None
+    return placement.is_shard(dim) or (strided and placement.dim == dim)
+
+
+def _as_dim0(placement):
+    if hasattr(placement, "split_factor"):  # torch's _StridedShard: FSDP over TP's rows
+        return type(placement)(0, split_factor=placement.split_factor)
+    return Shard(0)
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:
@@ -413,20 +455,29 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 @torch.no_grad()
 def fill_normal(param: torch.Tensor, std: float, seed: int, name: str):
-    """Fill this rank's rows of ``param`` with N(0, std) drawn as the whole tensor would be.
+    """Fill this rank's part of ``param`` with N(0, std) drawn as the whole tensor would be.
 
-    Cost: the blocks overlapping the local rows only, O(own shard + one block).
+    Each block of INIT_BLOCK_ROWS rows is drawn whole (every column) from its own
+    generator, then the local rows and columns are taken from it. Cost: the blocks
+    overlapping the local rows, O(own rows x all columns + one block): a column split
+    (tensor parallel's row-wise matrices) draws tp times what it keeps.
     """
-    local, first, total = _local(param)
-    rows, rest = local.shape[0], local.shape[1:]
-    for block in range(first // INIT_BLOCK_ROWS, math.ceil((first + rows) / INIT_BLOCK_ROWS)):
+    local, rows, cols, shape = _local(param)
+    if local.numel() == 0:
+        return
+    total, rest = shape[0], shape[1:]
+    blocks = torch.div(rows, INIT_BLOCK_ROWS, rounding_mode="floor")
+    for block in torch.unique(blocks).tolist():
         start, stop = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, total)
         generator = torch.Generator(device=local.device)
         generator.manual_seed(_block_seed(seed, name, block))
         values = torch.empty((stop - start, *rest), device=local.device)
         values.normal_(0.0, std, generator=generator)
-        lo, hi = max(start, first), min(stop, first + rows)
-        local[lo - first : hi - first].copy_(values[lo - start : hi - start])
+        mine = (blocks == block).nonzero().flatten()  # local positions of this block's rows
+        picked = values[(rows[mine] - start).to(local.device)]
+        if cols is not None:
+            picked = picked[:, cols.to(local.device)]
+        local[mine.to(local.device)] = picked
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:

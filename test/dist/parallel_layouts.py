@@ -1,0 +1,253 @@
+"""Run under torchrun with 4 ranks: every multi-rank layout scenario of test_parallel.py.
+
+    torchrun --nproc_per_node=4 test/dist/parallel_layouts.py OUT CORPUS
+
+One launch, because starting 4 interpreters costs more on a small CPU machine than
+what they then do. Each scenario is the product path: ``train.train`` on this
+process group with a parsed config, or the functions it calls. What the checks need
+is written under OUT; test_parallel.py asserts on it:
+
+- ``init.pt`` (rank 0): the step-0 weights of the training model on 4 FSDP ranks, on
+  pairs of ranks (a 2 x 2 mesh), under FSDP x TP (2 x 2) and HSDP (2 x 2); the compute
+  and parameter dtypes; and, as a negative control, a naive sharded init.
+- ``chain/``: one run over layouts, global batch 12 throughout: 2 DP x 2 TP (steps
+  1-2) -> HSDP 2 x 2 (4 DP, 3-4) -> FSDP 4 (5-6) -> 1 DP x 2 TP (7-8, on ranks 0-1 of
+  a 2-rank world), and ``fsdp4/``, the same 8 steps on FSDP 4 without a break.
+- ``dropout/``: 2 DP x 2 TP with dropout and sequence parallel off (replicated
+  residual dropout) for 3 steps; ``dropout-resumed/``: the same from its step-1
+  checkpoint; then ``dropout/`` goes on at FSDP 4 (step 4) and on 1 DP x 2 TP (5-6,
+  ranks 2-3 of a 2-rank world), where the TP group must get one dropout stream from
+  two ranks that had their own.
+- ``records/rank<r>.json``: per scenario, every training forward's digest of this
+  rank's input tokens and of each block's residual-dropout mask; ``sp_masks``: the
+  same masks under sequence parallel (one forward); ``initial_loads``: whether the
+  weights loaded from a TP checkpoint (dcp) and its HF export (hf) equal the
+  checkpoint's (and, as a control, whether the fresh ones did); ``errors``: what
+  ``train.main`` of an impossible layout printed, per rank.
+"""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import train as train_script
+from torchtitan import parallel
+from torchtitan.config import parse_args
+from torchtitan.hf import export, read_dcp_model
+from torchtitan.initial_weights import load_initial_weights
+from torchtitan.models import build_model
+from torchtitan.runs import free_port
+
+CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
+RECORDS: dict[str, list] = {}  # scenario -> [[what, digest], ...] in call order
+scenario = ""
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def record(what: str, value: str):
+    RECORDS.setdefault(scenario, []).append([what, value])
+
+
+def observe(model):
+    """Hooks that record what this rank computes (they change nothing)."""
+    inner = getattr(model, "module", model)
+
+    def tokens(module, args):
+        if module.training:
+            record("tokens", digest(args[0]))
+
+    def mask(module, args, output):
+        if module.training:
+            local = output.to_local() if hasattr(output, "to_local") else output
+            record("mask", digest(local == 0))
+
+    inner.register_forward_pre_hook(tokens)
+    for block in inner.layers:
+        block.attention.resid_dropout.register_forward_hook(mask)
+    return model
+
+
+def build_and_observe(*args, **kwargs):
+    return observe(BUILD(*args, **kwargs))
+
+
+BUILD = train_script.build_training_model
+train_script.build_training_model = build_and_observe
+
+
+def run(name: str, dump: str, *argv, dims):
+    global scenario
+    scenario = name
+    train_script.train(parse_args([*CONFIG, "--job.dump_folder", dump, *map(str, argv)]), dims)
+
+
+def full_weights(model) -> dict:
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in
+            model.named_parameters()}  # fmt: skip
+
+
+def parallel_model(dims, *argv):
+    cfg = parse_args([*CONFIG, *map(str, argv)])
+    layout = parallel.apply_layout(dims, cfg)
+    meta = build_model("debugmodel", 4096, dropout=cfg.model.dropout, device="meta")
+    model = parallel.parallelize(meta, cfg, layout)
+    return model, cfg, layout
+
+
+def sharded_init(out: str, dims):
+    """The step-0 weights on 4 ranks under each layout, and the dtypes FSDP computes in."""
+    model, _, _ = parallel_model(dims, "--training.mixed_precision_param", "bfloat16")
+    seen = {}
+    model.layers[0].attention.wq.register_forward_hook(
+        lambda module, inputs, output: seen.setdefault("compute", output.dtype) and None
+    )
+    model.layers[0].register_forward_pre_hook(
+        lambda module, args: seen.setdefault("rope", args[1].dtype) and None
+    )
+    model(torch.zeros(1, 8, dtype=torch.long, device=dims.device))
+    model.reshard()  # the root keeps its parameters gathered after a forward
+    weights = full_weights(model)
+
+    pairs = build_model("debugmodel", 4096, device="meta")
+    mesh = init_device_mesh(dims.device.type, (2, 2), mesh_dim_names=("copy", "shard"))
+    parallel.apply_fsdp(pairs, torch.float32, torch.float32, mesh=mesh["shard"])
+    pairs.to_empty(device=dims.device)
+    pairs.init_weights(42)
+    on_two = full_weights(pairs)
+    tp, _, _ = parallel_model(dims, "--parallelism.tensor_parallel_degree", 2)
+    hsdp, _, _ = parallel_model(dims, "--parallelism.data_parallel_replicate_degree", 2)
+
+    torch.manual_seed(42)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0.0, 0.02)
+    naive = full_weights(model)
+    result = {"weights": weights, "on_two": on_two, "tp": full_weights(tp),
+              "hsdp": full_weights(hsdp), "naive": naive, "compute": str(seen["compute"]),
+              "rope": str(seen["rope"]), "params": sorted({str(p.dtype) for p in model.parameters()})}  # fmt: skip
+    if dims.is_main:
+        torch.save(result, os.path.join(out, "init.pt"))
+
+
+def sequence_parallel_masks(dims):
+    """One training forward under SP with dropout: each rank's residual-dropout masks."""
+    global scenario
+    scenario = "sp_masks"
+    model, _, layout = parallel_model(dims, "--parallelism.tensor_parallel_degree", 2,
+                                 "--model.dropout", 0.5)  # fmt: skip
+    for block in model.layers:
+        # Ones in, so that the output's zeros are the mask alone: a row the attention
+        # dropout zeroed on one peer would otherwise look like a different mask.
+        block.attention.resid_dropout.register_forward_pre_hook(
+            lambda module, args: (torch.ones_like(args[0]),)
+        )
+    observe(model).train()
+    torch.manual_seed(7 + layout.dp_rank)  # as train.py seeds: one stream per TP group
+    tokens = torch.arange(2 * 32).view(2, 32) % 4096
+    model(tokens)
+
+
+def initial_loads(out: str, step: str, dims):
+    """A TP model starting from a TP checkpoint (dcp) and from its HF export (hf)."""
+    folder = os.path.join(out, "hf")
+    if dims.is_main:
+        export(step, folder)
+    parallel.barrier(dims)
+    expected = read_dcp_model(step)
+    for fmt, path in (("dcp", step), ("hf", folder)):
+        model, cfg, layout = parallel_model(
+            dims, "--parallelism.tensor_parallel_degree", 2,
+            "--checkpoint.initial_load_path", path, "--checkpoint.initial_load_format", fmt,
+        )  # fmt: skip
+        fresh = full_weights(model)
+        load_initial_weights(cfg, model, layout)
+        loaded = full_weights(model)
+        same = loaded.keys() == expected.keys()
+        same = same and all(torch.equal(loaded[n], expected[n]) for n in expected)
+        fresh_same = all(torch.equal(fresh[n], expected[n]) for n in expected)
+        RECORDS.setdefault("initial_loads", []).append([fmt, same, fresh_same])
+
+
+def split_world(dims):
+    """Two 2-rank worlds, ranks 0-1 and 2-3, each a job of its own (its own store)."""
+    port = free_port() if dims.rank in (0, 2) else None
+    ports = parallel.all_gather_objects(dims, port)
+    first = 0 if dims.rank < 2 else 2
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(dims.rank - first), WORLD_SIZE="2", LOCAL_RANK=str(dims.rank - first),
+                      MASTER_PORT=str(ports[first]))  # fmt: skip
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # this world's rank 0 hosts its store
+    return parallel.init_distributed()
+
+
+def one_line_errors(corpus: str, rank: int):
+    """train.main of a layout that cannot be: its stderr, per rank (main ends the world)."""
+    bad = (["--parallelism.tensor_parallel_degree", "4"] if rank < 2 else
+           ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"])  # fmt: skip
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = train_script.main([*CONFIG, "--training.dataset_path", corpus, *bad])
+    RECORDS["errors"] = [status, err.getvalue()]
+
+
+def main():
+    out, corpus = sys.argv[1], sys.argv[2]
+    dims = parallel.init_distributed()
+    train_script.setup_logging(dims.rank)
+    rank = dims.rank
+    sharded_init(out, dims)
+    sequence_parallel_masks(dims)
+
+    data = ["--training.dataset_path", corpus, "--training.data_shards", 12,
+            "--training.seq_len", 32, "--training.batch_size", 3,
+            "--training.global_batch_size", 12, "--training.steps", 8,
+            "--checkpoint.enable_checkpoint", "--checkpoint.interval", 100,
+            "--metrics.data_provenance", "--lr_scheduler.warmup_steps", 2]  # fmt: skip
+    tp2 = ["--parallelism.tensor_parallel_degree", 2]
+    chain = os.path.join(out, "chain")
+    run("fsdp4", os.path.join(out, "fsdp4"), *data, dims=dims)
+    run("chain-2x2", chain, *data, *tp2, "--training.stop_at_step", 2, dims=dims)
+    initial_loads(out, os.path.join(chain, "checkpoint", "step-2"), dims)
+    run("chain-hsdp", chain, *data, "--parallelism.data_parallel_replicate_degree", 2,
+        "--training.stop_at_step", 4, dims=dims)  # fmt: skip
+    run("chain-fsdp4", chain, *data, "--training.stop_at_step", 6, dims=dims)
+
+    dropout = [*data, *tp2, "--model.dropout", 0.5, "--parallelism.sequence_parallel", "false",
+               "--parallelism.loss_parallel", "false", "--checkpoint.interval", 1]  # fmt: skip
+    first = os.path.join(out, "dropout")
+    run("dropout", first, *dropout, "--training.stop_at_step", 3, dims=dims)
+    resumed = os.path.join(out, "dropout-resumed")
+    if dims.is_main:
+        shutil.copytree(first, resumed)
+        for step in (2, 3):
+            shutil.rmtree(os.path.join(resumed, "checkpoint", f"step-{step}"))
+    parallel.barrier(dims)
+    run("dropout-resumed", resumed, *dropout, "--training.stop_at_step", 3, dims=dims)
+    run("dropout-fsdp4", first, *dropout, "--parallelism.tensor_parallel_degree", 1,
+        "--training.stop_at_step", 4, dims=dims)  # fmt: skip
+
+    dims = split_world(dims)
+    if rank < 2:
+        run("chain-1x2", chain, *data, *tp2, dims=dims)
+    else:
+        run("dropout-1x2", first, *dropout, "--training.stop_at_step", 6, dims=dims)
+    one_line_errors(corpus, rank)
+    os.makedirs(os.path.join(out, "records"), exist_ok=True)
+    with open(os.path.join(out, "records", f"rank{rank}.json"), "w") as f:
+        json.dump(RECORDS, f)
+    parallel.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

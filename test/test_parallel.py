@@ -1,0 +1,293 @@
+"""Layouts where data-parallel ranks are not all ranks: FSDP x TP and HSDP, the loader
+keyed by data-parallel rank, and resumes across layouts.
+
+Every multi-rank property comes from ONE 4-rank launch (test/dist/parallel_layouts.py,
+gloo on CPU: starting interpreters is what costs on a small machine), whose records
+each test reads; each test names its negative control. The layout's config errors are
+checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import CONFIG, assert_exactly_once, losses, read_jsonl, torchrun
+
+from torchtitan import parallel, tensor_parallel
+from torchtitan.config import ConfigError, parse_args
+from torchtitan.data import document_lengths
+from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchtitan.models import build_model
+from torchtitan.models.llama import llama_configs
+from torchtitan.provenance import (
+    check_complete,
+    check_exactly_once,
+    read_provenance,
+    sequences_by_step,
+)
+
+TP_GROUPS = ((0, 1), (2, 3))  # rank = dp_rank x 2 + tp_rank
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, dozen_corpus):
+    out = tmp_path_factory.mktemp("layouts")
+    begin = time.perf_counter()
+    proc = torchrun([str(out), str(dozen_corpus)], nproc=4, timeout=600,
+                    script="test/dist/parallel_layouts.py")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = {r: json.loads((out / "records" / f"rank{r}.json").read_text()) for r in range(4)}
+    return SimpleNamespace(out=out, log=proc.stderr, records=records, corpus=dozen_corpus,
+                           wall_s=time.perf_counter() - begin)  # fmt: skip
+
+
+def digests(layouts, rank: int, scenario: str, what: str) -> list[str]:
+    return [d for w, d in layouts.records[rank][scenario] if w == what]
+
+
+def steps_of(items: list, per_step: int, steps: range, first_step: int = 1) -> list:
+    return [x for s in steps for x in items[(s - first_step) * per_step : (s - first_step + 1) * per_step]]  # fmt: skip
+
+
+# ---- initialization ---------------------------------------------------------------------
+
+
+def test_step0_weights_are_the_same_on_every_layout(layouts):
+    """Built on meta and sharded before materializing, each rank drawing only what it
+    holds: the step-0 weights are bit-equal for 1 rank, 2 ranks (pairs of the 4-rank
+    job), FSDP 4, FSDP 2 x TP 2 (strided row splits and column splits) and HSDP 2 x 2.
+    Drawing each shard from the global RNG (the naive way) gives other weights. With
+    bf16 the blocks compute in bf16 while the parameters and RoPE tables stay fp32."""
+    reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
+    saved = torch.load(layouts.out / "init.pt")
+    for layout in ("weights", "on_two", "tp", "hsdp"):
+        assert saved[layout].keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(saved[layout][name], value), (layout, name)
+    assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
+    assert saved["params"] == ["torch.float32"]
+    assert saved["compute"] == "torch.bfloat16"
+    assert saved["rope"] == "torch.float32", "FSDP must not cast the RoPE tables to bf16"
+
+
+# ---- data by data-parallel rank -----------------------------------------------------------
+
+
+def test_tp_peers_train_on_identical_batches_and_dp_ranks_on_their_own(layouts):
+    """A digest of every training forward's input tokens: equal within each TP group,
+    different between the two data-parallel ranks at every micro-batch, in each TP
+    scenario, also after resuming on 1 DP x 2 TP. Negative control: under FSDP 4 (TP 1)
+    all four ranks differ, so the digest does tell batches apart."""
+    for scenario, micro_batches in (("chain-2x2", 4), ("dropout", 6), ("dropout-resumed", 4)):
+        tokens = [digests(layouts, r, scenario, "tokens") for r in range(4)]
+        assert len(tokens[0]) == micro_batches
+        for a, b in TP_GROUPS:
+            assert tokens[a] == tokens[b], scenario
+        assert all(x != y for x, y in zip(tokens[0], tokens[2])), scenario
+    for scenario, (a, b) in (("chain-1x2", (0, 1)), ("dropout-1x2", (2, 3))):
+        tokens = [digests(layouts, r, scenario, "tokens") for r in (a, b)]
+        assert len(tokens[0]) == 8 and tokens[0] == tokens[1], scenario
+    tokens = [digests(layouts, r, "fsdp4", "tokens") for r in range(4)]
+    assert all(len(set(step)) == 4 for step in zip(*tokens))
+
+
+def test_checkpoints_hold_one_dataloader_entry_per_data_parallel_rank(layouts):
+    """The saved metadata has exactly one ``dataloader.dp_rank_<d>`` entry per DP rank of
+    the layout that wrote it (2 at 2 x 2, 4 under HSDP and FSDP, 1 at 1 x 2), the shared
+    dropout stream one per DP rank too, and Python/numpy RNG one per rank. Negative
+    control: the same count read from the FSDP 4 checkpoint is 4, not 2."""
+    chain = layouts.out / "chain" / "checkpoint"
+    for step, dp, world in ((2, 2, 4), (4, 4, 4), (6, 4, 4), (8, 1, 2)):
+        keys = dcp.FileSystemReader(str(chain / f"step-{step}")).read_metadata()
+        keys = set(keys.state_dict_metadata)
+        assert {k for k in keys if k.startswith("dataloader.")} == {
+            f"dataloader.dp_rank_{d}" for d in range(dp)
+        }, step
+        assert {k for k in keys if k.startswith("rng.dp_rank_")} == {
+            f"rng.dp_rank_{d}" for d in range(dp)
+        }
+        assert {k for k in keys if k.startswith("rng.rank_")} == {
+            f"rng.rank_{r}" for r in range(world)
+        }
+
+
+# ---- the same training on any layout ------------------------------------------------------
+
+
+def test_tp_losses_equal_tp1_losses_on_the_same_global_batch(layouts):
+    """The chain 2 DP x 2 TP (steps 1-2) -> HSDP 2 x 2 (3-4) -> FSDP 4 (5-6) -> 1 DP x 2 TP
+    (7-8) trains on exactly the batches of an unbroken FSDP 4 run (the same sequences
+    at every step, by provenance), and its losses equal that run's to 1e-6 relative
+    (observed: at most 1.2e-7, float32 rounding): not bit for bit, since TP splits the
+    matmuls and the loss over the vocabulary, and HSDP and accumulation sum in another
+    order. Negative control: the tolerance tells consecutive steps apart (neighbouring
+    losses differ by 3.7e-5 relative and more)."""
+    chain, reference = losses(layouts.out / "chain"), losses(layouts.out / "fsdp4")
+    assert sorted(chain) == sorted(reference) == list(range(1, 9))
+    by_step = [
+        sequences_by_step(read_provenance(str(layouts.out / run / "provenance")))
+        for run in ("chain", "fsdp4")
+    ]
+    for step in range(1, 9):
+        assert sorted(map(json.dumps, by_step[0][step])) == sorted(
+            map(json.dumps, by_step[1][step])
+        ), step
+        assert chain[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
+    for step in range(1, 8):
+        assert reference[step + 1] != pytest.approx(reference[step], rel=1e-6, abs=0)
+
+
+def test_the_chain_over_layouts_reads_every_token_once_and_keeps_the_global_batch(layouts):
+    """Across the four layouts the provenance checker finds every token read once and no
+    gap, and every document of each finished epoch read whole; each leg resharded the
+    data state from the one before; the global batch stayed 12 sequences (2 DP x 3 x 2
+    micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the same records with one
+    step's data written twice make the checker count duplicates."""
+    assert_exactly_once(layouts.out / "chain")
+    config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
+    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
+    chain = read_provenance(str(layouts.out / "chain" / "provenance"))
+    report = check_complete(chain, lengths, 12)["shakespeare"]
+    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+    log = layouts.log
+    for moved in ("from 2x0 to 4x0", "from 4x0 to 1x0"):
+        assert f"resharding data state {moved} (ranks x workers; 12 virtual shards)" in log
+    assert "2 micro-batches of 3 x 32 per data-parallel rank; 2 data-parallel x 2 tensor" in log
+    assert "1 micro-batches of 3 x 32 per data-parallel rank; 4 data-parallel (HSDP 2 x 2)" in log
+    assert "4 micro-batches of 3 x 32 per data-parallel rank; 1 data-parallel x 2 tensor" in log
+    assert read_jsonl(layouts.out / "chain" / "metrics.jsonl")[-1]["tokens_seen"] == 8 * 12 * 32
+    provenance = read_provenance(str(layouts.out / "chain" / "provenance"))
+    provenance[99] = {7: provenance[0][7]}  # a TP peer that also wrote its provenance
+    assert sum(r.duplicate_tokens for r in check_exactly_once(provenance).values()) > 0
+
+
+# ---- randomness and exact resume -----------------------------------------------------------
+
+
+def masks(layouts, rank: int, scenario: str) -> list[str]:
+    return digests(layouts, rank, scenario, "mask")
+
+
+def test_replicated_dropout_masks_agree_within_a_tp_group_also_after_a_layout_change(layouts):
+    """Without sequence parallel every TP peer holds the whole residual stream, so its
+    dropout masks must be the same on both peers: they are, at 2 DP x 2 TP, and on
+    1 DP x 2 TP resumed from FSDP 4, whose two ranks had streams of their own (the
+    group takes its DP rank's). Data-parallel ranks draw their own: the two DP ranks'
+    masks differ, and so do all four ranks' after 2 x 2 resumed on FSDP 4 (the new DP
+    ranks 0 and 1 took the streams of the old DP ranks, not those of one TP group)."""
+    drawn = [masks(layouts, r, "dropout") for r in range(4)]
+    assert len(drawn[0]) == 3 * 2 * 2  # steps x micro-batches x blocks
+    for a, b in TP_GROUPS:
+        assert drawn[a] == drawn[b]
+    assert all(x != y for x, y in zip(drawn[0], drawn[2]))
+    fsdp4 = [masks(layouts, r, "dropout-fsdp4") for r in range(4)]
+    assert len(fsdp4[0]) == 2 and all(len(set(m)) == 4 for m in zip(*fsdp4))
+    after = [masks(layouts, r, "dropout-1x2") for r in (2, 3)]
+    assert len(after[0]) == 2 * 4 * 2 and after[0] == after[1]
+    assert "from 2x0 to 4x0" in layouts.log and "from 4x0 to 1x0" in layouts.log
+
+
+def test_sequence_parallel_draws_its_own_masks_on_each_tp_rank(layouts):
+    """Under sequence parallel each TP peer holds its own chunk of the sequence: one
+    forward with dropout 0.5 drops each chunk with a mask of its own, not one mask
+    repeated (the digest is of the mask alone, so equal chunks' masks would match).
+    The peers saw the same tokens; the data-parallel ranks drew differently too."""
+    drawn = [masks(layouts, r, "sp_masks") for r in range(4)]
+    tokens = [digests(layouts, r, "sp_masks", "tokens") for r in range(4)]
+    assert len(drawn[0]) == 2 and len(set(tokens[0] + tokens[1])) == 1
+    for a, b in TP_GROUPS:
+        assert all(x != y for x, y in zip(drawn[a], drawn[b]))
+    assert all(x != y for x, y in zip(drawn[0], drawn[2]))
+
+
+def test_a_resume_at_a_fixed_tp_layout_is_bit_exact(layouts):
+    """2 DP x 2 TP with dropout, resumed from its step-1 checkpoint: steps 2-3 repeat the
+    unbroken run bit for bit: losses, every input batch and every dropout mask on every
+    rank. Negative control: step 2's masks differ from step 1's, which a resume that
+    kept its freshly seeded RNG (instead of the checkpoint's) would draw again."""
+    first, resumed = losses(layouts.out / "dropout"), losses(layouts.out / "dropout-resumed")
+    assert {s: first[s] for s in (2, 3)} == {s: resumed[s] for s in (2, 3)}
+    for rank in range(4):
+        for what, per_step in (("tokens", 2), ("mask", 4)):
+            unbroken = digests(layouts, rank, "dropout", what)
+            again = digests(layouts, rank, "dropout-resumed", what)
+            assert again == steps_of(unbroken, per_step, range(2, 4)), (rank, what)
+        drawn = masks(layouts, rank, "dropout")
+        assert steps_of(drawn, 4, range(1, 2)) != steps_of(drawn, 4, range(2, 3))
+
+
+# ---- initial weights, HF export, errors -----------------------------------------------------
+
+
+def test_initial_loads_and_hf_export_from_a_tp_checkpoint(layouts):
+    """A TP model started from a TP checkpoint (dcp: each rank reads its shard, resharded
+    by DCP) and from the HF export of that checkpoint (hf: rank 0 reads and sends) holds
+    exactly the checkpoint's weights. Negative control: before the load it did not."""
+    assert (layouts.out / "hf" / "config.json").exists()
+    for rank in range(4):
+        assert layouts.records[rank]["initial_loads"] == [["dcp", True, False], ["hf", True, False]]
+
+
+def test_a_layout_that_cannot_be_is_one_line_on_every_rank(layouts):
+    """train.main on 2 ranks with TP degree 4 (degrees that do not make the world), and
+    with seq_len 33 under sequence parallel: each rank prints one error line naming the
+    key and the fix, and no traceback."""
+    for rank in range(4):
+        status, text = layouts.records[rank]["errors"]
+        lines = text.strip().splitlines()
+        assert status == 1 and len(lines) == 1 and "Traceback" not in text, text
+        assert lines[0].startswith(f"[rank{rank % 2}] error: ")
+        wanted = "parallelism.tensor_parallel_degree 4" if rank < 2 else "training.seq_len 33"
+        assert wanted in lines[0]
+
+
+def test_layout_config_errors_name_the_key_and_the_fix():
+    """Degrees that do not make the world size, DDP with TP or HSDP, shard degree 0, TP
+    with compile, and a model or sequence that does not split: one ConfigError line
+    each, before anything is built (the degrees need only the world size)."""
+    four = parallel.ParallelDims(0, 4, 0, torch.device("cpu"), "gloo")
+
+    def layout_error(*argv) -> str:
+        with pytest.raises(ConfigError) as e:
+            parallel.apply_layout(four, parse_args([*CONFIG, *map(str, argv)]))
+        return str(e.value)
+
+    assert "= 8, not the world size 4" in layout_error(
+        "--parallelism.data_parallel_shard_degree", 4, "--parallelism.tensor_parallel_degree", 2
+    )
+    assert "world size 4 is not a multiple" in layout_error(
+        "--parallelism.tensor_parallel_degree", 3
+    )
+    dims = parallel.apply_layout(four, parse_args([*CONFIG, "--parallelism.tensor_parallel_degree", "2"]))  # fmt: skip
+    assert (dims.dp_world, dims.dp_shard, dims.tp, dims.dp_rank, dims.tp_rank) == (2, 2, 2, 0, 0)
+    for argv, fragment in (
+        (["--parallelism.tensor_parallel_degree", "2", "--training.data_parallel", "ddp"],
+         "--training.data_parallel fsdp"),
+        (["--parallelism.data_parallel_replicate_degree", "2", "--training.data_parallel", "ddp"],
+         "is HSDP, an FSDP layout"),
+        (["--parallelism.data_parallel_shard_degree", "0"], "or -1 for the world size"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.compile"],
+         "do not give the eager gradients"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match="parallelism") as e:
+            parse_args([*CONFIG, *argv])
+        assert fragment in str(e.value)
+    args = llama_configs["debugmodel"]  # n_heads 4, n_kv_heads 2, vocab set below
+    with pytest.raises(ConfigError, match=r"n_kv_heads 2 of model flavor 'debugmodel'; use a degree among \[1, 2\]"):  # fmt: skip
+        tensor_parallel.check_fits(_with_vocab(args, 4096), 4, 128, True, "debugmodel")
+    with pytest.raises(ConfigError, match="vocabulary 4097"):
+        tensor_parallel.check_fits(_with_vocab(args, 4097), 2, 128, True, "debugmodel")
+    with pytest.raises(ConfigError, match="--parallelism.sequence_parallel false"):
+        tensor_parallel.check_fits(_with_vocab(args, 4096), 2, 127, True, "debugmodel")
+    tensor_parallel.check_fits(_with_vocab(args, 4096), 2, 127, False, "debugmodel")
+
+
+def _with_vocab(args, vocab: int):
+    from dataclasses import replace
+
+    return replace(args, vocab_size=vocab)
