@@ -55,7 +55,9 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
     loss = BatchLoss(cfg, model, ONE_RANK)
     if scale is not None:  # negative control: a different loss scaling
         inner = loss.cross_entropy
-        loss.cross_entropy = lambda logits, labels: inner(logits, labels) * scale
+        loss.cross_entropy = lambda logits, labels, reduction: (
+            inner(logits, labels, reduction) * scale
+        )
     TrainStep(cfg, model, optimizer, scheduler, loss, capture)(batches)
     return seen
 
@@ -68,7 +70,7 @@ def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
     weights are bit-equal for 1 rank, 2 ranks (pairs of a 4-rank job, each pair sharding
     a whole copy) and 4 ranks. Drawing each shard from the global RNG (the naive way)
     gives other weights. With bf16 the blocks compute in bf16 while the sharded
-    parameters and the RoPE tables stay float32."""
+    parameters and the RoPE rotation (cos, sin) stay float32."""
     reference = build_model("debugmodel", 4096, device="cpu", seed=42).state_dict()
     out = tmp_path / "weights.pt"
     proc = torchrun([str(out), *CONFIG, "--training.mixed_precision_param", "bfloat16"],
@@ -82,7 +84,7 @@ def test_sharded_init_gives_the_same_weights_on_1_2_and_4_ranks(tmp_path):
     assert any(not torch.equal(saved["naive"][n], v) for n, v in reference.items())
     assert saved["params"] == ["torch.float32"]
     assert saved["compute"] == "torch.bfloat16"
-    assert saved["rope"] == "torch.float32", "FSDP must not cast the RoPE tables to bf16"
+    assert saved["rope"] == "torch.float32", "FSDP must not cast the RoPE rotation to bf16"
 
 
 # ---- gradient accumulation -------------------------------------------------------------
@@ -101,6 +103,44 @@ def test_accumulated_gradient_equals_the_gradient_of_one_big_batch():
     for name, grad in big.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
         assert not torch.allclose(unscaled[name], grad, rtol=1e-2, atol=1e-6), name
+
+
+def with_documents(batch: dict, seed: int = 0) -> dict:
+    """``batch`` cut into documents of 1 to 12 tokens, laid out as the loader's collate
+    lays them out: ids over each window, inputs' and labels' views of them."""
+    B, T = batch["input"].shape
+    g = torch.Generator().manual_seed(seed)
+    sizes = [torch.randint(1, 13, (T + 1,), generator=g) for _ in range(B)]
+    window_ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(T + 1), n)[: T + 1] for n in sizes]
+    )
+    positions = torch.stack([torch.cat([torch.arange(k) for k in n.tolist()])[:T] for n in sizes])
+    return {**batch, "positions": positions, "document_ids": window_ids[:, :-1],
+            "label_document_ids": window_ids[:, 1:]}  # fmt: skip
+
+
+def test_masked_boundaries_are_normalized_by_the_labels_that_count_in_the_whole_batch(
+    monkeypatch,
+):
+    """With training.mask_document_boundaries, micro-batches hold different numbers of
+    labels that count; 4 micro-batches of 2 still give the gradient of one batch of 8 (to
+    float rounding), the mean over every label that counts. Negative controls: dividing by
+    all labels instead of those that count, and not masking, give other gradients."""
+    batch = with_documents(sequences(8))
+    mask = "--training.mask_document_boundaries"
+    big = gradients_of(config("--training.batch_size", 8, mask), [batch])
+    cfg = config("--training.batch_size", 2, "--training.global_batch_size", 8, mask)
+    parts = split(batch, 4)
+    counted = [BatchLoss(cfg, None, ONE_RANK).counted(p) for p in parts]
+    assert len(set(counted)) > 1 and sum(counted) < batch["label"].numel()
+    accumulated = gradients_of(cfg, parts)
+    unmasked = gradients_of(config("--training.batch_size", 8), [batch])
+    monkeypatch.setattr(BatchLoss, "counted", lambda self, b: b["label"].numel())
+    all_labels = gradients_of(cfg, parts)
+    for name, grad in big.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
+        for wrong in (unmasked, all_labels):
+            assert not torch.allclose(wrong[name], grad, rtol=1e-2, atol=1e-6), name
 
 
 def test_global_batch_that_does_not_split_is_one_line(tmp_path):

@@ -1,8 +1,10 @@
 """One optimizer step over micro-batches, and the held-out loss, for a built model.
 
-Owns: the loss of one batch (inputs to the device, block-causal positions, autocast
-where FSDP does not cast), gradient accumulation with the loss scaled so that the
-gradient is the one big batch's, clipping and the optimizer and schedule step
+Owns: the loss of one batch (inputs to the device, block-causal positions and document
+ids, the labels that count under ``training.mask_document_boundaries``, autocast where
+FSDP does not cast), gradient accumulation with the loss scaled so that the gradient is
+the one big batch's (normalized by the labels that count over all micro-batches and
+ranks when boundaries are masked), clipping and the optimizer and schedule step
 (`TrainStep`); the validation pass over held-out data (`Validator`); and the
 throughput figures logged with them (tokens/s per rank, MFU).
 
@@ -24,7 +26,6 @@ import torch.nn.functional as F
 from torchtitan import parallel
 from torchtitan.config import ConfigError
 from torchtitan.data import build_dataloader
-from torchtitan.data.dataset import segment_lengths
 
 logger = logging.getLogger("torchtitan")
 
@@ -86,17 +87,23 @@ def device_peak_tflops(name: str) -> float:
     return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else 0.0
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+# The label value F.cross_entropy ignores (its default ignore_index).
+IGNORE_INDEX = -100
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
 
 
 class BatchLoss:
-    """The mean next-token loss of one batch, as training and validation both compute it."""
+    """The next-token loss of one batch, as training and validation both compute it."""
 
     def __init__(self, cfg, model: torch.nn.Module, dims: parallel.ParallelDims):
         self.model = model
         self.device = dims.device
+        self.world_size = dims.world_size
         self.block_causal = cfg.model.attention_mask == "block_causal"
+        self.mask_boundaries = cfg.training.mask_document_boundaries
         dtype = parallel.compute_dtype(cfg, dims.device)
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
         self.autocast = dtype != torch.float32 and not parallel.is_fsdp(model)
@@ -105,9 +112,22 @@ class BatchLoss:
             torch.compile(_cross_entropy) if cfg.training.compile else _cross_entropy
         )
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def counted(self, batch: dict) -> int:
+        """How many of the batch's labels count (read on the host: no device sync)."""
+        if not self.mask_boundaries:
+            return batch["label"].numel()
+        return int((batch["label_document_ids"] == batch["document_ids"]).sum())
+
+    def __call__(self, batch: dict, normalizer: float | None = None) -> torch.Tensor:
+        """The mean loss over the labels that count; with ``normalizer``, their summed
+        loss divided by it."""
         inputs = batch["input"].to(self.device, non_blocking=True)
-        labels = batch["label"].to(self.device, non_blocking=True)
+        labels = batch["label"]
+        if self.mask_boundaries:
+            # A document's last token predicting the next document's first: no signal.
+            crossing = batch["label_document_ids"] != batch["document_ids"]
+            labels = labels.masked_fill(crossing, IGNORE_INDEX)
+        labels = labels.to(self.device, non_blocking=True)
         autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.autocast
@@ -115,11 +135,15 @@ class BatchLoss:
         )
         with autocast:
             if self.block_causal:
+                # The document ids stay on the host: the sdpa and varlen masks are
+                # computed there without a device sync (flex moves them itself).
                 positions = batch["positions"].to(self.device, non_blocking=True)
-                logits = self.model(inputs, positions, segment_lengths(batch["document_ids"]))
+                logits = self.model(inputs, positions, batch["document_ids"])
             else:
                 logits = self.model(inputs)
-        return self.cross_entropy(logits, labels)
+        if normalizer is None:
+            return self.cross_entropy(logits, labels, "mean")
+        return self.cross_entropy(logits, labels, "sum") / normalizer
 
 
 class TrainStep:
@@ -136,11 +160,23 @@ class TrainStep:
 
         Each micro-batch's mean loss is divided by their number, so with equal-sized
         micro-batches the summed gradient is that of the mean over the whole batch.
+        With document boundaries masked, micro-batches hold different numbers of labels
+        that count: each one's summed loss is divided by the count over all micro-batches
+        and ranks (one all-reduce of an integer per step), times the ranks that the
+        gradient reduction averages over, so the gradient is that of the mean over every
+        label that counts in the global batch, however it is split.
         """
+        normalizer = None
+        if self.loss.mask_boundaries:
+            counted = parallel.sum_over_ranks(sum(self.loss.counted(b) for b in batches))
+            normalizer = max(1, counted) / self.loss.world_size
         total = torch.zeros((), device=self.loss.device)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
-                loss = self.loss(batch) / len(batches)
+                if normalizer is None:
+                    loss = self.loss(batch) / len(batches)
+                else:
+                    loss = self.loss(batch, normalizer)
                 loss.backward()
             total += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -6,7 +6,7 @@
 Builds the model as train.py does (meta device, FSDP2 over all ranks, each rank
 initializing only its shard), and again sharded over pairs of ranks (a 2 x 2 mesh: each
 pair holds a whole copy, as a 2-rank job would); rank 0 saves both sets of full weights
-to OUT.pt with the dtype a block computes in, the dtype its RoPE tables arrive in, and the dtypes the parameters are kept in.
+to OUT.pt with the dtype a block computes in, the dtype its RoPE rotation arrives in, and the dtypes the parameters are kept in.
 As a negative control it also saves the weights a naive sharded init gives: each rank's
 shard drawn from the global RNG, as though it were the whole tensor.
 """
