@@ -93,8 +93,8 @@ def rank_main(args) -> dict:
                 blocked += elapsed
                 saves.append(elapsed)
                 if mode == "disabled":
-                    integrity.append(manager.last_checksum_s)
-                    fsync.append(manager.last_fsync_s)
+                    integrity.append(manager.saver.last_checksum_s)
+                    fsync.append(manager.saver.last_fsync_s)
         t = time.perf_counter()
         manager.close()
         close_s = time.perf_counter() - t
