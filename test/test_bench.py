@@ -85,6 +85,18 @@ def check_streaming(r: dict):
         assert target["met"] == (target["ratio"] <= bound if at_most else target["ratio"] >= bound)
 
 
+def check_gpu_check(r: dict):
+    assert r["checks"] and all(c["ok"] is True for c in r["checks"]), r["checks"]
+    seed = next(c for c in r["checks"] if c["name"] == "seed plan")
+    steps = seed["result"].split(" of ")
+    assert steps[0] == steps[1].split()[0], "every step of the seed plan is bit-equal"
+    for row in r["rows"]:
+        if row["backend"] == "sdpa":
+            assert positive(row["tokens_per_s"], row["peak_gib"]), row
+        elif r["smoke"]:
+            assert row["note"].startswith("not run: CPU"), row
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
     "bench_data.py": check_data,
@@ -94,6 +106,18 @@ CHECKS = {
     "bench_checkpoint.py": check_checkpoint,
     "bench_streaming.py": check_streaming,
 }
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke(tmp_path):
+    """scripts/gpu_check.sh --cpu-smoke: the GPU plan with tiny shapes on CPU, so it
+    cannot rot where no GPU is lent; every check passes and each row says what ran."""
+    out = tmp_path / "result.json"
+    cmd = ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "| check | configuration | result | ok |" in proc.stdout
+    check_gpu_check(json.loads(out.read_text()))
 
 
 @pytest.mark.slow
@@ -137,6 +161,12 @@ NONSENSE = [
                                               "first_document": {"1%": "a", "99%": "a"},
                                               "rows_decoded": {"1%": 128, "99%": 128}}},
                        "summary": {"targets": []}}),
+    (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
+                                                  "result": "3 of 4 steps bit-equal"}],
+                       "rows": []}),
+    (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
+                                                  "result": "4 of 4 steps bit-equal"}],
+                       "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]}),
 ]  # fmt: skip
 
 
