@@ -40,6 +40,17 @@ def check_step(r: dict):
     assert positive(r["median_step_ms_checkpoint_off"], r["median_step_ms_checkpoint_on"])
     assert 0 <= r["median_data_wait_share"] <= 1
     assert 0 < r["stop_check_share"] < 1, "the 2-rank job pays for its stop agreement"
+    check_step_vs_peer(r["step_vs_peer"])
+
+
+def check_step_vs_peer(r: dict):
+    assert r["parameters"]["ours"] == 7_212_288, "the peer's debugmodel shapes at vocab 4096"
+    assert positive(*r["median_step_ms"].values(), *r["median_cpu_step_ms"].values())
+    if "peer" in r["step_ms"]:
+        assert r["parameters"]["peer"] == r["parameters"]["ours"], "the same model on both sides"
+        assert r["ours_over_peer"] == r["median_step_ms"]["ours"] / r["median_step_ms"]["peer"]
+    else:
+        assert r["peer_skipped"], "a skipped peer says why"
 
 
 def check_checkpoint(r: dict):
@@ -146,6 +157,14 @@ NONSENSE = [
     (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
                   "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1,
                   "stop_check_share": 0.01}),
+    (check_step_vs_peer, {"parameters": {"ours": 7_212_288}, "step_ms": {"ours": [1.0]},
+                          "median_step_ms": {"ours": 1.0}, "median_cpu_step_ms": {"ours": 1.0},
+                          "peer_skipped": ""}),
+    (check_step_vs_peer, {"parameters": {"ours": 7_212_288, "peer": 7_000_000},
+                          "step_ms": {"ours": [1.0], "peer": [1.0]},
+                          "median_step_ms": {"ours": 1.0, "peer": 1.0},
+                          "median_cpu_step_ms": {"ours": 1.0, "peer": 1.0},
+                          "ours_over_peer": 1.0, "peer_skipped": ""}),
     (check_pretokenized, {"on_the_fly_tokens_per_s": 1.0, "pretokenized_tokens_per_s": 30.0,
                           "pretokenize_s": 1.0, "same_batches": False,
                           "pretokenized_over_on_the_fly": 30.0, "corpus_tokens": 1,
