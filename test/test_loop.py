@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CONFIG, REPO, read_jsonl, torchrun, train_here
 
 from torchtitan import parallel
@@ -55,9 +56,7 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
     loss = BatchLoss(cfg, model, ONE_RANK)
     if scale is not None:  # negative control: a different loss scaling
         inner = loss.cross_entropy
-        loss.cross_entropy = lambda logits, labels, reduction: (
-            inner(logits, labels, reduction) * scale
-        )
+        loss.cross_entropy = lambda *args: inner(*args) * scale
     TrainStep(cfg, model, optimizer, scheduler, loss, capture)(batches)
     return seen
 
@@ -103,6 +102,28 @@ def test_accumulated_gradient_equals_the_gradient_of_one_big_batch():
     for name, grad in big.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
         assert not torch.allclose(unscaled[name], grad, rtol=1e-2, atol=1e-6), name
+
+
+def test_the_loss_over_chunks_of_rows_is_the_loss_over_all_of_them():
+    """The cross-entropy runs over chunks of rows (buffers that fit malloc's heap on CPU,
+    a bounded fp32 copy on GPU): its sum and its mean over the labels that count equal
+    F.cross_entropy's over the whole batch, to float rounding (the sum runs in another
+    order), with chunks that do not divide the rows and ignored labels. Negative
+    control: the mean taken over every label, ignored ones included, is off."""
+    from torchtitan.step import IGNORE_INDEX, _cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 37, 64, generator=g)
+    labels = torch.randint(0, 64, (3, 37), generator=g)
+    labels[0, ::5] = IGNORE_INDEX
+    flat, target = logits.flatten(0, 1), labels.flatten()
+    chunk_bytes = 4 * 64 * 10  # 10 rows per chunk, 12 chunks, the last of 1 row
+    for reduction in ("sum", "mean"):
+        expected = F.cross_entropy(flat, target, reduction=reduction)
+        got = _cross_entropy(logits, labels, reduction, chunk_bytes)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    every_label = F.cross_entropy(flat, target, reduction="sum") / target.numel()
+    assert not torch.allclose(_cross_entropy(logits, labels, "mean", chunk_bytes), every_label)
 
 
 def with_documents(batch: dict, seed: int = 0) -> dict:
