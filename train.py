@@ -17,7 +17,7 @@ import torch
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
-from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
+from torchtitan.config import ConfigError, JobConfig, attention_backend, load_config_or_exit
 from torchtitan.data import (
     DataError,
     DataPlan,
@@ -77,17 +77,23 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
     tensor_parallel.check_fits(
         args, dims.tp, cfg.training.seq_len, p.sequence_parallel, cfg.model.flavor
     )
-    model = build_model(cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device="meta")
+    backend = attention_backend(cfg, dims.device.type)
+    model = build_model(
+        cfg.model.flavor, vocab_size, dropout=cfg.model.dropout, device="meta",
+        attention_backend=backend,
+    )  # fmt: skip
     if cfg.training.seq_len > model.args.max_seq_len:
         raise ConfigError(
             f"training.seq_len {cfg.training.seq_len} exceeds the max_seq_len "
             f"{model.args.max_seq_len} of model flavor {cfg.model.flavor!r}; lower --training.seq_len"
         )
     logger.info(
-        "model %s %s: %.2fM parameters",
+        "model %s %s: %.2fM parameters, %s attention with %s",
         cfg.model.name,
         cfg.model.flavor,
         count_parameters(model) / 1e6,
+        cfg.model.attention_mask,
+        backend,
     )
     return parallel.parallelize(model, cfg, dims)
 

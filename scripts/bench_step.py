@@ -1,6 +1,8 @@
-"""Per-step cost of checkpointing and data loading in the training loop.
+"""Per-step cost of checkpointing and data loading in the training loop, and the step
+itself side by side with torchtitan 0.3.0's.
 
     python scripts/bench_step.py [--steps 300] [--rounds 2] [--smoke] [--json out.json]
+        [--peer-python /path/to/venv/bin/python] [--baseline-repo DIR] [--peer-only]
 
 Trains the debug model (one process, one thread) alternately with checkpointing off
 and on (interval 100), --rounds times each, and compares the median step time of the
@@ -11,6 +13,21 @@ Targets: on/off within 2%; data wait <= 2% of the step.
 Then a 2-rank torchrun job with checkpointing on (so save-on-signal is armed) reports
 the preemption agreement the loop pays every step (``stop_check_ms`` in its metrics)
 as a share of the step time. Target: <= 1%.
+
+Last, the step against torchtitan 0.3.0 (``--peer-python``: a virtual environment
+where ``import torchtitan`` is 0.3.0; this script installs nothing and skips the peer,
+saying why, when it cannot import it): the same Llama shapes (dim 256, 6 layers, 16
+heads, vocab 4096: 7,212,288 parameters), seq 512, batch 4, fp32, one CPU thread,
+eager; forward, cross-entropy, backward, clipping, AdamW and LR step. Ours is the
+product path (``BatchLoss`` and ``TrainStep`` with the optimizer and schedule from the
+config); the peer's model is built from its own llama3 ``debugmodel`` spec at vocab
+4096 (fused QKV, complex RoPE) with its SDPA attention (its flex attention has no
+backward on CPU), and its default AdamW (``fused``). ``--peer-rounds`` rounds, each a
+fresh process per side, ours first; medians of the steps' wall time and of their CPU
+time (one thread: the figure another job on the machine cannot inflate by taking the
+core away). ``--baseline-repo DIR`` adds another
+checkout of this project (e.g. the commit before a change) to every round: a
+before/after ratio measured side by side. Target: ours / peer <= 1.0.
 """
 
 from __future__ import annotations
@@ -60,6 +77,189 @@ def agreement_share(steps: int, folder: Path) -> tuple[float, float]:
             statistics.median(r["step_ms"] for r in records))  # fmt: skip
 
 
+# ---- the step side by side with torchtitan 0.3.0 ------------------------------------
+
+STEP_SHAPE = {"dim": 256, "n_layers": 6, "n_heads": 16, "vocab_size": 4096, "seq_len": 512,
+              "batch_size": 4, "rope_theta": 500000.0}  # fmt: skip
+
+# One process of ours, the product path, against the checkout on its PYTHONPATH (this
+# one or --baseline-repo: only APIs both have).
+OURS_STEP = r"""
+import json, statistics, sys, time
+import torch
+a = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+from torchtitan import parallel
+from torchtitan.config import parse_args
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.optim import build_lr_scheduler, build_optimizer
+from torchtitan.step import BatchLoss, TrainStep
+cfg = parse_args(["--training.seq_len", str(a["seq_len"]), "--training.batch_size",
+                  str(a["batch_size"]), "--training.mixed_precision_param", "float32"])
+dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+args = ModelArgs(dim=a["dim"], n_layers=a["n_layers"], n_heads=a["n_heads"],
+                 vocab_size=a["vocab_size"], multiple_of=256, rope_theta=a["rope_theta"],
+                 max_seq_len=a["seq_len"])
+with torch.device("meta"):
+    model = Transformer(args)
+model.to_empty(device="cpu")
+model.init_weights(0)
+optimizer = build_optimizer(model, cfg)
+step = TrainStep(cfg, model, optimizer, build_lr_scheduler(optimizer, cfg),
+                 BatchLoss(cfg, model, dims), lambda: None)
+tokens = torch.randint(0, a["vocab_size"], (a["batch_size"], a["seq_len"] + 1),
+                       generator=torch.Generator().manual_seed(0))
+batch = {"input": tokens[:, :-1], "label": tokens[:, 1:]}
+times, cpu = [], []
+for i in range(a["warmup"] + a["steps"]):
+    start, start_cpu = time.perf_counter(), time.process_time()
+    step([batch])
+    times.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+print("RESULT", json.dumps({"step_ms": 1000 * statistics.median(times[a["warmup"]:]),
+      "cpu_step_ms": 1000 * statistics.median(cpu[a["warmup"]:]),
+      "parameters": sum(p.numel() for p in model.parameters())}))
+"""
+
+PEER_STEP = r"""
+import importlib.metadata, json, os, statistics, sys, time
+a = json.loads(sys.argv[1])
+try:
+    import torch
+    import torchtitan
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    version = importlib.metadata.version("torchtitan")
+except Exception as e:
+    print("SKIP cannot import torchtitan 0.3.0's llama3 model:", repr(e))
+    sys.exit(0)
+if version != "0.3.0" or os.path.realpath(torchtitan.__file__).startswith(a["repo"]):
+    print(f"SKIP torchtitan {version} at {torchtitan.__file__} is not torchtitan 0.3.0")
+    sys.exit(0)
+import torch.nn.functional as F
+torch.set_num_threads(1)
+spec = model_registry("debugmodel")  # dim 256, 6 layers, 16 heads
+config = spec.model
+config.vocab_size = config.tok_embeddings.num_embeddings = a["vocab_size"]
+config.lm_head.out_features = a["vocab_size"]
+for layer in config.layers:  # its flex attention has no backward on CPU
+    layer.attention.inner_attention = ScaledDotProductAttention.Config()
+torch.manual_seed(0)
+model = config.build()
+model.init_states()
+# default_adamw with the default implementation of its OptimizersContainer ("fused").
+optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=0.1, fused=True)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 201))
+tokens = torch.randint(0, a["vocab_size"], (a["batch_size"], a["seq_len"] + 1),
+                       generator=torch.Generator().manual_seed(0))
+inputs, labels = tokens[:, :-1], tokens[:, 1:]
+times, cpu = [], []
+for i in range(a["warmup"] + a["steps"]):
+    start, start_cpu = time.perf_counter(), time.process_time()
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - start_cpu)
+print("RESULT", json.dumps({"step_ms": 1000 * statistics.median(times[a["warmup"]:]),
+      "cpu_step_ms": 1000 * statistics.median(cpu[a["warmup"]:]),
+      "parameters": sum(p.numel() for p in model.parameters())}))
+"""
+
+
+class PeerUnavailable(Exception):
+    pass
+
+
+def step_process(python: str, program: str, pythonpath: str | None, steps: int, warmup: int):
+    """(median step ms, median CPU ms of a step, parameters) of one fresh process running
+    ``program``."""
+    args = {**STEP_SHAPE, "steps": steps, "warmup": warmup, "repo": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    # From the temporary folder, so that only PYTHONPATH decides whose torchtitan it is.
+    proc = subprocess.run([python, "-c", program, json.dumps(args)], cwd=tempfile.gettempdir(),
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    if "SKIP" in proc.stdout:
+        raise PeerUnavailable(proc.stdout.split("SKIP", 1)[1].strip())
+    if proc.returncode != 0 or "RESULT" not in proc.stdout:
+        raise SystemExit(f"{python} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    return result["step_ms"], result["cpu_step_ms"], result["parameters"]
+
+
+def step_vs_peer(peer_python: str, baseline: str, rounds: int, steps: int, warmup: int) -> dict:
+    """Interleaved rounds of ours (this checkout), the baseline checkout and the peer."""
+    sides = {"ours": (sys.executable, OURS_STEP, str(REPO))}
+    if baseline:
+        sides["baseline"] = (sys.executable, OURS_STEP, str(Path(baseline).resolve()))
+    skipped = "" if peer_python else "no --peer-python"
+    if peer_python:
+        sides["peer"] = (peer_python, PEER_STEP, None)
+    ms = {name: [] for name in sides}
+    cpu = {name: [] for name in sides}
+    parameters = {}
+    for _ in range(rounds):
+        for name, (python, program, path) in list(sides.items()):
+            try:
+                step_ms, cpu_ms, parameters[name] = step_process(
+                    python, program, path, steps, warmup
+                )
+            except PeerUnavailable as e:
+                skipped = str(e)
+                del sides[name], ms[name], cpu[name]
+                continue
+            ms[name].append(step_ms)
+            cpu[name].append(cpu_ms)
+            print(f"step {name}: {step_ms:.1f} ms ({cpu_ms:.1f} ms of CPU time)", flush=True)
+    result = {"shape": STEP_SHAPE, "rounds": rounds, "steps": steps, "step_ms": ms,
+              "cpu_step_ms": cpu, "parameters": parameters,
+              "peer_skipped": skipped}  # fmt: skip
+    med = {name: statistics.median(v) for name, v in ms.items()}
+    result["median_step_ms"] = med
+    # On a shared machine wall time counts the moments another job held the core; the
+    # process's CPU time (one thread) does not, so it is the steadier figure of the two.
+    result["median_cpu_step_ms"] = {n: statistics.median(v) for n, v in cpu.items()}
+    for other in ("peer", "baseline"):
+        if other in ms:
+            result[f"ours_over_{other}"] = med["ours"] / med[other]
+            result[f"rounds_ours_slower_than_{other}"] = sum(
+                o > p for o, p in zip(ms["ours"], ms[other])
+            )
+            own = result["median_cpu_step_ms"]
+            result[f"cpu_ours_over_{other}"] = own["ours"] / own[other]
+            result[f"cpu_rounds_ours_slower_than_{other}"] = sum(
+                o > p for o, p in zip(cpu["ours"], cpu[other])
+            )
+    return result
+
+
+def print_step_vs_peer(r: dict):
+    print(f"\nstep, {r['parameters']['ours']:,} parameters, seq {r['shape']['seq_len']} x batch "
+          f"{r['shape']['batch_size']}, fp32, 1 CPU thread, eager: median of {r['rounds']} rounds")  # fmt: skip
+    for name, values in r["step_ms"].items():
+        runs = ", ".join(f"{v:.0f}" for v in values)
+        own = ", ".join(f"{v:.0f}" for v in r["cpu_step_ms"][name])
+        print(f"  {name:<9}{r['median_step_ms'][name]:9.1f} ms   ({runs}); CPU time "
+              f"{r['median_cpu_step_ms'][name]:.1f} ms ({own})")  # fmt: skip
+    for other in ("peer", "baseline"):
+        if f"ours_over_{other}" in r:
+            print(f"  ours / {other:<9}{r[f'ours_over_{other}']:6.3f}   "
+                  f"(ours slower in {r[f'rounds_ours_slower_than_{other}']} of {r['rounds']} rounds); "
+                  f"CPU time {r[f'cpu_ours_over_{other}']:.3f} (slower in "
+                  f"{r[f'cpu_rounds_ours_slower_than_{other}']})"
+                  + ("; target <= 1.0" if other == "peer" else ""))  # fmt: skip
+    if r["peer_skipped"]:
+        print(f"  peer skipped: {r['peer_skipped']}")
+
+
 def steady(records: list[dict], interval: int, warmup: int) -> list[dict]:
     # Skip warm-up, and the steps right after a save (the save itself runs after
     # the step's metrics are taken, so it shows in neither).
@@ -74,10 +274,23 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json", default="")
+    p.add_argument("--peer-python", default="", help="python of a venv with torchtitan 0.3.0")
+    p.add_argument("--baseline-repo", default="", help="another checkout, measured alongside")
+    p.add_argument("--peer-rounds", type=int, default=6)
+    p.add_argument("--peer-steps", type=int, default=8, help="timed steps per process")
+    p.add_argument("--peer-only", action="store_true", help="only the step against the peer")
     args = p.parse_args(argv)
     interval, warmup = 100, 10
     if args.smoke:
         args.steps, args.rounds, interval, warmup = 12, 1, 4, 2
+        args.peer_rounds, args.peer_steps = 1, 2
+    vs_peer = step_vs_peer(args.peer_python, args.baseline_repo, args.peer_rounds,
+                           args.peer_steps, warmup=1 if args.smoke else 3)  # fmt: skip
+    if args.peer_only:
+        print_step_vs_peer(vs_peer)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"step_vs_peer": vs_peer}, indent=1))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="bench_step_"))
     step_ms = {"off": [], "on": []}
     wait_share = []
@@ -107,6 +320,7 @@ def main(argv=None) -> int:
         "median_stop_check_ms_2ranks": check_ms,
         "median_step_ms_2ranks": two_rank_step_ms,
         "stop_check_share": check_ms / two_rank_step_ms,
+        "step_vs_peer": vs_peer,
     }
     print(f"median step, checkpointing off      {med['off']:8.2f} ms")
     print(f"median step, checkpointing on ({interval}) {med['on']:8.2f} ms")
@@ -117,6 +331,7 @@ def main(argv=None) -> int:
     print(f"data wait / step, p90               {result['p90_data_wait_share']:8.3%}")
     print(f"stop agreement / step, 2 ranks      {result['stop_check_share']:8.3%}   "
           f"({check_ms:.3f} of {two_rank_step_ms:.1f} ms; target <= 1%)")  # fmt: skip
+    print_step_vs_peer(vs_peer)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

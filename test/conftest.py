@@ -29,6 +29,19 @@ REPO = REPO_ROOT
 CONFIG = ["--job.config_file", DEBUG_CONFIG]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run only where a CUDA GPU is visible; elsewhere they are
+    skipped with the reason (scripts/gpu_check.sh runs them on a GPU machine)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_TOKENIZER_PATH)

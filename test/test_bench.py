@@ -40,6 +40,17 @@ def check_step(r: dict):
     assert positive(r["median_step_ms_checkpoint_off"], r["median_step_ms_checkpoint_on"])
     assert 0 <= r["median_data_wait_share"] <= 1
     assert 0 < r["stop_check_share"] < 1, "the 2-rank job pays for its stop agreement"
+    check_step_vs_peer(r["step_vs_peer"])
+
+
+def check_step_vs_peer(r: dict):
+    assert r["parameters"]["ours"] == 7_212_288, "the peer's debugmodel shapes at vocab 4096"
+    assert positive(*r["median_step_ms"].values(), *r["median_cpu_step_ms"].values())
+    if "peer" in r["step_ms"]:
+        assert r["parameters"]["peer"] == r["parameters"]["ours"], "the same model on both sides"
+        assert r["ours_over_peer"] == r["median_step_ms"]["ours"] / r["median_step_ms"]["peer"]
+    else:
+        assert r["peer_skipped"], "a skipped peer says why"
 
 
 def check_checkpoint(r: dict):
@@ -103,6 +114,18 @@ def check_tp_loader(r: dict):
         assert positive(m["tp0_ms_per_batch"], m["peer_ms_per_batch"], m["group_cpu_ms_per_batch"])
 
 
+def check_gpu_check(r: dict):
+    assert r["checks"] and all(c["ok"] is True for c in r["checks"]), r["checks"]
+    seed = next(c for c in r["checks"] if c["name"] == "seed plan")
+    steps = seed["result"].split(" of ")
+    assert steps[0] == steps[1].split()[0], "every step of the seed plan is bit-equal"
+    for row in r["rows"]:
+        if row["backend"] == "sdpa":
+            assert positive(row["tokens_per_s"], row["peak_gib"]), row
+        elif r["smoke"]:
+            assert row["note"].startswith("not run: CPU"), row
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
     "bench_data.py": check_data,
@@ -114,6 +137,18 @@ CHECKS = {
     "bench_startup.py": check_startup,
     "bench_tp_loader.py": check_tp_loader,
 }
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke(tmp_path):
+    """scripts/gpu_check.sh --cpu-smoke: the GPU plan with tiny shapes on CPU, so it
+    cannot rot where no GPU is lent; every check passes and each row says what ran."""
+    out = tmp_path / "result.json"
+    cmd = ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "| check | configuration | result | ok |" in proc.stdout
+    check_gpu_check(json.loads(out.read_text()))
 
 
 @pytest.mark.slow
@@ -142,6 +177,14 @@ NONSENSE = [
     (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
                   "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1,
                   "stop_check_share": 0.01}),
+    (check_step_vs_peer, {"parameters": {"ours": 7_212_288}, "step_ms": {"ours": [1.0]},
+                          "median_step_ms": {"ours": 1.0}, "median_cpu_step_ms": {"ours": 1.0},
+                          "peer_skipped": ""}),
+    (check_step_vs_peer, {"parameters": {"ours": 7_212_288, "peer": 7_000_000},
+                          "step_ms": {"ours": [1.0], "peer": [1.0]},
+                          "median_step_ms": {"ours": 1.0, "peer": 1.0},
+                          "median_cpu_step_ms": {"ours": 1.0, "peer": 1.0},
+                          "ours_over_peer": 1.0, "peer_skipped": ""}),
     (check_pretokenized, {"on_the_fly_tokens_per_s": 1.0, "pretokenized_tokens_per_s": 30.0,
                           "pretokenize_s": 1.0, "same_batches": False,
                           "pretokenized_over_on_the_fly": 30.0, "corpus_tokens": 1,
@@ -165,6 +208,12 @@ NONSENSE = [
     (check_startup, {"files": 200, "results": [
         {"ranks": 64, "per_rank": {"seconds": 0.1, "bytes_read": 10, "files_opened": 200},
          "baseline_resolving_alone": {"files_opened": 200}}]}),
+    (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
+                                                  "result": "3 of 4 steps bit-equal"}],
+                       "rows": []}),
+    (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
+                                                  "result": "4 of 4 steps bit-equal"}],
+                       "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]}),
 ]  # fmt: skip
 
 

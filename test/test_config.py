@@ -357,3 +357,79 @@ def test_tensorboard_missing_is_one_error_line_before_anything_is_built(tmp_path
     [line] = error_lines(log)
     assert "metrics.enable_tensorboard" in line and "pip install tensorboard" in line
     assert not dump.exists()  # nothing was built or written
+
+
+# ---- attention backends: where each can train, checked before anything is built -------
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(config, "device_type", lambda: "cpu")
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Validate as on a machine with CUDA and torch's varlen kernel."""
+    from torchtitan.models import attention
+
+    monkeypatch.setattr(config, "device_type", lambda: "cuda")
+    monkeypatch.setattr(attention, "varlen_available", lambda: True)
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--model.attention_backend", "flex"], ["model.attention_backend flex", "CPU", "sdpa"]),
+        (["--model.attention_backend", "varlen"], ["model.attention_backend varlen", "CUDA", "sdpa"]),
+        (["--training.compile", "--model.attention_mask", "block_causal"],
+         ["training.compile", "block_causal", "sdpa", "flex or varlen"]),
+    ],
+)  # fmt: skip
+def test_attention_that_cannot_train_on_cpu_is_one_line(on_cpu, argv, fragments):
+    raises(argv, *fragments)
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--model.attention_backend", "varlen", "--training.mixed_precision_param", "float32"],
+         ["varlen", "bfloat16 or float16", "float32", "training.mixed_precision_param"]),
+        (["--model.attention_backend", "flex", "--model.dropout", "0.1"],
+         ["model.dropout 0.1", "flex", "sdpa"]),
+        (["--model.attention_backend", "varlen", "--model.dropout", "0.1"],
+         ["model.dropout 0.1", "varlen", "sdpa"]),
+        (["--model.attention_backend", "sdpa", "--training.compile", "--model.attention_mask",
+          "block_causal"], ["training.compile", "recompile"]),
+    ],
+)  # fmt: skip
+def test_attention_that_cannot_train_on_a_gpu_is_one_line(on_gpu, argv, fragments):
+    raises(argv, *fragments)
+
+
+def test_attention_that_can_train_passes(on_gpu):
+    """Negative control of the refusals above: each backend where it runs."""
+    for argv in (
+        ["--model.attention_backend", "flex", "--training.compile", "--model.attention_mask",
+         "block_causal"],
+        ["--model.attention_backend", "varlen", "--training.compile", "--model.attention_mask",
+         "block_causal"],
+        ["--model.attention_backend", "sdpa", "--model.dropout", "0.1"],
+    ):  # fmt: skip
+        parse_args(argv)
+
+
+def test_auto_backend_is_sdpa_on_cpu_and_the_fastest_present_on_a_gpu(monkeypatch):
+    from torchtitan.models import attention
+
+    def chosen(*argv, device="cuda", varlen=True):
+        monkeypatch.setattr(attention, "varlen_available", lambda: varlen)
+        return config.attention_backend(parse_args(list(argv)), device)
+
+    block = ["--model.attention_mask", "block_causal"]
+    assert chosen(*block, device="cpu") == "sdpa"
+    assert chosen(*block) == "varlen"  # auto precision on a GPU: bf16
+    assert chosen(*block, varlen=False) == "flex"
+    assert chosen(*block, "--training.mixed_precision_param", "float32") == "flex"
+    assert chosen(*block, "--model.dropout", "0.1") == "sdpa"
+    assert chosen() == "sdpa"  # plain causal: torch picks its own flash/cuDNN kernel
+    assert chosen(*block, "--model.attention_backend", "flex") == "flex"  # asked for

@@ -171,6 +171,29 @@ def test_batches_carry_per_document_positions_and_ids(small_corpus, tokenizer):
                        for i in starts if sum(e - s for _, _, s, e, *_ in spans[:i]) < SEQ)  # fmt: skip
 
 
+def test_labels_crossing_into_the_next_document_are_marked(small_corpus, tokenizer):
+    """label_document_ids differ from document_ids exactly where the label is the next
+    document's first token: the label is BOS and the input the previous document's EOS
+    (what training.mask_document_boundaries ignores), found from the tokens alone; a
+    document continued from the previous window is not a crossing. The batches hold
+    crossings, so ids that were not shifted by one token (all equal) or shifted the
+    wrong way would fail the comparison."""
+    loader = ParallelDataLoader(
+        make(small_corpus, tokenizer, data_shards=1), 4, document_layout=True
+    )
+    crossings = 0
+    for _ in range(30):
+        batch = next(loader)
+        crossing = batch["label_document_ids"] != batch["document_ids"]
+        boundary = (batch["label"] == tokenizer.bos_id) & (batch["input"] == tokenizer.eos_id)
+        assert torch.equal(crossing, boundary)
+        for row, spans in enumerate(batch["spans"]):
+            starts = list(itertools.accumulate(e - s for _, _, s, e, *_ in spans))[:-1]
+            assert crossing[row].nonzero().flatten().tolist() == [t - 1 for t in starts]
+        crossings += int(crossing.sum())
+    assert crossings >= 5
+
+
 def test_state_holds_positions_not_tokens(small_corpus, tokenizer):
     """With one shard read in file order, the state after n windows is the document the
     next token comes from and the offset into it, computed here from the documents."""

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
@@ -55,7 +56,7 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
     loss = BatchLoss(cfg, model, ONE_RANK)
     if scale is not None:  # negative control: a different loss scaling
         inner = loss.cross_entropy
-        loss.cross_entropy = lambda logits, labels: inner(logits, labels) * scale
+        loss.cross_entropy = lambda *args: inner(*args) * scale
     TrainStep(cfg, model, optimizer, scheduler, loss, capture)(batches)
     return seen
 
@@ -76,6 +77,66 @@ def test_accumulated_gradient_equals_the_gradient_of_one_big_batch():
     for name, grad in big.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
         assert not torch.allclose(unscaled[name], grad, rtol=1e-2, atol=1e-6), name
+
+
+def test_the_loss_over_chunks_of_rows_is_the_loss_over_all_of_them():
+    """The cross-entropy runs over chunks of rows (buffers that fit malloc's heap on CPU,
+    a bounded fp32 copy on GPU): its sum and its mean over the labels that count equal
+    F.cross_entropy's over the whole batch, to float rounding (the sum runs in another
+    order), with chunks that do not divide the rows and ignored labels. Negative
+    control: the mean taken over every label, ignored ones included, is off."""
+    from torchtitan.step import IGNORE_INDEX, _cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 37, 64, generator=g)
+    labels = torch.randint(0, 64, (3, 37), generator=g)
+    labels[0, ::5] = IGNORE_INDEX
+    flat, target = logits.flatten(0, 1), labels.flatten()
+    chunk_bytes = 4 * 64 * 10  # 10 rows per chunk, 12 chunks, the last of 1 row
+    for reduction in ("sum", "mean"):
+        expected = F.cross_entropy(flat, target, reduction=reduction)
+        got = _cross_entropy(logits, labels, reduction, chunk_bytes)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    every_label = F.cross_entropy(flat, target, reduction="sum") / target.numel()
+    assert not torch.allclose(_cross_entropy(logits, labels, "mean", chunk_bytes), every_label)
+
+
+def with_documents(batch: dict, seed: int = 0) -> dict:
+    """``batch`` cut into documents of 1 to 12 tokens, laid out as the loader's collate
+    lays them out: ids over each window, inputs' and labels' views of them."""
+    B, T = batch["input"].shape
+    g = torch.Generator().manual_seed(seed)
+    sizes = [torch.randint(1, 13, (T + 1,), generator=g) for _ in range(B)]
+    window_ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(T + 1), n)[: T + 1] for n in sizes]
+    )
+    positions = torch.stack([torch.cat([torch.arange(k) for k in n.tolist()])[:T] for n in sizes])
+    return {**batch, "positions": positions, "document_ids": window_ids[:, :-1],
+            "label_document_ids": window_ids[:, 1:]}  # fmt: skip
+
+
+def test_masked_boundaries_are_normalized_by_the_labels_that_count_in_the_whole_batch(
+    monkeypatch,
+):
+    """With training.mask_document_boundaries, micro-batches hold different numbers of
+    labels that count; 4 micro-batches of 2 still give the gradient of one batch of 8 (to
+    float rounding), the mean over every label that counts. Negative controls: dividing by
+    all labels instead of those that count, and not masking, give other gradients."""
+    batch = with_documents(sequences(8))
+    mask = "--training.mask_document_boundaries"
+    big = gradients_of(config("--training.batch_size", 8, mask), [batch])
+    cfg = config("--training.batch_size", 2, "--training.global_batch_size", 8, mask)
+    parts = split(batch, 4)
+    counted = [BatchLoss(cfg, None, ONE_RANK).counted(p) for p in parts]
+    assert len(set(counted)) > 1 and sum(counted) < batch["label"].numel()
+    accumulated = gradients_of(cfg, parts)
+    unmasked = gradients_of(config("--training.batch_size", 8), [batch])
+    monkeypatch.setattr(BatchLoss, "counted", lambda self, b: b["label"].numel())
+    all_labels = gradients_of(cfg, parts)
+    for name, grad in big.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
+        for wrong in (unmasked, all_labels):
+            assert not torch.allclose(wrong[name], grad, rtol=1e-2, atol=1e-6), name
 
 
 def test_global_batch_that_does_not_split_is_one_line(tmp_path):

@@ -269,11 +269,51 @@ def test_causal_later_tokens_do_not_change_earlier_logits():
 
 def test_rope_scores_depend_only_on_relative_position():
     cos, sin = rope_cos_sin(head_dim=8, max_seq_len=32, theta=10000.0)
+    rotation = torch.stack((cos, sin), -1)
     q = torch.randn(1, 1, 1, 8).expand(1, 32, 1, 8)
     k = torch.randn(1, 1, 1, 8).expand(1, 32, 1, 8)
-    rq, rk = apply_rope(q, cos, sin)[0, :, 0], apply_rope(k, cos, sin)[0, :, 0]
+    rq, rk = apply_rope(q, rotation)[0, :, 0], apply_rope(k, rotation)[0, :, 0]
     torch.testing.assert_close(rq[5] @ rk[2], rq[25] @ rk[22])
     torch.testing.assert_close(rq.norm(dim=-1), q[0, :, 0].norm(dim=-1))
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_rope_rotates_channel_pairs(compiling, monkeypatch):
+    """apply_rope rotates pairs (2i, 2i+1) by (x0 cos - x1 sin, x0 sin + x1 cos), with the
+    table's rows and with per-token positions, and the gradient flows through it; eagerly
+    as one complex product, and in the written-out form it takes inside torch.compile
+    (taken here by telling it that it is compiling). Within one ulp of values below 8
+    (4.8e-7), not bit-equal: the complex kernel may fuse a multiply-add the written-out
+    formula rounds twice (2.4e-7 measured). Negative controls, off by O(1): the opposite
+    angle, and pairs (i, i + D/2)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    B, T, H, D = 2, 24, 3, 8
+    cos, sin = rope_cos_sin(head_dim=D, max_seq_len=T, theta=10000.0)
+    x = torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(0))
+    positions = torch.randint(0, T, (B, T), generator=torch.Generator().manual_seed(1))
+
+    def written_out(x, cos, sin):  # cos, sin: [B, T, 1, D/2]
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+        return out
+
+    def close(a, b):
+        return (a - b).abs().max() <= 4.8e-7
+
+    rotation = torch.stack((cos, sin), -1)
+    table = written_out(x, cos.view(1, T, 1, -1), sin.view(1, T, 1, -1))
+    assert close(apply_rope(x, rotation), table)
+    gathered = written_out(x, cos[positions].unsqueeze(2), sin[positions].unsqueeze(2))
+    assert close(apply_rope(x, rotation[positions]), gathered)
+    assert not close(apply_rope(x, torch.stack((cos, -sin), -1)), table)
+    perm = torch.arange(D).view(2, D // 2).T.flatten()  # channel i next to i + D/2
+    rotate_half = written_out(x[..., perm], cos.view(1, T, 1, -1), sin.view(1, T, 1, -1))
+    assert not close(apply_rope(x, rotation), rotate_half[..., perm.argsort()])
+    leaf = x.clone().requires_grad_()
+    apply_rope(leaf, rotation).pow(2).sum().backward()
+    # A rotation keeps the norm: the gradient of |R x|^2 is 2x.
+    torch.testing.assert_close(leaf.grad, 2 * x)
 
 
 def test_sequence_at_max_seq_len_is_accepted():
@@ -309,9 +349,9 @@ def test_invalid_model_args_raise(bad, match):
 # ---- document-aware attention -------------------------------------------------------------
 
 
-def _debug_model():
+def _debug_model(backend: str = "sdpa"):
     torch.manual_seed(0)
-    return build_model("debugmodel", 4096, device="cpu")
+    return build_model("debugmodel", 4096, device="cpu", attention_backend=backend)
 
 
 def _fixed_weights(model):
@@ -375,7 +415,9 @@ def test_causal_attention_is_unchanged():
     tokens = torch.randint(0, 4096, (2, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(tokens)
-        one_document = model(tokens, torch.arange(T).expand(2, T), [[T], [T]])
+        one_document = model(
+            tokens, torch.arange(T).expand(2, T), torch.zeros(2, T, dtype=torch.long)
+        )
         allowed = torch.ones(T, T, dtype=torch.bool)
         reference = _reference_logits(model, tokens, allowed.tril())
         torch.testing.assert_close(logits.double(), reference, rtol=0, atol=1e-5)
@@ -385,16 +427,119 @@ def test_causal_attention_is_unchanged():
             assert off > 0.1, off
 
 
-def test_block_causal_logits_of_a_document_do_not_depend_on_its_neighbours():
-    """A document's logits are identical (fp32, torch.equal) alone in a sequence or packed
-    between two others. Negative control: plain causal attention over the packed
-    sequence lets the document see its predecessor, and the logits change."""
-    model = _debug_model()
-    tokens = torch.randint(0, 4096, (3, 40), generator=torch.Generator().manual_seed(2))
+def _stand_in_varlen(q, k, v, layout, gqa):
+    """varlen_attn's contract on CPU (the kernel is CUDA-only): causal attention within
+    each [cu_seqlens[i], cu_seqlens[i+1]) of the flattened batch, one sdpa call each."""
+    cu = layout.cu_seqlens.tolist()
+    assert layout.max_seqlen == max(e - s for s, e in zip(cu, cu[1:]))
+    out = [F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                          is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)
+           for s, e in zip(cu, cu[1:])]  # fmt: skip
+    return torch.cat(out)
+
+
+@pytest.fixture
+def cpu_varlen(monkeypatch):
+    from torchtitan.models import attention
+
+    monkeypatch.setattr(attention, "_varlen", _stand_in_varlen)
+
+
+def _packed(seed: int = 2):
+    """Three real-sized documents (30, 20, 14 tokens) packed in one row, the middle one also
+    alone: (packed tokens, positions, document ids), (alone ...), where the middle one sits."""
+    tokens = torch.randint(0, 4096, (3, 40), generator=torch.Generator().manual_seed(seed))
     doc, before, after = tokens[0, :20], tokens[1, :30], tokens[2, :14]
     packed = torch.cat([before, doc, after]).unsqueeze(0)
     positions = torch.cat([torch.arange(30), torch.arange(20), torch.arange(14)]).unsqueeze(0)
-    together = model(packed, positions, [[30, 20, 14]])[0, 30:50]
-    alone = model(doc.unsqueeze(0), torch.arange(20).unsqueeze(0), [[20]])[0]
-    assert torch.equal(together, alone)
-    assert not torch.equal(model(packed)[0, 30:50], alone)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([30, 20, 14])).unsqueeze(0)
+    alone = (doc.unsqueeze(0), torch.arange(20).unsqueeze(0), torch.zeros(1, 20, dtype=torch.long))
+    return (packed, positions, ids), alone
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "varlen"])
+@torch.no_grad()
+def test_block_causal_logits_of_a_document_do_not_depend_on_its_neighbours(backend, request):
+    """Per backend, a document's logits are identical (fp32, torch.equal) alone in a
+    sequence or packed between two others: each backend's mask keeps it to itself and its
+    positions restart at 0. (flex runs its forward eagerly on CPU; varlen's CUDA kernel
+    is replaced by a stand-in with its contract, so what is checked on CPU is the
+    layout fed to it; the kernel itself is checked in test_gpu.py.) Negative control,
+    per backend: plain causal attention over the packed row lets the document see its
+    predecessor, and its logits change."""
+    if backend == "varlen":
+        request.getfixturevalue("cpu_varlen")
+    model = _debug_model(backend)
+    (packed, positions, ids), alone = _packed()
+    together = model(packed, positions, ids)[0, 30:50]
+    assert torch.equal(together, model(*alone)[0])
+    assert not torch.equal(model(packed, positions)[0, 30:50], together)
+    assert not torch.equal(model(packed)[0, 30:50], together)
+
+
+def _many_documents(B: int = 3, T: int = 160, seed: int = 4):
+    """B rows of T tokens cut into documents of 1 to 40 tokens (a row may start with the
+    tail of a document, whose positions also start at 0): tokens, positions, ids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 4096, (B, T), generator=g)
+    positions, ids = torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
+    for b in range(B):
+        t, d = 0, 0
+        while t < T:
+            n = min(T - t, int(torch.randint(1, 41, (1,), generator=g)))
+            positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
+            t, d = t + n, d + 1
+    return tokens, positions, ids
+
+
+@torch.no_grad()
+def test_flex_forward_matches_the_per_document_loop():
+    """flex (one masked kernel per layer) against sdpa's per-document loop, fp32, on rows
+    of many short documents: within 1e-5. A tolerance because these are two
+    implementations of the same math (flex masks the scores of the whole row, the loop
+    never computes them, so sums run in another order: ~1e-6 measured); a wrong mask
+    moves the logits by more than 1e-2. Negative control: flex with plain causal."""
+    tokens, positions, ids = _many_documents()
+    loop = _debug_model("sdpa")(tokens, positions, ids)
+    flex = _debug_model("flex")
+    torch.testing.assert_close(flex(tokens, positions, ids), loop, rtol=0, atol=1e-5)
+    assert (flex(tokens, positions) - loop).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_varlen_layout_equals_the_per_document_loop(cpu_varlen):
+    """varlen's cumulative lengths, cut across the whole flattened batch, give exactly the
+    per-document loop (torch.equal: the stand-in runs the same sdpa per document), for
+    causal rows too. Negative control: one off-by-one boundary changes the logits."""
+    from torchtitan.models import attention
+
+    tokens, positions, ids = _many_documents()
+    varlen = _debug_model("varlen")
+    assert torch.equal(varlen(tokens, positions, ids), _debug_model("sdpa")(tokens, positions, ids))
+    assert torch.equal(varlen(tokens), _debug_model("sdpa")(tokens))
+    layout = attention.document_mask("varlen", *tokens.shape, tokens.device, ids)
+    assert layout.cu_seqlens.dtype == torch.int32 and layout.cu_seqlens[-1] == tokens.numel()
+    shifted = ids.clone()
+    first_end = int((ids[0] == 0).sum())
+    shifted[0, first_end] = 0  # the second document's first token joins the first
+    assert not torch.equal(varlen(tokens, positions, shifted), varlen(tokens, positions, ids))
+
+
+@torch.no_grad()
+def test_the_mask_is_built_once_per_batch_and_shared_by_all_layers(monkeypatch):
+    """document_mask runs once per forward, not once per layer (the flex block mask is the
+    costly part of a batch's setup); every layer receives that same object."""
+    from torchtitan.models import attention
+
+    built, seen = [], []
+    build = attention.document_mask
+    monkeypatch.setattr(attention, "document_mask", lambda *a: built.append(build(*a)) or built[-1])
+    attend = attention.attend
+    monkeypatch.setattr(
+        attention, "attend", lambda q, k, v, m, p=0.0: seen.append(m) or attend(q, k, v, m, p)
+    )
+    model = _debug_model("flex")
+    tokens, positions, ids = _many_documents(B=2, T=64)
+    model(tokens, positions, ids)
+    assert len(built) == 1 and len(seen) == model.args.n_layers
+    assert all(m is built[0] for m in seen)

@@ -6,8 +6,9 @@ command line > TOML file (`--job.config_file`) > dataclass defaults.
 
 Every problem is raised as one ConfigError, during parsing, before anything is built.
 This module must never build models, data or process groups; it only imports the
-model and data modules lazily to read their lists of valid names (and TensorBoard, only
-when it is asked for, to check that it can be imported).
+model and data modules lazily to read their lists of valid names and to check where the
+chosen attention backend can train (asking torch whether CUDA is present), and
+TensorBoard, only when it is asked for, to check that it can be imported.
 """
 
 import difflib
@@ -120,6 +121,13 @@ class Model:
         "document, with RoPE positions restarting at each document",
         choices=["causal", "block_causal"],
     )
+    attention_backend: str = _opt(
+        "auto",
+        "attention kernel: sdpa (per-document loop; runs everywhere), flex (FlexAttention "
+        "block mask; trains on CUDA only), varlen (FlashAttention varlen; CUDA, bf16/fp16); "
+        "auto: sdpa on CPU and for causal, on CUDA the fastest present for documents",
+        choices=["auto", "sdpa", "flex", "varlen"],
+    )
 
 
 @dataclass
@@ -206,6 +214,12 @@ class Training:
         choices=["float32", "bfloat16"],
     )  # fmt: skip
     compile: bool = _opt(False, "torch.compile each transformer block and the loss")
+    mask_document_boundaries: bool = _opt(
+        False,
+        "ignore in the loss the label that crosses from one document into the next (a "
+        "document's EOS predicting the next one's BOS); the loss is the mean over the "
+        "labels that count, over all micro-batches and ranks",
+    )
     bad_data: str = _opt(
         "skip",
         "policy for empty, non-string or undecodable documents",
@@ -385,10 +399,15 @@ class JobConfig:
                 f"training.batch_size {t.batch_size}; make it batch_size x ranks x accumulation"
             )
         _check_parallelism(self.parallelism, t.data_parallel, t.compile)
-        if t.compile and self.model.attention_mask == "block_causal":
+        problem = _attention_problem(self)
+        if problem:
+            raise ConfigError(problem)
+        if t.mask_document_boundaries and self.parallelism.tensor_parallel_degree > 1:
+            # The label count behind the normalizer is summed over all ranks, and TP peers
+            # hold the same labels: not combined yet.
             raise ConfigError(
-                "training.compile with model.attention_mask block_causal would recompile for "
-                "every batch's document layout; turn one of them off"
+                "training.mask_document_boundaries with parallelism.tensor_parallel_degree "
+                f"{self.parallelism.tensor_parallel_degree} is not supported yet; turn one of them off"
             )
         if self.checkpoint.create_seed_checkpoint and not self.checkpoint.enable_checkpoint:
             raise ConfigError(
@@ -401,6 +420,45 @@ class JobConfig:
             )
         if self.metrics.enable_wandb:
             _check_importable("wandb", "metrics.enable_wandb", "wandb")
+
+
+def device_type() -> str:
+    """Where training will run: the rule torchtitan.parallel.init_distributed applies."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def attention_backend(cfg: "JobConfig", device: str | None = None) -> str:
+    """model.attention_backend with ``auto`` resolved for ``device`` (default: this
+    machine's)."""
+    from torchtitan.models.attention import choose_backend
+
+    device = device or device_type()
+    m = cfg.model
+    return choose_backend(
+        m.attention_backend, m.attention_mask, device, _compute_dtype(cfg, device), m.dropout
+    )
+
+
+def _compute_dtype(cfg: "JobConfig", device: str):
+    import torch
+
+    precision = cfg.training.mixed_precision_param
+    if precision == "auto":  # as torchtitan.parallel.compute_dtype
+        precision = "bfloat16" if device == "cuda" else "float32"
+    return getattr(torch, precision)
+
+
+def _attention_problem(cfg: "JobConfig") -> str | None:
+    """Why the attention settings cannot train on this machine (one line), or None."""
+    from torchtitan.models.attention import backend_problem
+
+    device, m = device_type(), cfg.model
+    return backend_problem(
+        attention_backend(cfg, device), m.attention_mask, device, _compute_dtype(cfg, device),
+        m.dropout, cfg.training.compile,
+    )  # fmt: skip
 
 
 def _check_parallelism(p: Parallelism, data_parallel: str, compile: bool) -> None:

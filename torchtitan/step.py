@@ -1,8 +1,10 @@
 """One optimizer step over micro-batches, and the held-out loss, for a built model.
 
-Owns: the loss of one batch (inputs to the device, block-causal positions, autocast
-where FSDP does not cast), gradient accumulation with the loss scaled so that the
-gradient is the one big batch's, clipping and the optimizer and schedule step
+Owns: the loss of one batch (inputs to the device, block-causal positions and document
+ids, the labels that count under ``training.mask_document_boundaries``, autocast where
+FSDP does not cast), gradient accumulation with the loss scaled so that the gradient is
+the one big batch's (normalized by the labels that count over all micro-batches and
+ranks when boundaries are masked), clipping and the optimizer and schedule step
 (`TrainStep`); the validation pass over held-out data (`Validator`); and the
 throughput figures logged with them (tokens/s per rank, MFU).
 
@@ -24,7 +26,6 @@ import torch.nn.functional as F
 from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError
 from torchtitan.data import build_dataloader
-from torchtitan.data.dataset import segment_lengths
 
 logger = logging.getLogger("torchtitan")
 
@@ -87,29 +88,73 @@ def device_peak_tflops(name: str) -> float:
     return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else 0.0
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+# The label value F.cross_entropy ignores (its default ignore_index).
+IGNORE_INDEX = -100
+
+
+# The fp32 log-probabilities of one cross-entropy call stay under this many bytes: the
+# loss runs over chunks of rows. On CPU a chunk then stays under glibc's mmap threshold
+# (32 MiB at most), so its buffers come from the heap and are reused every step instead
+# of being mapped and zero-filled afresh (8 K page faults per 32 MiB: 1.2 % of the
+# benchmark step); on a GPU it bounds the fp32 copy of bf16 logits (a 128 K vocabulary
+# at 64 K tokens would be 33 GB at once).
+LOSS_CHUNK_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
+
+
+def _cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str, chunk_bytes: int
+) -> torch.Tensor:
+    """Summed, or averaged over the labels that count, next-token loss of [B, T, V] logits."""
+    flat, target = logits.flatten(0, 1), labels.flatten()
+    rows = max(1, chunk_bytes // (4 * flat.shape[1]))
+    total = sum(
+        F.cross_entropy(part.float(), part_target, reduction="sum")
+        for part, part_target in zip(flat.split(rows), target.split(rows))
+    )
+    if reduction == "sum":
+        return total
+    return total / (target != IGNORE_INDEX).sum()
 
 
 class BatchLoss:
-    """The mean next-token loss of one batch, as training and validation both compute it."""
+    """The next-token loss of one batch, as training and validation both compute it."""
 
     def __init__(self, cfg, model: torch.nn.Module, dims: parallel.ParallelDims):
         self.model = model
         self.device = dims.device
+        self.world_size = dims.world_size
         self.block_causal = cfg.model.attention_mask == "block_causal"
+        self.mask_boundaries = cfg.training.mask_document_boundaries
         dtype = parallel.compute_dtype(cfg, dims.device)
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does.
         self.autocast = dtype != torch.float32 and not parallel.is_fsdp(model)
         self.dtype = dtype
-        # Loss parallel: cross-entropy over vocabulary-sharded logits, in its context.
+        # Loss parallel: cross-entropy over vocabulary-sharded logits, in its context,
+        # over the whole batch at once (the row chunks are for plain tensors).
         self.context = lambda: tensor_parallel.loss_context(model)
-        compiled = cfg.training.compile and not getattr(model, "loss_parallel", False)
+        self.loss_parallel = getattr(model, "loss_parallel", False)
+        self.chunk_bytes = LOSS_CHUNK_BYTES.get(dims.device.type, LOSS_CHUNK_BYTES["cuda"])
+        if self.loss_parallel:
+            self.chunk_bytes = 1 << 62
+        compiled = cfg.training.compile and not self.loss_parallel
         self.cross_entropy = torch.compile(_cross_entropy) if compiled else _cross_entropy
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def counted(self, batch: dict) -> int:
+        """How many of the batch's labels count (read on the host: no device sync)."""
+        if not self.mask_boundaries:
+            return batch["label"].numel()
+        return int((batch["label_document_ids"] == batch["document_ids"]).sum())
+
+    def __call__(self, batch: dict, normalizer: float | None = None) -> torch.Tensor:
+        """The mean loss over the labels that count; with ``normalizer``, their summed
+        loss divided by it."""
         inputs = batch["input"].to(self.device, non_blocking=True)
-        labels = batch["label"].to(self.device, non_blocking=True)
+        labels = batch["label"]
+        if self.mask_boundaries:
+            # A document's last token predicting the next document's first: no signal.
+            crossing = batch["label_document_ids"] != batch["document_ids"]
+            labels = labels.masked_fill(crossing, IGNORE_INDEX)
+        labels = labels.to(self.device, non_blocking=True)
         autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.autocast
@@ -117,11 +162,15 @@ class BatchLoss:
         )
         with autocast:
             if self.block_causal:
+                # The document ids stay on the host: the sdpa and varlen masks are
+                # computed there without a device sync (flex moves them itself).
                 positions = batch["positions"].to(self.device, non_blocking=True)
-                logits = self.model(inputs, positions, segment_lengths(batch["document_ids"]))
+                logits = self.model(inputs, positions, batch["document_ids"])
             else:
                 logits = self.model(inputs)
-        return self.cross_entropy(logits, labels)
+        if normalizer is None:
+            return self.cross_entropy(logits, labels, "mean", self.chunk_bytes)
+        return self.cross_entropy(logits, labels, "sum", self.chunk_bytes) / normalizer
 
 
 class TrainStep:
@@ -138,12 +187,24 @@ class TrainStep:
 
         Each micro-batch's mean loss is divided by their number, so with equal-sized
         micro-batches the summed gradient is that of the mean over the whole batch.
+        With document boundaries masked, micro-batches hold different numbers of labels
+        that count: each one's summed loss is divided by the count over all micro-batches
+        and ranks (one all-reduce of an integer per step), times the ranks that the
+        gradient reduction averages over, so the gradient is that of the mean over every
+        label that counts in the global batch, however it is split.
         """
+        normalizer = None
+        if self.loss.mask_boundaries:
+            counted = parallel.sum_over_ranks(sum(self.loss.counted(b) for b in batches))
+            normalizer = max(1, counted) / self.loss.world_size
         total = torch.zeros((), device=self.loss.device)
         for i, batch in enumerate(batches):
             with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
                 with self.loss.context():
-                    loss = self.loss(batch) / len(batches)
+                    if normalizer is None:
+                        loss = self.loss(batch) / len(batches)
+                    else:
+                        loss = self.loss(batch, normalizer)
                     loss.backward()
             total += tensor_parallel.local_value(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(

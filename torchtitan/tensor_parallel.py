@@ -100,9 +100,9 @@ def apply(model: nn.Module, tp_mesh, sequence_parallel: bool, with_loss_parallel
     draws = PerRankDraws(tp_mesh.get_local_rank(), tp_mesh.device_type)
     for block in model.layers:
         plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(seq, None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
+            "attention": PrepareModuleInput(  # (x, rotation, document mask)
+                input_layouts=(seq, None, None),
+                desired_input_layouts=(Replicate(), None, None),
             ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

@@ -104,7 +104,7 @@ def build_dataloader(
         t.batch_size,
         num_workers=t.num_workers,
         auto_shards=t.data_shards == 0,
-        document_layout=cfg.model.attention_mask == "block_causal",
+        document_layout=cfg.model.attention_mask == "block_causal" or t.mask_document_boundaries,
         accumulation=accumulation,
     )
 

@@ -312,17 +312,14 @@ def document_positions(spans: list[list], length: int) -> tuple[np.ndarray, np.n
     return positions, document_ids
 
 
-def segment_lengths(document_ids: torch.Tensor) -> list[list[int]]:
-    """Per row of ``document_ids`` [B, T]: the lengths of its runs of equal ids."""
-    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids]
-
-
 def collate(samples: list[dict], document_layout: bool = False, transfer: bool = False) -> dict:
     """Stack inputs and labels; keep the ragged provenance spans as a list per sample.
 
-    With ``document_layout`` (``model.attention_mask = "block_causal"``), also
-    ``positions`` and ``document_ids`` [B, T] from the spans; without it a batch carries
-    no such tensors (no work, and nothing more for a worker to send).
+    With ``document_layout`` (``model.attention_mask = "block_causal"`` or
+    ``training.mask_document_boundaries``), also ``positions`` and ``document_ids``
+    [B, T] of the inputs and ``label_document_ids`` [B, T] of the labels (views of one
+    array over the window, as input and label are), from the spans; without it a batch
+    carries no such tensors (no work, and nothing more for a worker to send).
 
     With ``transfer`` (in a loader worker) the arrays stay numpy arrays, under
     ``windows`` (inputs and labels in one), for ``as_tensors`` to turn into tensors in
@@ -336,9 +333,9 @@ def collate(samples: list[dict], document_layout: bool = False, transfer: bool =
     batch = {"windows": windows}
     if document_layout:
         length = windows.shape[1] - 1
-        layouts = [document_positions(s["spans"], length) for s in samples]
-        batch["positions"] = np.stack([p for p, _ in layouts])
-        batch["document_ids"] = np.stack([d for _, d in layouts])
+        layouts = [document_positions(s["spans"], length + 1) for s in samples]
+        batch["positions"] = np.stack([p[:length] for p, _ in layouts])
+        batch["window_document_ids"] = np.stack([d for _, d in layouts])
     if not transfer:
         batch = as_tensors(batch)
     return {
@@ -355,11 +352,14 @@ def collate(samples: list[dict], document_layout: bool = False, transfer: bool =
 
 def as_tensors(batch: dict) -> dict:
     """A collated batch's arrays as tensors (no copy): ``windows`` becomes ``input`` and
-    ``label``, views of one tensor."""
+    ``label``, and ``window_document_ids`` ``document_ids`` and ``label_document_ids``,
+    each pair views of one tensor."""
     if "windows" in batch:
         windows = torch.from_numpy(batch.pop("windows"))
         batch["input"], batch["label"] = windows[:, :-1], windows[:, 1:]
-    for key in ("positions", "document_ids"):
-        if key in batch:
-            batch[key] = torch.from_numpy(batch[key])
+    if "window_document_ids" in batch:
+        ids = torch.from_numpy(batch.pop("window_document_ids"))
+        batch["document_ids"], batch["label_document_ids"] = ids[:, :-1], ids[:, 1:]
+    if "positions" in batch:
+        batch["positions"] = torch.from_numpy(batch["positions"])
     return batch

@@ -4,7 +4,8 @@ This module owns the model definition (`ModelArgs`, `Transformer`), its
 weight initialisation (a function of the seed and each parameter's name only, so
 the same at any sharding), the named flavors in `llama_configs`, the FLOPs per
 token used for MFU, and `build_model`, the one way the trainer turns a flavor
-name into a model.
+name into a model. The attention kernels and the per-batch document masks they read
+are in `torchtitan.models.attention`.
 
 It must never touch the process group or wrap itself for FSDP/DDP/TP: parallelism,
 activation checkpointing and compilation are applied from outside (per block,
@@ -16,7 +17,6 @@ set from outside (``heads_rng``, ``output_rng``; see tensor_parallel.py).
 
 import contextlib
 import hashlib
-import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
+
+from torchtitan.models import attention
 
 # Rows of a weight drawn from one seeded generator. Any sharding of dim 0 then draws
 # exactly the same numbers: a rank generates only the blocks that overlap its rows.
@@ -44,6 +46,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     dropout: float = 0.0
+    attention_backend: str = "sdpa"  # one of attention.BACKENDS; no parameter depends on it
     flavor: str = "custom"  # only used to make error messages name the flavor
 
     def __post_init__(self):
@@ -66,6 +69,10 @@ class ModelArgs:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout {self.dropout} must be in [0, 1)")
+        if self.attention_backend not in attention.BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r}: choose one of {attention.BACKENDS}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +106,8 @@ llama_configs: dict[str, ModelArgs] = {
         max_seq_len=4096,
         flavor="debugmodel",
     ),
-    # GPT-3 Small width/depth with a Llama block.
+    # GPT-3 Small width/depth with a Llama block. max_seq_len only sizes the RoPE
+    # tables (not checkpointed), so 8192 costs nothing and lets it train long sequences.
     "125M": ModelArgs(
         dim=768,
         n_layers=12,
@@ -107,7 +115,7 @@ llama_configs: dict[str, ModelArgs] = {
         n_kv_heads=12,
         vocab_size=32000,
         multiple_of=256,
-        max_seq_len=2048,
+        max_seq_len=8192,
         flavor="125M",
     ),
     # Llama 3.2 1B shapes (that model ties its embeddings; this one does not).
@@ -161,23 +169,29 @@ def rope_cos_sin(head_dim: int, max_seq_len: int, theta: float, device=None):
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (2i, 2i+1) of x [B, T, H, D] by position-dependent angles.
 
-    ``cos``/``sin`` are the tables ([max_seq_len, D/2]: positions 0..T-1 for every row)
-    or already gathered per token ([B, T, D/2]: per-document positions).
+    ``rotation`` holds (cos, sin) of each angle in fp32: the table's first T rows
+    ([T, D/2, 2], positions 0..T-1 for every row) or gathered per token
+    ([B, T, D/2, 2], per-document positions). Eagerly a pair is one complex number and
+    the rotation one complex multiplication: one kernel forward and one backward, no
+    stack or cat (3.4x faster than the written-out rotation on CPU), equal to
+    (x0 cos - x1 sin, x0 sin + x1 cos) to the last bit or two (the complex kernel may
+    fuse multiply-adds). Compiled, the rotation is written out: inductor generates no
+    code for complex numbers, and the real form fuses into one kernel with its neighbours.
     """
     B, T, H, D = x.shape
-    # The rotation is done in fp32 (the tables are fp32) so bf16 activations
-    # do not lose the small angles of high positions.
-    xf = x.float().reshape(B, T, H, D // 2, 2)
-    x0, x1 = xf.unbind(-1)
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    # In fp32 (the rotation is fp32), so bf16 activations do not lose the small angles
+    # of high positions.
+    pairs = x.float().reshape(B, T, H, D // 2, 2)
+    rotation = rotation.unsqueeze(2) if rotation.dim() == 4 else rotation.view(1, T, 1, D // 2, 2)
+    if torch.compiler.is_compiling():
+        x0, x1 = pairs.unbind(-1)
+        cos, sin = rotation.unbind(-1)
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     else:
-        cos = cos[:T].view(1, T, 1, D // 2)
-        sin = sin[:T].view(1, T, 1, D // 2)
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rotation))
     return out.flatten(3).type_as(x)
 
 
@@ -198,41 +212,16 @@ class Attention(nn.Module):
         self.heads_rng = None
         self.output_rng = None
 
-    def _sdpa(self, q, k, v) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, mask=None) -> torch.Tensor:
+        """``mask``: what `attention.document_mask` built for this batch (None: causal
+        over whole rows with sdpa)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        q, k = apply_rope(q, rotation), apply_rope(k, rotation)
         with _draws(self.heads_rng, self.training and self.dropout > 0):
-            if segments is None:
-                y = self._sdpa(q, k, v)
-            else:
-                # Block-causal: each document attends causally within itself only. Run as
-                # one causal attention per document, so a document's result is the same
-                # computation wherever it sits in the sequence (bit for bit).
-                rows = []
-                for b, lengths in enumerate(segments):
-                    bounds = [0, *itertools.accumulate(lengths)]
-                    rows.append(torch.cat([
-                        self._sdpa(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e])
-                        for s, e in zip(bounds, bounds[1:])
-                    ], dim=2))  # fmt: skip
-                y = torch.cat(rows)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            y = attention.attend(q, k, v, mask, self.dropout if self.training else 0.0)
         out = self.wo(y)
         with _draws(self.output_rng, self.training and self.dropout > 0):
             return self.resid_dropout(out)
@@ -273,17 +262,17 @@ class TransformerBlock(nn.Module):
         self.recompute = False
         self.compiled = None
 
-    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, segments)
+    def compute(self, x: torch.Tensor, rotation: torch.Tensor, mask=None):
+        x = x + self.attention(self.attention_norm(x), rotation, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments=None):
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, mask=None):
         # FSDP's hooks run around this call, outside the recomputed region, as with a
         # checkpoint wrapper; the dropout RNG state is replayed by the recomputation.
         compute = self.compiled or self.compute
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(compute, x, cos, sin, segments, use_reentrant=False)
-        return compute(x, cos, sin, segments)
+            return checkpoint(compute, x, rotation, mask, use_reentrant=False)
+        return compute(x, rotation, mask)
 
 
 class Transformer(nn.Module):
@@ -346,15 +335,17 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        segments: list[list[int]] | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: LongTensor [B, T] -> logits [B, T, vocab_size].
 
-        Causal over the whole sequence by default. With ``positions`` ([B, T], per-document
-        RoPE positions) and ``segments`` (per row, the lengths of its documents, summing to
-        T), attention stays within each document (block-causal).
+        Causal over the whole sequence by default. ``positions`` ([B, T]) are the RoPE
+        positions of each token (per document: restarting at 0); with ``document_ids``
+        ([B, T], equal within a document, on the host or the device) each token attends
+        only to the earlier tokens of its own document (block-causal). The mask is built
+        once per batch, for the model's attention backend, and shared by all layers.
         """
-        T = tokens.shape[1]
+        B, T = tokens.shape
         if T > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len} "
@@ -362,11 +353,18 @@ class Transformer(nn.Module):
                 f"{self.args.max_seq_len} or build the model with a larger max_seq_len"
             )
         cos, sin = self.rope_cos, self.rope_sin
-        if positions is not None:
+        if positions is None:
+            cos, sin = cos[:T], sin[:T]
+        else:
+            positions = positions.to(cos.device, non_blocking=True)
             cos, sin = cos[positions], sin[positions]  # [B, T, head_dim / 2]
+        rotation = torch.stack((cos, sin), dim=-1)
+        mask = attention.document_mask(
+            self.args.attention_backend, B, T, tokens.device, document_ids
+        )
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, segments)
+            h = layer(h, rotation, mask)
         return self.output(self.norm(h))
 
 
@@ -377,6 +375,7 @@ def build_model(
     dropout: float = 0.0,
     device: str | torch.device = "meta",
     seed: int = 0,
+    attention_backend: str = "sdpa",
 ) -> Transformer:
     """Build the named flavor with the tokenizer's vocab_size.
 
@@ -389,7 +388,12 @@ def build_model(
         raise ValueError(
             f"unknown llama flavor {flavor!r}: valid choices are {sorted(llama_configs)}"
         )
-    args = replace(llama_configs[flavor], vocab_size=vocab_size, dropout=dropout)
+    args = replace(
+        llama_configs[flavor],
+        vocab_size=vocab_size,
+        dropout=dropout,
+        attention_backend=attention_backend,
+    )
     if max_seq_len is not None:
         args = replace(args, max_seq_len=max_seq_len)
     with torch.device("meta"):
