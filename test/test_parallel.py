@@ -273,6 +273,8 @@ def test_layout_config_errors_name_the_key_and_the_fix():
         (["--parallelism.data_parallel_shard_degree", "0"], "or -1 for the world size"),
         (["--parallelism.tensor_parallel_degree", "2", "--training.compile"],
          "do not give the eager gradients"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.mask_document_boundaries"],
+         "is not supported yet"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match="parallelism") as e:
             parse_args([*CONFIG, *argv])
