@@ -178,6 +178,7 @@ def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
 # ---- SIGKILL anywhere -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_corpus):
     """CI-sized fault injection with async saves: 1 trial, 2 kills, the first during a
     checkpoint write (the slow campaign covers sync saves too). On a 12-document corpus
