@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import losses, train_here
+from test_model import many_documents
 
 from torchtitan import config
 from torchtitan.config import parse_args
@@ -31,15 +32,7 @@ def model_for(backend: str):
 
 def documents(B: int = 4, T: int = 512, seed: int = 3):
     """B rows of T tokens cut into documents of 1 to 200 tokens: tokens, positions, ids."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 4096, (B, T), generator=g)
-    positions, ids = torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
-    for b in range(B):
-        t, d = 0, 0
-        while t < T:
-            n = min(T - t, int(torch.randint(1, 201, (1,), generator=g)))
-            positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
-            t, d = t + n, d + 1
+    tokens, positions, ids = many_documents(B, T, seed, longest=200)
     return tokens.cuda(), positions.cuda(), ids
 
 

@@ -477,16 +477,16 @@ def test_block_causal_logits_of_a_document_do_not_depend_on_its_neighbours(backe
     assert not torch.equal(model(packed)[0, 30:50], together)
 
 
-def _many_documents(B: int = 3, T: int = 160, seed: int = 4):
-    """B rows of T tokens cut into documents of 1 to 40 tokens (a row may start with the
-    tail of a document, whose positions also start at 0): tokens, positions, ids."""
+def many_documents(B: int = 3, T: int = 160, seed: int = 4, longest: int = 40):
+    """B rows of T tokens cut into documents of 1 to ``longest`` tokens (a row may start
+    with the tail of a document, whose positions also start at 0): tokens, positions, ids."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 4096, (B, T), generator=g)
     positions, ids = torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
     for b in range(B):
         t, d = 0, 0
         while t < T:
-            n = min(T - t, int(torch.randint(1, 41, (1,), generator=g)))
+            n = min(T - t, int(torch.randint(1, longest + 1, (1,), generator=g)))
             positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
             t, d = t + n, d + 1
     return tokens, positions, ids
@@ -499,7 +499,7 @@ def test_flex_forward_matches_the_per_document_loop():
     implementations of the same math (flex masks the scores of the whole row, the loop
     never computes them, so sums run in another order: ~1e-6 measured); a wrong mask
     moves the logits by more than 1e-2. Negative control: flex with plain causal."""
-    tokens, positions, ids = _many_documents()
+    tokens, positions, ids = many_documents()
     loop = _debug_model("sdpa")(tokens, positions, ids)
     flex = _debug_model("flex")
     torch.testing.assert_close(flex(tokens, positions, ids), loop, rtol=0, atol=1e-5)
@@ -513,7 +513,7 @@ def test_varlen_layout_equals_the_per_document_loop(cpu_varlen):
     causal rows too. Negative control: one off-by-one boundary changes the logits."""
     from torchtitan.models import attention
 
-    tokens, positions, ids = _many_documents()
+    tokens, positions, ids = many_documents()
     varlen = _debug_model("varlen")
     assert torch.equal(varlen(tokens, positions, ids), _debug_model("sdpa")(tokens, positions, ids))
     assert torch.equal(varlen(tokens), _debug_model("sdpa")(tokens))
@@ -539,7 +539,7 @@ def test_the_mask_is_built_once_per_batch_and_shared_by_all_layers(monkeypatch):
         attention, "attend", lambda q, k, v, m, p=0.0: seen.append(m) or attend(q, k, v, m, p)
     )
     model = _debug_model("flex")
-    tokens, positions, ids = _many_documents(B=2, T=64)
+    tokens, positions, ids = many_documents(B=2, T=64)
     model(tokens, positions, ids)
     assert len(built) == 1 and len(seen) == model.args.n_layers
     assert all(m is built[0] for m in seen)
