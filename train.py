@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -26,6 +27,7 @@ from torchtitan.data import (
     inspect_share,
     list_sources,
 )
+from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.metrics import StepMetrics
@@ -33,7 +35,7 @@ from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler
-from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps
+from torchtitan.step import BatchLoss, TrainStep, Validator
 
 logger = logging.getLogger("torchtitan")
 
@@ -100,23 +102,42 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
 
 def resolve_data(cfg: JobConfig, tokenizer: Tokenizer, dims: parallel.ParallelDims) -> DataPlan:
     """One resolution of the data per job (torchtitan/data/plan.py): rank 0 lists the
-    sources, every rank inspects its share of the files, rank 0 combines the shares.
-    O(files / ranks) file reads per rank; a DataError anywhere stops every rank with it."""
+    sources, every rank inspects its share of the files, rank 0 combines the shares; then
+    the length index, measured in shares where it is not cached yet. O(files / ranks) file
+    reads per rank (O(documents / ranks) tokenized on a corpus's first start); a DataError
+    anywhere stops every rank with it."""
     t = cfg.training
     specs = parallel.on_main(dims, list_sources, t)
     try:
         share = inspect_share(specs, t, tokenizer, dims.rank, dims.world_size)
     except DataError as e:
         share = e  # rank 0 raises it for every rank
-    shares = parallel.gather_objects(dims, share)
+    plan = parallel.on_main(dims, _on_shares(combine, specs, parallel.gather_objects(dims, share)),
+                            t, tokenizer)  # fmt: skip
+    found = parallel.on_main(dims, cached_indexes, plan, t)
+    if any(index is None for index in found):
+        try:
+            share = measure_share(plan, found, t, tokenizer, dims.rank, dims.world_size)
+        except DataError as e:
+            share = e
+        complete = _on_shares(complete_indexes, plan, found, parallel.gather_objects(dims, share))
+        found = parallel.on_main(dims, complete, t)
+    plan.indexes = found
+    return plan
 
-    def combined():
+
+def _on_shares(combine_shares, *args):
+    """``combine_shares(*args, shares, ...)`` that raises the first rank's DataError a
+    share holds instead (so rank 0 raises it for every rank)."""
+    *head, shares = args
+
+    def combined(*rest):
         for share in shares:
             if isinstance(share, Exception):
                 raise share
-        return combine(specs, shares, t, tokenizer)
+        return combine_shares(*head, shares, *rest)
 
-    return parallel.on_main(dims, combined)
+    return combined
 
 
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
@@ -154,13 +175,12 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     if cfg.checkpoint.create_seed_checkpoint:
         return write_seed_checkpoint(cfg, dims, tokenizer)
 
-    accumulation = accumulation_steps(cfg, dims.dp_world)
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
     plan = resolve_data(cfg, tokenizer, dims)
     # TP peers train on the same batches: the loader is the data-parallel rank's.
-    dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, accumulation, plan)
+    dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
     train_state = TrainState()
     # Dropout streams differ between data-parallel ranks and are shared by TP peers, which
     # hold the same activations (tensor_parallel.py); the checkpoint restores them.
@@ -179,32 +199,33 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
     try:
         run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
-            checkpoint, preemption, accumulation)  # fmt: skip
+            checkpoint, preemption)  # fmt: skip
     finally:  # handlers go, even when a step fails
         preemption.close()
 
 
 def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
-        checkpoint, preemption, accumulation):  # fmt: skip
+        checkpoint, preemption):  # fmt: skip
     """Resume, then train to the last step (or the preemption), then close."""
     train_state.step = checkpoint.load()
+    dataloader.set_step(train_state.step)  # the batch-size schedule is by training step
     if checkpoint.loaded_from is None:
         load_initial_weights(cfg, model, dims)
     batch_loss = BatchLoss(cfg, model, dims)
     step = TrainStep(cfg, model, optimizer, scheduler, batch_loss, checkpoint.wait_for_staging)
     validator = Validator(cfg, tokenizer, dims, batch_loss) if cfg.validation.enable else None
-    metrics = StepMetrics(cfg, dims, model, validator, preemption, accumulation, train_state.step)
+    metrics = StepMetrics(cfg, dims, model, validator, preemption, dataloader, train_state.step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     model.train()
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
         while train_state.step < metrics.last_step:
             metrics.start_step()
-            batches, data_wait_s = next_batches(dataloader, accumulation)
+            batches, data_wait_s = next_batches(dataloader)
             train_state.step += 1
-            train_state.tokens_seen += metrics.tokens_per_step
+            train_state.tokens_seen += metrics.step_tokens(dataloader)
             loss, grad_norm, lr = step(batches)
             metrics.end_step(train_state.step, train_state.tokens_seen, batches, data_wait_s,
-                             loss, grad_norm, lr, dataloader.skipped_documents())  # fmt: skip
+                             loss, grad_norm, lr)  # fmt: skip
             saved = checkpoint.save_if_due(train_state.step, stop_at=cfg.training.stop_at_step)
             if preemption.stop_after(train_state.step, checkpoint, saved):
                 break
@@ -214,13 +235,11 @@ def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_sta
     logger.info("done: %d steps, %d tokens", train_state.step, train_state.tokens_seen)
 
 
-def next_batches(dataloader, count: int) -> tuple[list[dict], float]:
+def next_batches(dataloader) -> tuple[list[dict], float]:
     """The next optimizer step's micro-batches, and the time spent waiting for them."""
-    batches, wait_s = [], 0.0
-    for _ in range(count):
-        batches.append(next(dataloader))
-        wait_s += dataloader.last_wait_s
-    return batches, wait_s
+    start = time.perf_counter()
+    batches = dataloader.next_step()
+    return batches, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:

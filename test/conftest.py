@@ -42,6 +42,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def length_index_cache(tmp_path_factory):
+    """Length indexes go to a folder of this session (jobs it launches inherit it), never
+    to the user's cache."""
+    import os
+
+    from torchtitan.data.index import CACHE_ENV
+
+    folder = tmp_path_factory.mktemp("cache")
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_TOKENIZER_PATH)
@@ -97,6 +115,28 @@ def dozen_corpus(tmp_path_factory) -> Path:
 def second_corpus(tmp_path_factory) -> Path:
     """16 short real documents (KJV) in two jsonl files, for mixing."""
     return write_jsonl(tmp_path_factory.mktemp("second") / "kjv", bundled_documents("kjv", 16))
+
+
+def heavy_tailed_documents(count: int, seed: int = 0) -> list[dict]:
+    """``count`` documents of real text (KJV and Shakespeare) whose lengths are heavy-tailed
+    like a web corpus's: log-normal characters, median ~500, from 60 to ~12,000."""
+    import numpy as np
+
+    text = "\n".join(
+        d["text"] for s in ("kjv", "shakespeare") for d in bundled_documents(s, 40, 30000)
+    )
+    rng = np.random.default_rng(seed)
+    sizes = np.clip(rng.lognormal(np.log(500), 1.1, count), 60, 12000).astype(int)
+    starts = rng.integers(0, len(text) - 12001, count)
+    return [
+        {"id": f"h{i:04d}", "text": text[a : a + n]} for i, (a, n) in enumerate(zip(starts, sizes))
+    ]
+
+
+@pytest.fixture(scope="session")
+def heavy_corpus(tmp_path_factory) -> Path:
+    """240 documents of heavy-tailed lengths in three jsonl files."""
+    return write_jsonl(tmp_path_factory.mktemp("heavy") / "heavy", heavy_tailed_documents(240), 3)
 
 
 @cache

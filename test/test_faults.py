@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import resource
 import shutil
 import signal
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import CONFIG, REPO, bundled_documents, error_lines, read_jsonl, run_main, train_here
-from test_data import make, take
+from test_data import loaders
 
 from torchtitan.data.sources import DataError, resolve_source
 from torchtitan.runs import run_env, torchrun_command
@@ -31,29 +32,37 @@ def write(path, rows: list[dict] | None = None, raw: bytes | None = None):
 GOOD = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
 
 
+def read(folder, tokenizer, windows: int, **kw) -> tuple:
+    """(the loader, the spans of its first ``windows`` windows): one rank, unshuffled,
+    one window a step, so that passes go by."""
+    (loader,) = loaders(folder, tokenizer, 1, shuffle="false", batch=1, **kw)
+    return loader, [sp for _ in range(windows) for seq in next(loader)["spans"] for sp in seq]
+
+
 # ---- bad data (policy: skip and count; or a clear error before training) ---------------
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+@pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
 def test_invalid_utf8_is_skipped_and_counted(tmp_path, tokenizer, streaming):
     good = b"".join(json.dumps(r).encode() + b"\n" for r in GOOD)
     folder = write(
         tmp_path / "d" / "a.jsonl", raw=good + b'{"id": "bad", "text": "caf\xe9 \xff"}\n'
     )
-    samples = take(make(folder, tokenizer, data_shards=1, shuffle=False, streaming=streaming), 12)
-    assert samples[-1]["skipped"] >= 1
-    assert {sp[1] for s in samples for sp in s["spans"]} == {"g0", "g1", "g2", "g3"}
+    loader, spans = read(folder, tokenizer, 12, streaming=streaming)
+    assert loader.skipped_documents() >= 1
+    assert {sp[1] for sp in spans} == {"g0", "g1", "g2", "g3"}
 
 
 def test_null_missing_and_non_string_text_are_skipped_and_counted(tmp_path, tokenizer):
     folder = write(tmp_path / "d" / "a.jsonl", [*GOOD, {"id": "n", "text": None}, {"id": "m"}])
-    samples = take(make(folder, tokenizer, data_shards=1, shuffle=False), 12)
-    assert {sp[1] for s in samples for sp in s["spans"]} == {"g0", "g1", "g2", "g3"}
-    epochs = max(sp[4] for s in samples for sp in s["spans"])
-    assert samples[-1]["skipped"] in (2 * epochs, 2 * epochs + 2)  # 2 skips in every pass
+    loader, spans = read(folder, tokenizer, 12)
+    assert {sp[1] for sp in spans} == {"g0", "g1", "g2", "g3"}
+    passes = max(sp[4] for sp in spans)
+    assert passes >= 1
+    assert 2 * passes <= loader.skipped_documents() <= 2 * passes + 2  # 2 skips in every pass
     ints = write(tmp_path / "i" / "a.jsonl", [{"text": 5}, {"text": 7}])
     with pytest.raises(DataError, match="no usable document"):
-        take(make(ints, tokenizer, data_shards=1), 1)
+        loaders(ints, tokenizer, 1)
 
 
 def test_empty_files_and_empty_datasets(tmp_path, tokenizer):
@@ -66,19 +75,21 @@ def test_empty_files_and_empty_datasets(tmp_path, tokenizer):
 
 
 def test_a_5_mb_document_packs_and_restores(tmp_path, tokenizer):
+    """Windows of 2,048 tokens inside one 5 MB document: the state after 3 is a position
+    of a few bytes, and a fresh loader resumed there gives the next 2 windows, which
+    start 3 x 2,048 tokens into the document."""
     line = "And thus the whirligig of time brings in his revenges.\n"
     huge = {"id": "huge", "text": line * (5_000_000 // len(line))}
     folder = write(tmp_path / "d" / "a.jsonl", [huge, *GOOD])
-    ds = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
-    it = iter(ds)
-    take(ds, 3, it)
-    state = ds.state_dict()
-    assert len(json.dumps(state)) < 1000, "the state holds a position, not the 5 MB buffer"
-    reference = take(ds, 2, it)
-    fresh = make(folder, tokenizer, data_shards=1, shuffle=False, seq_len=2047)
+    loader, _ = read(folder, tokenizer, 3, seq=2047)
+    state = loader.state_dict()
+    assert len(pickle.dumps(state)) < 1000, "the state holds a position, not the 5 MB buffer"
+    reference = [next(loader) for _ in range(2)]
+    (fresh,) = loaders(folder, tokenizer, 1, shuffle="false", batch=1, seq=2047)
     fresh.load_state_dict(state)
-    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(take(fresh, 2), reference))
-    assert reference[0]["spans"][0][1] == "huge" and reference[0]["spans"][0][2] == 3 * 2048
+    for a, b in zip([next(fresh) for _ in range(2)], reference):
+        assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+    assert reference[0]["spans"][0] == [["d", "huge", 3 * 2048, 4 * 2048, 0, 0]]
 
 
 LONG_TEXT = ("  Leading spaces,\ttabs \u2028 and\r\nCRLF;\n\n\n" * 4000) + "no final newline"
@@ -117,9 +128,9 @@ def test_a_dummy_prefix_tokenizer_never_takes_the_line_by_line_path(tmp_path):
 
 
 def test_a_small_partly_bad_corpus_trains_out_of_the_box(tmp_path):
-    """67 documents, some empty, null or not strings, default settings: the shard count is
-    sized to the corpus at start, shards left with no usable document are skipped, and
-    training runs (this used to stop at the first batch with 64 shards)."""
+    """67 documents, some empty, null or not strings, default settings: the bad ones are
+    skipped and counted, and training runs (this used to stop at the first batch with
+    64 shards)."""
     rows = [{"id": f"d{i}", "text": f"Document {i} of a small corpus.\n" * 5} for i in range(67)]
     for i in range(0, 67, 7):
         rows[i]["text"] = [None, "", "   ", 17][i % 4]

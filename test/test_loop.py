@@ -17,9 +17,10 @@ from conftest import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
+from torchtitan.data.loader import BatchSchedule
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
-from torchtitan.step import BatchLoss, TrainStep, Validator, accumulation_steps, peak_tflops
+from torchtitan.step import BatchLoss, TrainStep, Validator, peak_tflops
 
 ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
 
@@ -40,6 +41,21 @@ def sequences(count: int, seq_len: int = 32) -> dict:
 
 def split(batch: dict, parts: int) -> list[dict]:
     return [dict(zip(batch, values)) for values in zip(*(v.chunk(parts) for v in batch.values()))]
+
+
+def split_as_the_loader_does(batch: dict, micro: int, weights: bool = True) -> list[dict]:
+    """``batch`` (one rank's whole global batch) cut into the loader's micro-batches of at
+    most ``micro``, each with the loader's loss weight (or none: the negative control)."""
+    size = len(batch["input"])
+    schedule = BatchSchedule([(0, size)], micro, 1)
+    parts, at = [], 0
+    for n in schedule.micro_sizes(size, schedule.accumulation(size)):
+        part = {k: v[at : at + n] for k, v in batch.items()}
+        if weights:
+            part["loss_weight"] = n / size
+        parts.append(part)
+        at += n
+    return parts
 
 
 def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
@@ -66,17 +82,25 @@ def gradients_of(cfg, batches: list[dict], scale=None) -> dict:
 
 def test_accumulated_gradient_equals_the_gradient_of_one_big_batch():
     """4 micro-batches of 2 give the gradient of one batch of 8 (to float rounding: the
-    sums run in another order), because each micro-batch's loss is divided by 4. Not
-    scaling it (the negative control) gives 4 times the gradient."""
+    sums run in another order), each micro-batch's loss weighted 1/4; and 8 sequences in
+    micro-batches of at most 3 (3, 3, 2) do too, weighted 3/8, 3/8, 2/8 as the loader sets
+    them. Negative controls: a loss scaled 4 times, and equal weights on the unequal
+    micro-batches, give other gradients."""
     batch = sequences(8)
     big = gradients_of(config("--training.batch_size", 8), [batch])
     cfg = config("--training.batch_size", 2, "--training.global_batch_size", 8)
-    assert accumulation_steps(cfg, 1) == 4
+    assert BatchSchedule.from_config(cfg.training, 1).accumulation(8) == 4
     accumulated = gradients_of(cfg, split(batch, 4))
     unscaled = gradients_of(cfg, split(batch, 4), scale=4.0)
+    uneven = split_as_the_loader_does(batch, 3)
+    assert [len(p["input"]) for p in uneven] == [3, 3, 2]
+    weighted = gradients_of(cfg, uneven)
+    equal = gradients_of(cfg, split_as_the_loader_does(batch, 3, weights=False))
     for name, grad in big.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(weighted[name], grad, rtol=1e-4, atol=1e-7)
         assert not torch.allclose(unscaled[name], grad, rtol=1e-2, atol=1e-6), name
+    assert any(not torch.allclose(equal[n], g, rtol=1e-3, atol=1e-7) for n, g in big.items())
 
 
 def test_the_loss_over_chunks_of_rows_is_the_loss_over_all_of_them():
@@ -139,12 +163,20 @@ def test_masked_boundaries_are_normalized_by_the_labels_that_count_in_the_whole_
             assert not torch.allclose(wrong[name], grad, rtol=1e-2, atol=1e-6), name
 
 
-def test_global_batch_that_does_not_split_is_one_line(tmp_path):
-    """6 sequences do not split into micro-batches of 4; 12 do not split over the ranks."""
-    status, log = train_here(tmp_path, "--training.global_batch_size", 6, expect_ok=False)
-    assert status == 2 and "training.global_batch_size 6 is not a multiple of" in log
-    with pytest.raises(Exception, match=r"12 is not a multiple of training.batch_size 4 x 2"):
-        accumulation_steps(config("--training.global_batch_size", 12), 2)
+def test_a_batch_size_schedule_sets_each_steps_batch_and_a_bad_one_is_one_line(tmp_path):
+    """0:4,2:6,3:5 in micro-batches of 4: steps 1-2 take 4 sequences, step 3 six (two
+    micro-batches, 3 and 3), step 4 five; tokens_seen counts what each step took. A
+    schedule that does not start at step 0 is one config line, status 2."""
+    _, log = train_here(tmp_path / "run", "--training.steps", 4, "--metrics.log_freq", 1,
+                        "--training.batch_size_schedule", "0:4,2:6,3:5")  # fmt: skip
+    seen = [r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert seen == [4 * 128, 8 * 128, 14 * 128, 19 * 128]
+    status, log = train_here(tmp_path / "bad", "--training.batch_size_schedule", "5:4",
+                             expect_ok=False)  # fmt: skip
+    assert (
+        status == 2
+        and "training.batch_size_schedule '5:4': the first point must be at step 0" in log
+    )
 
 
 # ---- activation checkpointing and mixed precision --------------------------------------

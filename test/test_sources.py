@@ -2,39 +2,38 @@
 configs), Hub dataset ids, ``save_to_disk`` folders (Dataset and DatasetDict) and
 pretokenized corpora. Each restores at every step, has a fingerprint that follows its
 data and not its location, and fails with one line that names the fix; a pretokenized
-corpus yields the batches of tokenizing its original on the fly.
+corpus yields the batches of tokenizing its original on the fly, and is never tokenized.
+
+Loaders are built as test_data builds them (``loaders``: the config parsed, the data
+plan and length index made by the real code).
 
 No network here: a Hub id is resolved through a local folder standing in for the Hub.
 """
 
 from __future__ import annotations
 
-import copy
 import json
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import (
     CONFIG,
-    assert_exactly_once,
     bundled_documents,
     error_lines,
     losses,
     read_jsonl,
-    train,
     train_here,
     write_jsonl,
 )
+from test_data import cfg, global_steps, loaders
 
 from torchtitan.checkpoint import fingerprint_diff
 from torchtitan.config import ConfigError, DatasetSpec, parse_args
-from torchtitan.data import ParallelDataLoader, TokenDataset, document_lengths
-from torchtitan.data.pretokenized import pretokenize
+from torchtitan.data import document_lengths, source_specs
+from torchtitan.data.pretokenize import pretokenize
 from torchtitan.data.sources import DataError, open_source, resolve_source
-
-SEQ = 31
 
 README = """---
 configs:
@@ -124,33 +123,24 @@ def pretokenized_dozen(tmp_path_factory, dozen_corpus, tokenizer) -> Path:
     return out
 
 
-def dataset(source, tokenizer, **kw) -> TokenDataset:
-    kw = {**dict(data_shards=4, seed=7, shuffle=True, streaming=source.streaming), **kw}
-    return TokenDataset([source], tokenizer, SEQ, **kw)
-
-
-def take(ds, n: int, it=None) -> list[dict]:
-    it = it if it is not None else iter(ds)
-    return [next(it) for _ in range(n)]
-
-
-def same_samples(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x["input"], y["input"]) and torch.equal(x["label"], y["label"])
-        and x["spans"] == y["spans"]
-        for x, y in zip(a, b)
-    )  # fmt: skip
-
-
 # ---- restore at every step, for every kind ----------------------------------------------
 
+# kind -> the training.* settings that choose it, from the session's folders.
 KINDS = {
-    "hub_folder": lambda f: resolve_source(path=str(f["hub_repo"]), config="kjv"),
-    "hub_id": lambda f: resolve_source(name="someone/corpus", config="kjv"),
-    "saved": lambda f: resolve_source(path=str(f["saved"])),
-    "saved_dict": lambda f: resolve_source(path=str(f["saved_dict"]), split="test"),
-    "pretokenized": lambda f: resolve_source(path=str(f["pretokenized"])),
+    "hub_folder": lambda f: dict(dataset_path=f["hub_repo"], dataset_config="kjv"),
+    "hub_id": lambda f: dict(dataset="someone/corpus", dataset_config="kjv"),
+    "saved": lambda f: dict(dataset_path=f["saved"]),
+    "saved_dict": lambda f: dict(dataset_path=f["saved_dict"], dataset_split="test"),
+    "pretokenized": lambda f: dict(dataset_path=f["pretokenized"]),
 }
+
+
+def spec_of(kind: str, folders: dict):
+    """The source a kind's settings resolve to, as the job resolves it."""
+    args = [*CONFIG, *(str(a) for k, v in KINDS[kind](folders).items()
+                       for a in (f"--training.{k}", v))]  # fmt: skip
+    (spec,) = source_specs(parse_args(args).training)
+    return spec
 
 
 @pytest.fixture(scope="session")
@@ -159,40 +149,33 @@ def kind_folders(hub_repo, saved, saved_dict, pretokenized) -> dict:
             "pretokenized": pretokenized}  # fmt: skip
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+@pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_kind_restores_at_every_step(kind, streaming, kind_folders, tokenizer, monkeypatch):
-    """State after k sequences, loaded into a fresh dataset, yields exactly the rest, for
-    k = 0..40 across document and epoch ends (8 short documents, 4 shards, rank 1 of 2).
-    Negative control: a state one token off does not reproduce the reference."""
+    """The state after k steps, loaded into fresh loaders, gives exactly the rest, for
+    k = 0..10 across document and pass ends (8 short documents, 2 ranks, 6 sequences a
+    step). Negative control: a position one token off does not reproduce the reference."""
     if kind == "hub_id":
         hub_from_folder(monkeypatch, kind_folders["hub_repo"])
-    source = open_source(KINDS[kind](kind_folders), "text", "id", 7, True, streaming)
-    kw = dict(dp_rank=1, dp_world=2)
-    ds = dataset(source, tokenizer, **kw)
-    it = iter(ds)
+    kw = dict(KINDS[kind](kind_folders), streaming=streaming, global_batch_size=6)
+    ranks = loaders(None, tokenizer, 2, **kw)
     reference, states = [], []
-    for _ in range(46):
-        states.append(ds.state_dict())
-        reference.append(next(it))
-    assert min(p.cursor.epoch for s in ds._shards.values() for p in s.packers) >= 1
+    for _ in range(14):
+        states.append(ranks[0].state_dict())
+        reference += global_steps(ranks, 1)
+    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
 
-    def same(state, k) -> bool:
-        fresh = dataset(source, tokenizer, **kw)
-        fresh.load_state_dict(state)
-        return same_samples(take(fresh, 5), reference[k : k + 5])
+    def same(k, state) -> bool:
+        fresh = loaders(None, tokenizer, 2, **kw)
+        for loader in fresh:
+            loader.load_state_dict(state)
+        return global_steps(fresh, 3) == reference[k : k + 3]
 
-    for k in range(41):
-        assert same(states[k], k), k
-    k = next(k for k in range(1, 41) if next_packer_state(states[k])["offset"] > 0)
-    off_by_one = copy.deepcopy(states[k])
-    next_packer_state(off_by_one)["offset"] -= 1
-    assert not same(off_by_one, k)
-
-
-def next_packer_state(state: dict) -> dict:
-    v = sorted(state["shards"])[state["next"]]
-    return state["shards"][v]["sources"][0]
+    for k in range(11):
+        assert same(k, states[k]), k
+    entry = pickle.loads(states[5]["dp_rank_0"])
+    entry["offsets"][0] -= 1
+    assert not same(5, {"dp_rank_0": pickle.dumps(entry)})
 
 
 # ---- Hub-style folders ------------------------------------------------------------------
@@ -360,8 +343,8 @@ def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_p
     key = {"hub_folder": "hub_repo"}.get(kind, kind)
     moved = tmp_path / "elsewhere" / Path(kind_folders[key]).name
     shutil.copytree(kind_folders[key], moved)
-    before = KINDS[kind](kind_folders)
-    after = KINDS[kind]({**kind_folders, key: moved})
+    before = spec_of(kind, kind_folders)
+    after = spec_of(kind, {**kind_folders, key: moved})
     assert fingerprint(after) == fingerprint(before)
     if kind == "hub_folder":
         write_jsonl(moved / "kjv", bundled_documents("kjv", 7, 300))
@@ -377,9 +360,8 @@ def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_p
         )
         pretokenize(resolve_source(path=str(fewer)), tokenizer, str(moved), workers=1)
         changed = "tokens-00000.parquet changed"
-    diffs = fingerprint_diff(
-        fingerprint(before), fingerprint(KINDS[kind]({**kind_folders, key: moved}))
-    )
+    edited = spec_of(kind, {**kind_folders, key: moved})
+    diffs = fingerprint_diff(fingerprint(before), fingerprint(edited))
     assert any(changed in d for d in diffs), diffs
 
 
@@ -444,10 +426,10 @@ def bad_corpus(folder: Path) -> Path:
 
 
 def test_pretokenized_batches_equal_on_the_fly(tmp_path, tokenizer):
-    """Through the loader, 2 ranks: the same inputs, labels, spans and skipped-document
-    counts as tokenizing the original on the fly, across epochs, with unusable documents
-    (empty, whitespace, null) stored as null and skipped alike. Negative control: one
-    stored token changed in a copy shows up in the batches."""
+    """Through the loaders of 2 ranks: the same tokens and spans at every step, and the
+    same skipped-document counts, as tokenizing the original on the fly, across passes,
+    with unusable documents (empty, whitespace, null) stored as null and skipped alike.
+    Negative control: one stored token changed in a copy shows up in the batches."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -456,27 +438,28 @@ def test_pretokenized_batches_equal_on_the_fly(tmp_path, tokenizer):
                            workers=1)  # fmt: skip
     assert manifest["unusable_documents"] == {"has no text": 1, "is empty or whitespace-only": 2}
 
-    def batches(path, rank):
-        source = open_source(resolve_source(path=str(path)), "text", "id", 7, True, False)
-        loader = ParallelDataLoader(dataset(source, tokenizer, dp_rank=rank, dp_world=2), 4)
-        return [next(loader) for _ in range(12)]
+    def steps(path) -> list[tuple]:
+        """Per step: its windows, their spans, and each rank's skipped-document count."""
+        ranks = loaders(path, tokenizer, 2, global_batch_size=8)
+        out = []
+        for _ in range(12):
+            (step,) = global_steps(ranks, 1)
+            skipped = [r.skipped_documents() for r in ranks]
+            out.append(([w for w, _ in step], [s for _, s in step], skipped))
+        return out
 
-    for rank in range(2):
-        fly, pre = batches(original, rank), batches(tmp_path / "tok", rank)
-        assert all(torch.equal(a["input"], b["input"]) and torch.equal(a["label"], b["label"])
-                   and a["spans"] == b["spans"] and a["skipped"] == b["skipped"]
-                   for a, b in zip(fly, pre))  # fmt: skip
-        assert (
-            pre[-1]["skipped"] > 0 and len({sp[4] for b in pre for s in b["spans"] for sp in s}) > 1
-        )
+    fly, pre = steps(original), steps(tmp_path / "tok")
+    assert pre == fly
+    assert pre[-1][2][0] > 0 and len({sp[4] for _, spans, _ in pre for s in spans for sp in s}) > 1
     shutil.copytree(tmp_path / "tok", tmp_path / "tampered")
     path = tmp_path / "tampered" / "tokens-00000.parquet"
     table = pq.read_table(path)
     rows = table.column("tokens").to_pylist()
     rows[0][3] = (rows[0][3] + 1) % tokenizer.vocab_size
     pq.write_table(table.set_column(1, "tokens", pa.array(rows, pa.list_(pa.int32()))), path)
-    assert not all(torch.equal(a["input"], b["input"])
-                   for a, b in zip(batches(original, 0), batches(tmp_path / "tampered", 0)))  # fmt: skip
+    tampered = steps(tmp_path / "tampered")
+    assert [t[0] for t in tampered] != [f[0] for f in fly]  # the tokens differ,
+    assert [t[1:] for t in tampered] == [f[1:] for f in fly]  # nothing else does
 
 
 def test_pretokenize_output_does_not_depend_on_workers(tmp_path, small_corpus, tokenizer):
@@ -495,12 +478,16 @@ def test_pretokenize_output_does_not_depend_on_workers(tmp_path, small_corpus, t
     assert manifest["documents"] == 24 and manifest["source"]["identity"] == spec.identity()
 
 
-def test_pretokenized_lengths_are_read_not_tokenized(tiny_corpus, pretokenized, tokenizer):
+def test_pretokenized_lengths_are_read_not_tokenized(tmp_path, tiny_corpus, pretokenized,
+                                                     tokenizer):  # fmt: skip
     """The provenance check's document lengths come from the stored token lists (a
-    tokenizer that cannot encode is never asked) and equal the on-the-fly ones."""
+    tokenizer that cannot encode is never asked) and equal the on-the-fly ones; the
+    length index (measured here, in a fresh cache) and the loader's windows neither
+    tokenize, and give the original's steps."""
 
     class NoEncoding:
         path, sha256 = tokenizer.path, tokenizer.sha256
+        bos_id, eos_id = tokenizer.bos_id, tokenizer.eos_id
 
         def encode(self, *a, **k):
             raise AssertionError("a pretokenized source was tokenized")
@@ -513,6 +500,11 @@ def test_pretokenized_lengths_are_read_not_tokenized(tiny_corpus, pretokenized, 
     assert lengths(pretokenized, NoEncoding()) == lengths(tiny_corpus, tokenizer)
     with pytest.raises(AssertionError, match="tokenized"):
         lengths(tiny_corpus, NoEncoding())
+    pre = loaders(pretokenized, NoEncoding(), 1, length_index_dir=tmp_path / "index")
+    assert list((tmp_path / "index").glob("*.npz")), "the index was measured here"
+    assert global_steps(pre, 4) == global_steps(loaders(tiny_corpus, tokenizer, 1), 4)
+    with pytest.raises(AssertionError, match="tokenized"):
+        loaders(tiny_corpus, NoEncoding(), 1, length_index_dir=tmp_path / "index")
 
 
 def test_pretokenized_trains_like_the_original_and_refuses_another_tokenizer(
@@ -549,27 +541,32 @@ def test_missing_or_incomplete_folders_are_one_line(tmp_path, pretokenized):
 # ---- elastic resume over a pretokenized source ------------------------------------------
 
 
-def test_elastic_resume_over_a_pretokenized_source(tmp_path, pretokenized_dozen):
+def test_elastic_resume_over_a_pretokenized_source(pretokenized_dozen, tokenizer):
     """2 ranks x micro-batch 4 -> 1 rank x 2 micro-batches of 4 (global batch 8 kept) over
-    a pretokenized 12-document corpus, through more than one epoch: every token read
-    exactly once, and the completeness check (lengths from the stored token counts)
-    finds every document of each finished epoch read whole."""
-    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-    from torchtitan.provenance import check_complete, read_provenance
-    from torchtitan.provenance_check import main as provenance_check
+    a pretokenized 12-document corpus, through more than one pass: the provenance checks
+    find every token read exactly once and, with the lengths from the stored token counts,
+    every document of each finished pass read whole. Negative control: a step read twice
+    (a replay at the change of layout) is seen.
 
-    common = ["--training.steps", 12, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 6,
-              "--metrics.data_provenance", "--training.dataset_path", pretokenized_dozen,
-              "--training.seq_len", 32, "--training.batch_size", 4,
-              "--training.global_batch_size", 8]  # fmt: skip
-    train(tmp_path, *common, "--training.stop_at_step", 6)
-    _, log = train_here(tmp_path, *common)
-    assert "resharding data state from 2x0 to 1x0" in log
-    assert sorted(losses(tmp_path)) == list(range(1, 13))
-    assert_exactly_once(tmp_path)
-    config = [*CONFIG, *map(str, common)]
-    assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
-    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
-    provenance = read_provenance(str(tmp_path / "provenance"))
-    report = check_complete(provenance, lengths, 12)["shakespeare"]
+    In process: the loaders are what a rank runs (test_train's elastic chain launches
+    real jobs); train.py over a pretokenized corpus is tested above."""
+    from torchtitan.provenance import check_complete, check_exactly_once
+
+    provenance = {0: {}, 1: {}}
+    ranks = loaders(pretokenized_dozen, tokenizer, 2, global_batch_size=8)
+    for step in range(1, 7):
+        for r, loader in enumerate(ranks):
+            provenance[r][step] = [s for b in loader.next_step() for s in b["spans"]]
+    (one,) = loaders(pretokenized_dozen, tokenizer, 1, global_batch_size=8)
+    one.load_state_dict(ranks[1].state_dict())
+    for step in range(7, 13):
+        batches = one.next_step()
+        assert [len(b["spans"]) for b in batches] == [4, 4]
+        provenance[0][step] = [s for b in batches for s in b["spans"]]
+    reports = check_exactly_once(provenance)
+    assert all(r.duplicate_tokens == r.gaps == 0 for r in reports.values()), reports
+    lengths = document_lengths(cfg(pretokenized_dozen), tokenizer)
+    report = check_complete(provenance, lengths)["shakespeare"]
     assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+    replayed = {0: {**provenance[0], 13: provenance[0][6]}, 1: provenance[1]}
+    assert check_exactly_once(replayed)["shakespeare"].duplicate_tokens > 0

@@ -1,5 +1,5 @@
 """Start-up at scale: one resolution of the data per job, and a rank that opens only its
-share of the files and the files its own shards read."""
+share of the files and the files its own windows lie in."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from conftest import CONFIG, REPO, shim_env
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
+from torchtitan.data.index import STREAM_UNITS
+from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.io_count import counting
 from torchtitan.runs import torchrun_command
@@ -31,39 +32,37 @@ def tiny_parquet_corpus(folder: Path, files: int = FILES, rows: int = 4) -> Path
     return folder
 
 
-@pytest.mark.parametrize("shards", [128, 256])
-def test_a_rank_opens_its_share_and_its_own_shards_files(tmp_path, shards):
-    """Rank 5 of 64 over 200 streaming parquet files: it inspects 200/64 files, and its
-    first batch opens only its shards' files — whole files as units (128 shards), or row
-    ranges of row groups (256 shards: cut from the plan's row counts, no other footer
-    read). Negative control: resolving the data alone, as every rank did before the
-    plan, opens all 200."""
+def test_a_rank_opens_its_share_and_the_files_its_windows_lie_in(tmp_path):
+    """Rank 5 of 64 over 200 streaming parquet files: it inspects and measures (for the
+    length index) its 200/64 files, and its first micro-batch opens only the files its
+    windows lie in. Negative control: resolving the data in one process, as every rank
+    did before the plan, opens all 200."""
     corpus = tiny_parquet_corpus(tmp_path / "corpus")
     cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
-                      "--training.data_shards", str(shards), "--training.seq_len", "64",
-                      "--training.batch_size", "2"])  # fmt: skip
+                      "--training.seq_len", "64", "--training.batch_size", "2",
+                      "--training.length_index_dir", str(tmp_path / "index")])  # fmt: skip
     t, tokenizer = cfg.training, Tokenizer(DEFAULT_TOKENIZER_PATH)
     specs = list_sources(t)  # rank 0's, once per job
     shares = [inspect_share(specs, t, tokenizer, r, 64) for r in range(64) if r != 5]
+    plan = combine(specs, [*shares, inspect_share(specs, t, tokenizer, 5, 64)], t, tokenizer)
+    found = cached_indexes(plan, t)
+    measured = [measure_share(plan, found, t, tokenizer, r, 64) for r in range(64) if r != 5]
     with counting() as access:
-        mine = inspect_share(specs, t, tokenizer, 5, 64)
-        plan = combine(specs, [*shares, mine], t, tokenizer)  # rank 0's, then broadcast
+        inspect_share(specs, t, tokenizer, 5, 64)
+        mine = measure_share(plan, found, t, tokenizer, 5, 64)
+        plan.indexes = complete_indexes(plan, found, [*measured, mine], t)  # rank 0's
         loader = build_dataloader(cfg, tokenizer, 5, 64, plan=plan)
-        next(loader)
+        batch = next(loader)
     opened = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
-    source = loader.dataset.sources[0]
-    units = source.units(shards)
-    own = {
-        os.path.abspath(specs[0].files[units[u][0]])
-        for v in loader.dataset.rank_shards(0)
-        for u in source.shard_units(0, v, shards)
-    }
     share = {os.path.abspath(specs[0].files[f]) for f in range(5, FILES, 64)}
-    assert len(share) == 4 and len(own) <= 8
+    source = loader.stream.sources[0]
+    units = source.units(STREAM_UNITS)
+    own = {os.path.abspath(specs[0].files[units[span[5]][0]]) for s in batch["spans"] for span in s}
+    assert len(share) == 4 and 1 <= len(own) <= 4
     assert share <= opened and opened <= share | own, (sorted(opened), sorted(share | own))
 
     with counting() as access:
-        local_plan(t, tokenizer)
+        local_plan(t, tokenizer)  # the index is cached now: only the signatures' reads
     parquet = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
     assert len(parquet) == FILES, "the check can fail"
 

@@ -1,15 +1,15 @@
-"""Streaming sources read by units: no shard decodes another's rows, a resume decodes one
-block wherever it lands, and every layout of units restores at every step.
+"""Streaming sources read by units: a rank decodes only the blocks its windows lie in, a
+resume decodes one block wherever it lands, and every layout of units restores at every
+step and reads each document once per pass.
 
-Layouts: whole files (at least as many files as shards), parquet row groups and JSON
-lines byte ranges (fewer files), row ranges of row groups (fewer row groups), and
-Arrow record batches of a ``save_to_disk`` folder. Counts of decoded rows come from
-the cursors' and sources' own tallies (``rows_decoded``).
+Layouts (``index.STREAM_UNITS`` = 64 units at least): whole files (64 files), parquet row
+groups and Arrow record batches of a ``save_to_disk`` folder (64 blocks), JSON lines byte
+ranges (2 files), and row ranges of row groups (4 row groups). Counts of decoded rows
+come from the sources' own tally (``StreamSource.rows_decoded``).
 """
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
 import pickle
@@ -21,15 +21,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import bundled_documents, write_jsonl
-from test_data import assert_exactly_once, epoch_coverage, take
+from test_data import assert_exactly_once, global_steps, loaders
 
-from torchtitan.data import ParallelDataLoader, TokenDataset
+from torchtitan.data import index as length_index
 from torchtitan.data import streaming as streaming_module
+from torchtitan.data.dataset import TokenStream
+from torchtitan.data.index import STREAM_UNITS
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
-from torchtitan.data.streaming import StreamCursor, StreamSource
+from torchtitan.data.streaming import StreamSource
 
 SEQ = 31
-DOCS = bundled_documents("shakespeare", 48, 300)
+DOCS = bundled_documents("shakespeare", 2 * STREAM_UNITS, 300)
 
 
 def write_parquet(folder: Path, docs: list[dict], files: int, row_group: int) -> Path:
@@ -59,22 +61,28 @@ def write_saved(folder: Path, docs: list[dict], batch: int) -> Path:
     return folder
 
 
-# name -> (writer, data_shards): each gives the layout its name says (checked below).
+# name -> writer: each gives the layout its name says (checked below). 128 documents.
 LAYOUTS = {
-    "whole_files": (lambda d: write_jsonl(d, DOCS, files=8), 4),
-    "jsonl_byte_ranges": (lambda d: write_jsonl(d, DOCS, files=2), 6),
-    "parquet_row_groups": (lambda d: write_parquet(d, DOCS, files=2, row_group=4), 6),
-    "parquet_row_ranges": (lambda d: write_parquet(d, DOCS, files=2, row_group=16), 8),
-    "arrow_record_batches": (lambda d: write_saved(d, DOCS, batch=4), 6),
+    "whole_files": lambda d: write_jsonl(d, DOCS, files=STREAM_UNITS),
+    "jsonl_byte_ranges": lambda d: write_jsonl(d, DOCS, files=2),
+    "parquet_row_groups": lambda d: write_parquet(d, DOCS, files=2, row_group=2),
+    "parquet_row_ranges": lambda d: write_parquet(d, DOCS, files=2, row_group=32),
+    "arrow_record_batches": lambda d: write_saved(d, DOCS, batch=2),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def layout(request, tmp_path_factory):
-    """(name, corpus folder, data_shards)."""
-    write, shards = LAYOUTS[request.param]
-    folder = write(tmp_path_factory.mktemp(request.param) / "shakespeare")
-    return request.param, folder, shards
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Every layout's corpus folder, written once."""
+    return {
+        name: write(tmp_path_factory.mktemp(name) / "shakespeare")
+        for name, write in LAYOUTS.items()
+    }
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def layout(request, folders) -> tuple[str, Path]:
+    return request.param, folders[request.param]
 
 
 def source_of(where, seed: int = 7, shuffle: bool = True) -> StreamSource:
@@ -83,197 +91,200 @@ def source_of(where, seed: int = 7, shuffle: bool = True) -> StreamSource:
     return open_source(spec, "text", "id", seed, shuffle, streaming=True)
 
 
-def read_epoch(cursor: StreamCursor) -> list[str]:
-    """The ids a cursor reads until its epoch ends."""
-    ids = []
-    while (doc := cursor.current()) is not None:
-        ids.append(doc[0])
-        cursor.advance()
-    return ids
+def streaming(corpus, tokenizer, world=1, **kw) -> list:
+    """``world`` ranks' loaders over a streaming source (test_data's ``loaders``)."""
+    return loaders(corpus, tokenizer, world, streaming="true", **kw)
+
+
+def spans_of(steps) -> list[list]:
+    return [spans for step in steps for _, spans in step]
+
+
+def lengths_of(docs: list[dict], tokenizer) -> dict[str, int]:
+    return {d["id"]: len(tokenizer.encode(d["text"], bos=True, eos=True)) for d in docs}
 
 
 def test_each_layout_is_what_its_name_says(layout):
-    name, folder, shards = layout
+    name, folder = layout
     src = source_of(folder)
-    units = src.units(shards)
+    units = src.units(STREAM_UNITS)
     files = len(src.spec.files)
     if name == "whole_files":
-        assert files >= shards and all(hi == -1 for _, _, hi in units)
+        assert files == len(units) == STREAM_UNITS and all(hi == -1 for _, _, hi in units)
     elif name == "jsonl_byte_ranges":
-        assert files < shards and len(units) == shards and src.spec.fmt == "json"
+        assert files < STREAM_UNITS <= len(units) and src.spec.fmt == "json"
     elif name == "parquet_row_groups":
-        assert files < shards <= len(units) == 12 and all(hi - lo == 4 for _, lo, hi in units)
+        assert len(units) == STREAM_UNITS and all(hi - lo == 2 for _, lo, hi in units)
     elif name == "parquet_row_ranges":
-        assert len(units) >= shards > 3 and all(hi - lo < 16 for _, lo, hi in units)
+        blocks = sum(len(src.block_starts(f)) - 1 for f in range(files))
+        assert blocks == 4 and len(units) >= STREAM_UNITS
+        assert all(hi - lo < 32 for _, lo, hi in units)
     else:
-        assert src.spec.fmt == "arrow" and len(units) == 12
+        assert src.spec.fmt == "arrow" and len(units) == STREAM_UNITS
+        assert all(hi - lo == 2 for _, lo, hi in units)
 
 
-def test_every_document_once_per_epoch_in_every_layout(layout):
-    """All shards' cursors together read each document exactly once per epoch, in epochs
-    0 and 1 (each reshuffled). Negative control: one shard's cursor alone does not."""
-    _, folder, shards = layout
+def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
+    """The units hold every document once; through the loader (2 ranks, shuffled units)
+    passes 0 and 1 each read every token of every document once. Negative control: the
+    check sees one unit left out of pass 0."""
+    _, folder = layout
     src = source_of(folder)
-    for epoch in (0, 1):
-        ids = []
-        for v in range(shards):
-            cursor = StreamCursor(src, v, shards)
-            for _ in range(epoch):
-                cursor.next_epoch()
-            ids += read_epoch(cursor)
-        assert sorted(ids) == sorted(d["id"] for d in DOCS), epoch
-    assert len(read_epoch(StreamCursor(src, 0, shards))) < len(DOCS)
+    ids = [r[1] for u in length_index.source_units(src) for r in length_index.read_unit(src, u)]
+    assert sorted(ids) == sorted(d["id"] for d in DOCS)
+    lengths = lengths_of(DOCS, tokenizer)
+    per_pass = sum(lengths.values()) // (32 * (SEQ + 1)) + 1
+    sequences = spans_of(global_steps(streaming(folder, tokenizer, 2, global_batch_size=32),
+                                      2 * per_pass + 1))  # fmt: skip
+    assert_exactly_once(sequences, lengths, epochs=(0, 1))
+    unit = sequences[0][0][5]
+    left_out = [[sp for sp in seq if (sp[4], sp[5]) != (0, unit)] for seq in sequences]
+    with pytest.raises(AssertionError):
+        assert_exactly_once(left_out, lengths, epochs=(0, 1))
 
 
-def test_json_lines_ranges_are_cut_at_line_starts(tmp_path):
-    """Documents of very unequal length (one is a fifth of the corpus) over 8 shards:
-    every range starts at a line start and holds a line, so no shard's epoch is empty by
-    chance, and every document is read once per epoch."""
+def test_json_lines_ranges_are_cut_at_line_starts(tmp_path, tokenizer):
+    """Documents of very unequal length (one 40 times the others) in 2 files: the ranges
+    tile each file, every one starts at a line start and holds a line (with fewer lines
+    than STREAM_UNITS, one line each), and every document is read once in each of
+    passes 0, 1 and 2."""
     docs = [dict(d) for d in DOCS[:24]]
     docs[5]["text"] = docs[5]["text"] * 40
     folder = write_jsonl(tmp_path / "d", docs, files=2)
     src = source_of(folder)
-    units = src.units(8)
-    assert len(units) >= 8
-    for f, lo, hi in units:
-        data = Path(src.spec.files[f]).read_bytes()
-        assert lo == 0 or data[lo - 1 : lo] == b"\n"
-        assert data[lo:hi].strip(), (lo, hi)
-    for epoch in (0, 1, 2):
-        ids = []
-        for v in range(8):
-            cursor = StreamCursor(src, v, 8)
-            for _ in range(epoch):
-                cursor.next_epoch()
-            ids += read_epoch(cursor)
-        assert sorted(ids) == sorted(d["id"] for d in docs)
+    units = src.units(STREAM_UNITS)
+    assert len(units) == len(docs)
+    for f, path in enumerate(src.spec.files):
+        data = Path(path).read_bytes()
+        ranges = [(lo, hi) for g, lo, hi in units if g == f]
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        for lo, hi in ranges:
+            assert lo == 0 or data[lo - 1 : lo] == b"\n"
+            assert data[lo:hi].strip(), (lo, hi)
+    lengths = lengths_of(docs, tokenizer)
+    steps = 3 * sum(lengths.values()) // (64 * (SEQ + 1)) + 1
+    sequences = spans_of(global_steps(streaming(folder, tokenizer, global_batch_size=64), steps))
+    assert_exactly_once(sequences, lengths, epochs=(0, 1, 2))
 
 
-def test_fewer_files_than_shards_each_shard_decodes_only_its_own_rows(tmp_path):
-    """2 parquet files of 6 row groups, 6 shards: each shard decodes exactly the rows of
-    its own row groups, and the source decodes each row once per epoch. Negative
-    control: with 24 shards (row ranges, 2 per row group) a shard alone decodes its whole
-    row group, twice what it reads: the tally sees discarded rows. Read together, as one
-    consumer reads its shards, the shards of a row group share one decode."""
-    folder = write_parquet(tmp_path / "c", DOCS, files=2, row_group=4)
-    src = source_of(folder)
-    units = src.units(6)
-    for v in range(6):
-        cursor = StreamCursor(src, v, 6)
-        ids = read_epoch(cursor)
-        own = sum(units[u][2] - units[u][1] for u in src.shard_units(0, v, 6))
-        assert cursor.rows_decoded == len(ids) == own == 8
-    assert src.rows_decoded == len(DOCS)
-
-    alone = [StreamCursor(source_of(folder), v, 24) for v in range(24)]
-    for cursor in alone:
-        assert cursor.rows_decoded == 0
-        assert len(read_epoch(cursor)) == 2 and cursor.rows_decoded == 4
-
-    shared = source_of(folder)
-    cursors = [StreamCursor(shared, v, 24) for v in range(24)]
-    docs = [c.current() for c in cursors]  # every shard holds its row group, as in training
-    assert all(docs) and shared.rows_decoded == len(DOCS)
+def units_touched(sequences: list[list]) -> set[tuple[int, int]]:
+    """(pass, unit) of every span."""
+    return {(sp[4], sp[5]) for seq in sequences for sp in seq}
 
 
-def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, monkeypatch):
-    """One parquet file of 50 row groups and one JSON lines file of 400 lines, read whole
-    by one shard: a cursor loaded at 1% and at 99% of the file decodes one row group (or
-    one read window of lines) before its first document, which is the right one.
-    Negative control: reaching 99% by reading decodes ~99% of the rows."""
-    docs = [
-        {"id": f"d{i}", "text": f"Document number {i:04d} of the corpus.\n"} for i in range(400)
-    ]
-    pq.write_table(
-        pa.table({"id": [d["id"] for d in docs[:200]], "text": [d["text"] for d in docs[:200]]}),
-        tmp_path / "a.parquet",
-        row_group_size=4,
-    )
+def rows_of(src: StreamSource, touched: set[tuple[int, int]]) -> int:
+    """Rows of the units touched (each once per pass)."""
+    units = src.units(STREAM_UNITS)
+    return sum(units[u][2] - units[u][1] for _, u in touched)
+
+
+def step_spans(loader) -> list[list]:
+    return [spans for batch in loader.next_step() for spans in batch["spans"]]
+
+
+@pytest.mark.parametrize("name", ["parquet_row_groups", "arrow_record_batches"])
+def test_a_rank_decodes_only_the_blocks_its_windows_lie_in(folders, tokenizer, name):
+    """4 ranks, 16 windows each a step, blocks of 2 rows as units: each rank decodes the
+    rows of the blocks its windows lie in and no others, each once; two ranks share at
+    most the one block at the boundary of their slices, and ranks that are not
+    neighbours none. Negative control: where units are row ranges of 32-row groups, a
+    rank decodes whole row groups, more than its units hold: the tally sees them."""
+    ranks = streaming(folders[name], tokenizer, 4, global_batch_size=64)
+    touched = [set() for _ in ranks]
+    for _ in range(3):
+        step = [units_touched(step_spans(r)) for r in ranks]
+        for r in range(4):
+            touched[r] |= step[r]
+            assert len(step[r] & step[(r + 1) % 4]) <= (1 if r < 3 else 0), (r, step)
+            assert not step[r] & step[(r + 2) % 4]
+    for r, loader in enumerate(ranks):
+        src = loader.stream.sources[0]
+        assert 0 < src.rows_decoded == rows_of(src, touched[r]) < len(DOCS) / 2
+
+    (loader,) = streaming(folders["parquet_row_ranges"], tokenizer, 1, global_batch_size=16)
+    touched = units_touched(step_spans(loader))
+    src = loader.stream.sources[0]
+    assert src.rows_decoded >= 32 > rows_of(src, touched)
+
+
+def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, monkeypatch):
+    """One parquet file of 65 row groups and one JSON lines file of 400 lines (64 byte
+    ranges), unshuffled: a loader resumed at 1% and at 99% of the stream decodes one row
+    group (or one unit's lines, at most one read) before its first window, which starts
+    at the right document. Negative control: reaching 99% by reading decodes ~99% of
+    the rows."""
+    docs = [{"id": f"d{i}", "text": f"Document number {i:04d} of the corpus.\n"}
+            for i in range(400)]  # fmt: skip
+    write_parquet(tmp_path / "p", docs[:260], files=1, row_group=4)
     write_jsonl(tmp_path / "j", docs, files=1)
     monkeypatch.setattr(streaming_module, "READ_BYTES", 1024)
-    lines = (tmp_path / "j" / "part-000.jsonl").read_bytes().split(b"\n")
-    starts = np.cumsum([0] + [len(x) + 1 for x in lines])
-    line = max(map(len, lines)) + 1
+    line = max(len(json.dumps(d)) for d in docs) + 1
+    tokens = [len(tokenizer.encode(d["text"], bos=True, eos=True)) for d in docs]
 
-    for path, rows, position in [
-        (tmp_path / "a.parquet", 200, lambda r: r),
-        (tmp_path / "j", 400, lambda r: int(starts[r])),
-    ]:
+    for folder, rows, block in [(tmp_path / "p", 260, 4), (tmp_path / "j", 400, 1024 // line + 2)]:
+        assert len(source_of(folder).units(STREAM_UNITS)) >= STREAM_UNITS
         decoded = {}
         for r in (rows // 100, rows - rows // 100):
-            cursor = StreamCursor(source_of(path), 0, 1)
-            cursor.load_state_dict({"epoch": 0, "unit": 0, "at": position(r)})
-            assert cursor.current()[0] == f"d{r}"
-            decoded[r] = cursor.rows_decoded
-        early, late = decoded.values()
-        assert late <= early, decoded  # no more at 99% than at 1%
-        assert 0 < max(decoded.values()) <= max(4, 1024 // line + 2), decoded
+            (loader,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=1)
+            entry = pickle.loads(loader.state_dict()["dp_rank_0"])
+            entry["offsets"] = [sum(tokens[:r])]  # d{r}'s first token, as a checkpoint holds it
+            loader.load_state_dict({"dp_rank_0": pickle.dumps(entry)})
+            src = loader.stream.sources[0]
+            assert src.rows_decoded == 0
+            assert next(loader)["spans"][0][0][1:3] == [f"d{r}", 0]
+            decoded[r] = src.rows_decoded
+        assert all(0 < n <= block for n in decoded.values()), decoded  # 99% costs what 1% does
 
-        replay = StreamCursor(source_of(path), 0, 1)
-        for _ in range(rows - rows // 100):
-            replay.current()
-            replay.advance()
-        assert replay.rows_decoded >= rows * 0.98
+        (replay,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=32)
+        while replay.position.offsets[0] < sum(tokens[: rows - rows // 100]):
+            next(replay)
+        assert replay.stream.sources[0].rows_decoded >= rows * 0.98
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_restore_at_every_step_in_every_layout(layout, tokenizer, rank):
-    """State after k sequences, loaded into a fresh dataset on the same source, yields
-    exactly the rest, for k over several epochs of each shard. Negative control: the
-    next shard's position one row (or byte) on does not reproduce the reference."""
-    _, folder, shards = layout
-    src = source_of(folder)
-
-    def fresh():
-        return TokenDataset([src], tokenizer, SEQ, dp_rank=rank, dp_world=2,
-                            data_shards=shards, seed=7, streaming=True)  # fmt: skip
-
-    ds = fresh()
-    it = iter(ds)
+def test_restore_at_every_step_in_every_layout(layout, tokenizer):
+    """The state after k steps, loaded into fresh loaders (2 ranks), gives exactly the
+    rest, for k over more than two passes of shuffled units. Negative control: a
+    position one token on does not reproduce the reference."""
+    _, folder = layout
+    ranks = streaming(folder, tokenizer, 2, global_batch_size=96)
     reference, states = [], []
-    for _ in range(150):
-        states.append(ds.state_dict())
-        reference.append(next(it))
-    epochs = {p.cursor.epoch for shard in ds._shards.values() for p in shard.packers}
-    assert min(epochs) >= 1, "the test must cross epoch boundaries"
+    for _ in range(12):
+        states.append(ranks[0].state_dict())
+        reference += global_steps(ranks, 1)
+    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
 
-    def same(state, k) -> bool:
-        ds = fresh()
-        ds.load_state_dict(state)
-        return all(torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
-                   for a, b in zip(take(ds, 3), reference[k : k + 3]))  # fmt: skip
+    def same(k, state) -> bool:
+        fresh = streaming(folder, tokenizer, 2, global_batch_size=96)
+        for loader in fresh:
+            loader.load_state_dict(state)
+        return global_steps(fresh, 2) == reference[k : k + 2]
 
-    for k in range(0, 147, 3):
-        assert same(states[k], k), k
-    k = 40
-    moved = copy.deepcopy(states[k])
-    v = sorted(moved["shards"])[moved["next"]]
-    moved["shards"][v]["sources"][0]["cursor"]["at"] += 1
-    moved["shards"][v]["sources"][0]["offset"] = 0
-    assert not same(moved, k)
+    for k in range(0, 11):
+        assert same(k, states[k]), k
+    entry = pickle.loads(states[5]["dp_rank_0"])
+    entry["offsets"][0] += 1
+    assert not same(5, {"dp_rank_0": pickle.dumps(entry)})
 
 
 @pytest.mark.parametrize("name", ["jsonl_byte_ranges", "parquet_row_ranges"])
 @pytest.mark.parametrize("before,after", [(2, 1), (3, 2)])
-def test_reshard_reads_every_token_exactly_once(tmp_path, tokenizer, name, before, after):
-    """Consumers 2->1 and 3->2 (not dividing the shards) over byte ranges and row ranges:
-    epochs 0 and 1 are each read completely, every token once."""
-    write, _ = LAYOUTS[name]
-    src = source_of(write(tmp_path / "shakespeare"))
-    lengths = {d["id"]: len(tokenizer.encode(d["text"], bos=True, eos=True)) for d in DOCS}
-    samples, shard_states = [], {}
-    for c in range(before):
-        ds = TokenDataset([src], tokenizer, SEQ, dp_rank=c, dp_world=before, data_shards=6,
-                          seed=7, streaming=True)  # fmt: skip
-        samples += take(ds, 7 + 5 * c)
-        shard_states.update(ds.state_dict()["shards"])
-    for c in range(after):
-        ds = TokenDataset([src], tokenizer, SEQ, dp_rank=c, dp_world=after, data_shards=6,
-                          seed=7, streaming=True)  # fmt: skip
-        ds.load_shard_states(shard_states)
-        samples += take(ds, 900 // after)
-    for epoch in (0, 1):
-        assert_exactly_once(epoch_coverage(samples, epoch), lengths)
+def test_resume_on_another_rank_count_reads_every_token_once(folders, tokenizer, name, before,
+                                                             after):  # fmt: skip
+    """Ranks 2 -> 1 and 3 -> 2 over byte ranges and row ranges: the steps are those of an
+    uninterrupted 1-rank run, and passes 0 and 1 are each read whole, every token once."""
+    folder = folders[name]
+    lengths = lengths_of(DOCS, tokenizer)
+    steps = 2 * sum(lengths.values()) // (48 * (SEQ + 1)) + 2
+    reference = global_steps(streaming(folder, tokenizer, 1, global_batch_size=48), steps)
+    first = streaming(folder, tokenizer, before, global_batch_size=48)
+    got = global_steps(first, 5)
+    second = streaming(folder, tokenizer, after, global_batch_size=48)
+    for loader in second:
+        loader.load_state_dict(first[0].state_dict())
+    got += global_steps(second, steps - 5)
+    assert got == reference
+    assert_exactly_once(spans_of(got), lengths, epochs=(0, 1))
 
 
 def test_invalid_utf8_and_json_lines_are_skipped_and_counted(tmp_path, tokenizer):
@@ -284,93 +295,67 @@ def test_invalid_utf8_and_json_lines_are_skipped_and_counted(tmp_path, tokenizer
     data += b"\n\r\n" + good[2] + b"[1, 2]\n" + good[3]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_bytes(data)
-    spec = resolve_source(path=str(tmp_path / "d"))
-
-    def dataset(**kw):
-        return TokenDataset([spec], tokenizer, SEQ, data_shards=1, shuffle=False,
-                            streaming=True, **kw)  # fmt: skip
-
-    samples = take(dataset(), 30)
-    assert {sp[1] for s in samples for sp in s["spans"]} == {d["id"] for d in DOCS[:4]}
-    epochs = max(sp[4] for s in samples for sp in s["spans"])
-    assert samples[-1]["skipped"] in (3 * epochs, 3 * epochs + 3)  # 3 bad lines per pass
+    (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", batch=1)
+    spans = [sp for _ in range(30) for seq in next(loader)["spans"] for sp in seq]
+    assert {sp[1] for sp in spans} == {d["id"] for d in DOCS[:4]}
+    passes = max(sp[4] for sp in spans)
+    assert passes >= 1
+    assert 3 * passes <= loader.skipped_documents() <= 3 * passes + 3  # 3 bad lines per pass
     with pytest.raises(DataError, match=r"a.jsonl@\d+.*not valid UTF-8.*bad_data = 'skip'"):
-        take(dataset(bad_data="error"), 30)
+        streaming(tmp_path / "d", tokenizer, shuffle="false", bad_data="error")
+
+
+def stream_over(spec: SourceSpec, tokenizer) -> TokenStream:
+    """The unshuffled token stream of one streaming source, its length index measured
+    here by the real code (a ``tokens_field`` set by hand has no config key)."""
+    source = source_of(spec, shuffle=False)
+    units = list(range(len(length_index.source_units(source))))
+    measured = length_index.measure(source, tokenizer, units, "skip")
+    index = length_index.assemble(len(units), True, measured)
+    return TokenStream([source], [index], tokenizer, SEQ, seed=7, shuffle=False)
 
 
 def test_pretokenized_rows_are_token_arrays(tmp_path, tokenizer):
     """A source with ``tokens_field`` yields int32 token arrays from parquet and JSON
-    lines, and packs to the same windows as the text it was made from."""
+    lines, and its windows are those of the text it was made from (unshuffled: in file
+    order, whatever the units)."""
     ids = [tokenizer.encode(d["text"]) for d in DOCS]
     (tmp_path / "p").mkdir()
     pq.write_table(pa.table({"id": [d["id"] for d in DOCS],
                              "tokens": pa.array(ids, pa.list_(pa.int32()))}),
                    tmp_path / "p" / "a.parquet", row_group_size=8)  # fmt: skip
     write_jsonl(tmp_path / "j", [{"id": d["id"], "tokens": t} for d, t in zip(DOCS, ids)])
-    text = resolve_source(path=str(write_parquet(tmp_path / "t", DOCS, 1, 8)))
-    reference = take(TokenDataset([text], tokenizer, SEQ, data_shards=2, shuffle=False,
-                                  streaming=True), 40)  # fmt: skip
+    text = stream_over(resolve_source(path=str(write_parquet(tmp_path / "t", DOCS, 1, 8))),
+                       tokenizer)  # fmt: skip
+    reference = [text.window(0, g * (SEQ + 1)) for g in range(60)]
     for folder in ("p", "j"):
         spec = resolve_source(path=str(tmp_path / folder))
         spec.tokens_field = "tokens"
-        doc = StreamCursor(source_of(spec), 0, 1).current()
-        assert doc[1].dtype == np.int32 and doc[1].tolist() in ids
-        if folder == "p":  # same files layout as the text: same order, same windows
-            got = take(TokenDataset([spec], tokenizer, SEQ, data_shards=2, shuffle=False,
-                                    streaming=True), 40)  # fmt: skip
-            assert all(torch.equal(a["input"], b["input"]) for a, b in zip(got, reference))
+        src = source_of(spec)
+        value = length_index.read_unit(src, src.units(STREAM_UNITS)[0])[0][2]
+        assert value.dtype == np.int32 and value.tolist() in ids
+        stream = stream_over(spec, tokenizer)
+        got = [stream.window(0, g * (SEQ + 1)) for g in range(60)]
+        assert all(np.array_equal(a, b) for (a, _), (b, _) in zip(got, reference)), folder
+        # The same documents and token ranges (the name and units are the folder's).
+        assert [[sp[1:5] for sp in s] for _, s in got] == [
+            [sp[1:5] for sp in s] for _, s in reference
+        ]
 
 
 def test_compressed_json_lines_are_read_whole_and_restore(tmp_path, tokenizer):
     (tmp_path / "d").mkdir()
     for f in range(2):
         with gzip.open(tmp_path / "d" / f"part-{f}.jsonl.gz", "wt") as out:
-            out.writelines(json.dumps(d) + "\n" for d in DOCS[f * 24 : (f + 1) * 24])
-    src = source_of(tmp_path / "d")
-    assert src.units(4) == [(0, 0, -1), (1, 0, -1)]
-    # Read whole, a compressed file feeds one shard: the automatic shard count sees 2.
-    assert src.document_count() == 2
-
-    def dataset():
-        return TokenDataset([src], tokenizer, SEQ, data_shards=2, seed=7, streaming=True)
-
-    ds = dataset()
-    it = iter(ds)
-    take(ds, 50, it)
-    state = ds.state_dict()
-    reference = take(ds, 10, it)
-    resumed = dataset()
+            out.writelines(json.dumps(d) + "\n" for d in DOCS[f * 64 : (f + 1) * 64])
+    assert source_of(tmp_path / "d").units(STREAM_UNITS) == [(0, 0, -1), (1, 0, -1)]
+    (loader,) = streaming(tmp_path / "d", tokenizer, global_batch_size=8)
+    global_steps([loader], 30)
+    state = loader.state_dict()
+    reference = global_steps([loader], 6)
+    (resumed,) = streaming(tmp_path / "d", tokenizer, global_batch_size=8)
     resumed.load_state_dict(state)
-    assert all(torch.equal(a["input"], b["input"]) for a, b in zip(take(resumed, 10), reference))
-
-
-def test_a_compressed_file_is_decompressed_once_per_pass(tmp_path, monkeypatch):
-    """A compressed file cannot seek without decompressing what comes before: the reader
-    keeps its stream open between reads (3 reads of 1 MiB here), so a pass opens it once.
-    Reopening per read (the negative control, READ_BYTES reads from a fresh stream)
-    would open it once per read and decompress O(position) each time."""
-    (tmp_path / "d").mkdir()
-    with gzip.open(tmp_path / "d" / "big.jsonl.gz", "wt") as out:
-        out.writelines(json.dumps({"id": str(i), "text": "verse " * 100}) + "\n"
-                       for i in range(5000))  # fmt: skip
-    src = source_of(tmp_path / "d")
-    opens = []
-    real_open = streaming_module._open_binary
-    monkeypatch.setattr(streaming_module, "_open_binary",
-                        lambda path: opens.append(path) or real_open(path))  # fmt: skip
-    cursor = StreamCursor(src, 0, 1)
-    count = 0
-    while cursor.current() is not None:
-        cursor.advance()
-        count += 1
-    assert count == 5000 and len(opens) == 1
-    src._reader._streams.clear()  # negative control: every read reopens
-    monkeypatch.setattr(src._reader, "_streams", _Forgetful())
-    opens.clear()
-    cursor = StreamCursor(src, 0, 1)
-    while cursor.current() is not None:
-        cursor.advance()
-    assert len(opens) >= 3
+    assert global_steps([resumed], 6) == reference
 
 
 class _Forgetful(dict):
@@ -380,39 +365,98 @@ class _Forgetful(dict):
         pass
 
 
-def test_a_shard_that_draws_only_bad_documents_in_one_epoch_is_not_dropped(tmp_path, tokenizer):
-    """4 files as 4 units over 4 shards, one file all empty texts: each epoch some shard
-    draws it and has nothing usable in that pass. It reads on in the next epoch instead of
-    being dropped for good (which, epoch by epoch, used to drop every shard)."""
+@pytest.mark.parametrize(
+    "lines,words",
+    [
+        (600, 100),  # ~620 bytes a line: a read of 64 KiB holds ~105 documents
+        (2000, 10),  # ~80 bytes a line: a read holds ~800 documents, more than a map-style
+        # reader keeps (the streaming one keeps its whole last read)
+    ],
+)  # fmt: skip
+def test_a_compressed_file_is_decompressed_once_per_pass(tmp_path, tokenizer, monkeypatch,
+                                                         lines, words):  # fmt: skip
+    """A compressed file cannot seek without decompressing what comes before: the reader
+    keeps its stream open between reads (reads of 64 KiB here, several in a pass), so a
+    pass opens it once and decodes each line once, whether a read holds fewer documents
+    than the reader keeps or more. Negative control: reopening per read (a stream cache
+    that keeps nothing) opens it once per read, decompressing O(position) each time."""
     (tmp_path / "d").mkdir()
+    with gzip.open(tmp_path / "d" / "big.jsonl.gz", "wt") as out:
+        out.writelines(json.dumps({"id": str(i), "text": "verse " * words}) + "\n"
+                       for i in range(lines))  # fmt: skip
+    monkeypatch.setattr(streaming_module, "READ_BYTES", 1 << 16)
+    real_open = streaming_module._open_binary
+    opens = []
+
+    def read_pass(forgetful: bool) -> tuple[int, int]:
+        """(opens of the file, lines decoded) while one loader reads pass 0 (and no window
+        of pass 1)."""
+        (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", global_batch_size=64)
+        src = loader.stream.sources[0]
+        if forgetful:
+            monkeypatch.setattr(src._reader, "_streams", _Forgetful())
+        opens.clear()
+        monkeypatch.setattr(streaming_module, "_open_binary",
+                            lambda path: opens.append(path) or real_open(path))  # fmt: skip
+        step = 64 * (SEQ + 1)
+        while loader.position.offsets[0] + step <= loader.stream.orders[0].epoch_tokens:
+            loader.next_step()
+        monkeypatch.setattr(streaming_module, "_open_binary", real_open)
+        return len(opens), src.rows_decoded
+
+    opened, decoded = read_pass(forgetful=False)
+    assert opened == 1 and lines * 0.98 <= decoded <= lines, (opened, decoded)
+    assert read_pass(forgetful=True)[0] >= 3
+
+
+def test_a_read_of_more_documents_than_the_reader_keeps_is_read_whole(tmp_path, tokenizer):
+    """A compressed JSON lines file of 300 short lines is one unit, and one 1 MiB read
+    returns all 300 documents, more than the reader keeps: the pass reads every document
+    whole, once, in file order."""
+    (tmp_path / "d").mkdir()
+    docs = [{"id": str(i), "text": f"verse {i}"} for i in range(300)]
+    with gzip.open(tmp_path / "d" / "a.jsonl.gz", "wt") as out:
+        out.writelines(json.dumps(d) + "\n" for d in docs)
+    lengths = lengths_of(docs, tokenizer)
+    (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", global_batch_size=16)
+    steps = sum(lengths.values()) // (16 * (SEQ + 1)) + 1
+    sequences = [spans for _ in range(steps) for spans in step_spans(loader)]
+    assert_exactly_once(sequences, lengths)
+    first = [sp[1] for seq in sequences for sp in seq if sp[2] == 0 and sp[4] == 0]
+    assert first == [d["id"] for d in docs]
+
+
+def test_a_unit_of_only_bad_documents_is_stepped_over_in_every_pass(tmp_path, tokenizer):
+    """4 files, one of only empty texts: its units hold no tokens, so every pass (the
+    units shuffled anew, the empty ones anywhere in the order) reads every good document
+    whole and none of the empty ones, pass after pass, and counts 6 skipped a pass."""
+    (tmp_path / "d").mkdir()
+    good = []
     for f in range(4):
         rows = [{"id": f"{f}-{i}", "text": "" if f == 3 else DOCS[i]["text"]} for i in range(6)]
         (tmp_path / "d" / f"part-{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    src = source_of(tmp_path / "d")
-    ds = TokenDataset([src], tokenizer, 16, data_shards=4, seed=7, streaming=True)
-    samples = take(ds, 400)
-    shards = {sp[5] for s in samples for sp in s["spans"]}
-    assert shards == {0, 1, 2, 3}
-    assert max(sp[4] for s in samples for sp in s["spans"]) >= 4  # several epochs passed
-    late = {sp[5] for s in samples[-40:] for sp in s["spans"]}
-    assert late == {0, 1, 2, 3}, "every shard still reads after several epochs"
+        good += rows if f < 3 else []
+    lengths = lengths_of(good, tokenizer)
+    (loader,) = streaming(tmp_path / "d", tokenizer, seq=15, global_batch_size=32)
+    steps = 4 * sum(lengths.values()) // (32 * 16) + 1
+    sequences = [spans for _ in range(steps) for spans in step_spans(loader)]
+    assert_exactly_once(sequences, lengths, epochs=(0, 1, 2, 3))
+    assert not {sp[1] for seq in sequences for sp in seq} - set(lengths)
+    passes = loader.stream.orders[0].epoch_of(loader.position.offsets[0])
+    assert 6 * passes <= loader.skipped_documents() <= 6 * passes + 6
 
 
-def test_document_count_is_exact_for_parquet_and_small_json_lines(tmp_path):
-    assert source_of(write_parquet(tmp_path / "p", DOCS, 2, 4)).document_count() == len(DOCS)
-    assert source_of(write_jsonl(tmp_path / "j", DOCS, 2)).document_count() == len(DOCS)
-    assert source_of(write_saved(tmp_path / "a", DOCS, 4)).document_count() == len(DOCS)
-
-
-def test_an_old_streaming_position_is_refused_in_one_line(tmp_path, tokenizer):
-    """A version-2 loader entry (the `datasets` iterator state) is refused by the loader;
-    a bare old cursor state by the cursor."""
-    src = source_of(write_jsonl(tmp_path / "j", DOCS, 2))
-    with pytest.raises(DataError, match="older format.*exclude_from_loading dataloader"):
-        StreamCursor(src, 0, 2).load_state_dict({"epoch": 0, "pos": {"shard_idx": 0}})
-    ds = TokenDataset([src], tokenizer, SEQ, data_shards=2, seed=7, streaming=True)
-    loader = ParallelDataLoader(ds, 2)
+def test_an_old_loader_state_is_refused_in_one_line(tmp_path, tokenizer):
+    """A format-3 loader entry (per-shard cursors) is refused by the loader with the fix;
+    a position over other sources too."""
+    (loader,) = streaming(write_jsonl(tmp_path / "j", DOCS, 2), tokenizer)
     entry = pickle.loads(loader.state_dict()["dp_rank_0"])
-    entry["version"] = 2
-    with pytest.raises(DataError, match=r"format \['2'\], this version reads 3"):
+    old = {"version": 3, "shards": {0: {"epoch": 0, "unit": 0, "at": 0}}}
+    with pytest.raises(DataError, match=r"format 3, this version reads 4.*exclude_from") as e:
+        loader.load_state_dict({"dp_rank_0": pickle.dumps(old)})
+    assert "\n" not in str(e.value)
+    entry["sources"] = ["another"]
+    with pytest.raises(DataError, match=r"over sources \['another'\].*exclude_from_loading"):
         loader.load_state_dict({"dp_rank_0": pickle.dumps(entry)})
+    (untouched,) = streaming(tmp_path / "j", tokenizer)
+    assert torch.equal(next(loader)["input"], next(untouched)["input"])  # still at the start

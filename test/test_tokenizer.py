@@ -12,11 +12,11 @@ import datasets
 import pytest
 import tokenizers
 import torch
-from conftest import losses, train_here
-from test_data import (
-    test_loader_resumes_exactly_and_workers_do_not_duplicate as loader_resumes_exactly,
-)
+from conftest import bundled_documents, losses, train_here, write_jsonl
 from test_data import test_restore_at_every_step as restore_at_every_step
+from test_data import (
+    test_workers_give_the_batches_of_the_main_process as workers_give_the_main_batches,
+)
 
 from torchtitan.checkpoint import read_manifest
 from torchtitan.config import parse_args
@@ -319,14 +319,29 @@ def test_unreadable_tokenizer_json_is_one_line(tmp_path):
 # ---- the pipeline with a tokenizer.json ------------------------------------------------
 
 
-def test_data_pipeline_restores_at_every_step_with_tokenizer_json(tiny_corpus, hf_tokenizer):
-    # test_data's check, as is; on rank 1 this vocabulary's longer token streams still
-    # cross the two epoch boundaries it asks for.
-    restore_at_every_step(tiny_corpus, hf_tokenizer, streaming=False, rank=1)
+@pytest.fixture(scope="module")
+def six_documents(tmp_path_factory) -> Path:
+    """6 very short real documents: test_data's restore check asks for two passes in 14
+    steps of 6 x 32 tokens, which tiny_corpus (1,367 tokens in this vocabulary) misses."""
+    folder = tmp_path_factory.mktemp("six") / "shakespeare"
+    return write_jsonl(folder, bundled_documents("shakespeare", 6, 300))
 
 
-def test_loader_workers_resume_exactly_with_tokenizer_json(small_corpus, hf_tokenizer):
-    loader_resumes_exactly(small_corpus, hf_tokenizer, workers=2)
+@pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
+def test_data_pipeline_restores_at_every_step_with_tokenizer_json(
+    six_documents, hf_tokenizer, streaming
+):
+    # test_data's check, as is: 2 ranks, the length index measured with this tokenizer.
+    restore_at_every_step(six_documents, hf_tokenizer, streaming=streaming, workers=0)
+
+
+def test_loader_workers_resume_exactly_with_tokenizer_json(
+    six_documents, heavy_corpus, hf_tokenizer, monkeypatch
+):
+    # test_data's checks, as are: 2 workers give the main process's micro-batches (none
+    # repeated or reordered), and loaders with 2 workers restore exactly.
+    workers_give_the_main_batches(heavy_corpus, hf_tokenizer, 2, monkeypatch)
+    restore_at_every_step(six_documents, hf_tokenizer, streaming="false", workers=2)
 
 
 def test_training_runs_on_a_tokenizer_json(hf_dir, hf_tokenizer, small_corpus, tmp_path):

@@ -34,7 +34,7 @@ from torchtitan import metrics
 from torchtitan.checkpoint import complete_steps, own_files, read_manifest
 from torchtitan.config import parse_args, resolve_path
 from torchtitan.data import document_lengths
-from torchtitan.provenance import check_complete, read_provenance
+from torchtitan.provenance import check_complete, read_provenance, sequences_by_step
 from torchtitan.provenance_check import main as provenance_check
 from torchtitan.resume_check import main as resume_check
 from torchtitan.runs import RunRecordError, run_env, torchrun_command
@@ -91,10 +91,7 @@ def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_p
     assert "provenance of the resumed run equals the first run's: True" in out
     assert "validation losses of the resumed run equal the first run's: True" in out
     log = (tmp_path / "dr" / "runs.log").read_text()
-    assert (
-        "2 micro-batches of 4 x 128 per data-parallel rank; 2 data-parallel x 1 tensor-parallel"
-        in log
-    )
+    assert "16 sequences: 2 micro-batches of at most 4 x 128 per data-parallel rank; 2 data" in log
     assert (tmp_path / "dr" / "loss_curves.png").stat().st_size > 0
     assert "staging and writing in the background" in log
     records = read_jsonl(tmp_path / "dr" / "metrics.jsonl")
@@ -104,6 +101,11 @@ def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_p
     assert [r["step"] for r in records if "validation_loss" in r] == [4, 8, 12]
     assert records[-1]["tokens_seen"] == 12 * 16 * 128
     assert records[-1]["loss"] < records[0]["loss"], "the model learns"
+    # Tokens per source, cumulative: every window's 129 tokens, at the mix's weights.
+    by_source = {k: records[-1][f"source_tokens/{k}"] for k in ("shakespeare", "kjv")}
+    assert sum(by_source.values()) == 12 * 16 * 129
+    assert abs(by_source["shakespeare"] / sum(by_source.values()) - 0.7) < 0.03
+    assert "tokens by source: shakespeare" in log
 
 
 # ---- the same comparison on one in-process rank, with its negative controls ------------
@@ -123,7 +125,7 @@ def test_block_causal_resumes_exactly_mid_document(tmp_path):
     is bit-exact, and the resume lands in the middle of a document that spans two
     sequences."""
     common = ["--steps", "6", "--interval", "3", "--delete", "1", "--model.dropout", "0.1",
-              "--model.attention_mask", "block_causal", "--training.data_shards", "4",
+              "--model.attention_mask", "block_causal",
               "--training.mixed_precision_param", "bfloat16",
               "--activation_checkpoint.mode", "selective"]  # fmt: skip
     assert check(tmp_path, *common) == 0
@@ -137,7 +139,7 @@ def test_masked_document_boundaries_resume_exactly(tmp_path, tiny_corpus):
     on documents of ~100 tokens: the resumed run is bit-exact (the mask is derived from
     the data position, which the checkpoint holds). The masking is in effect: the same
     run without it logs other losses from step 1."""
-    common = ["--steps", "6", "--interval", "3", "--delete", "1", "--training.data_shards", "4",
+    common = ["--steps", "6", "--interval", "3", "--delete", "1",
               "--training.dataset_path", str(tiny_corpus), "--model.attention_mask", "block_causal",
               "--training.global_batch_size", "8"]  # fmt: skip
     assert check(tmp_path, *common, "--training.mask_document_boundaries") == 0
@@ -154,22 +156,21 @@ def test_resume_at_every_checkpoint_across_epochs(tmp_path, tiny_corpus):
     run. Negative control: the same chain without restoring the RNG, under dropout, fails."""
     args = [
         "--resume-every", "--steps", "8", "--interval", "2", "--model.dropout", "0.1",
-        "--training.dataset_path", str(tiny_corpus), "--training.data_shards", "4",
-        "--training.seq_len", "32",
+        "--training.dataset_path", str(tiny_corpus), "--training.seq_len", "32",
     ]  # fmt: skip
     assert check(tmp_path, *args) == 0
-    # Epoch starts are reported (shard, source, epoch), the same in the resumed chain.
+    # Passes begun are reported once each ([step, source, pass]), the same in the chain.
     events = {
         name: [e for r in read_jsonl(tmp_path / name / "metrics.jsonl") for e in r.get("epoch_starts", [])]
         for name in ("dr", "dr-reference")
     }  # fmt: skip
-    expected, seen = [], set()  # from the provenance: each shard's first span of a new epoch
+    expected, seen = [], set()  # from the provenance: the first span of each new pass
     for step, sequences in sorted(read_provenance(str(tmp_path / "dr" / "provenance"))[0].items()):
-        for source, _, _, _, epoch, shard in (sp for seq in sequences for sp in seq):
-            if epoch >= 1 and (shard, epoch) not in seen:
-                seen.add((shard, epoch))
-                expected.append([step, shard, source, epoch])
-    assert events["dr"] == events["dr-reference"] == sorted(expected) and expected
+        for source, _, _, _, epoch, _ in (sp for seq in sequences for sp in seq):
+            if epoch >= 1 and (source, epoch) not in seen:
+                seen.add((source, epoch))
+                expected.append([step, source, epoch])
+    assert events["dr"] == events["dr-reference"] == expected and expected
 
     assert check(tmp_path, *args, launcher=left_out_on_resume("rng")) == 1
 
@@ -197,33 +198,33 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
 # ---- elastic: other layouts, every token once -----------------------------------------
 
 
-def test_elastic_chain_ranks_and_workers(tmp_path, dozen_corpus):
-    """2 ranks x 0 workers -> 1 rank x 3 workers -> 2 ranks x 0 workers, global batch 8 of
-    micro-batches of 4 (the one rank accumulates two per step), on a 12-document corpus
-    with the automatic shard count (12): 3 consumers is a layout the old rule skewed.
-    Several epochs pass; the provenance checker proves every token read once and nothing
-    skipped (every document of each finished epoch read whole)."""
+def test_elastic_chain_ranks_workers_and_batch_sizes(tmp_path, dozen_corpus):
+    """2 ranks x 0 workers (global batch 8) -> 1 rank x 3 workers (the one rank
+    accumulates two micro-batches of 4) -> 3 ranks with a global batch of 10 (a rank
+    count that divides neither the old layout nor the batch: slices of 4, 3 and 3) on a
+    12-document corpus. Several passes go by; the provenance checker proves every token
+    read once and nothing skipped (every document of each finished pass read whole)."""
     common = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
               "--metrics.data_provenance", "--training.dataset_path", dozen_corpus,
-              "--training.seq_len", 32, "--training.batch_size", 4,
-              "--training.global_batch_size", 8]  # fmt: skip
-    train(tmp_path, *common, "--training.stop_at_step", 3)
-    proc = train(tmp_path, *common, "--training.stop_at_step", 6, "--training.num_workers", 3,
-                 nproc=1)  # fmt: skip
-    assert (
-        "resharding data state from 2x0 to 1x3 (ranks x workers; 12 virtual shards)" in proc.stderr
-    )
-    assert "2 micro-batches of 4 x 32 per data-parallel rank; 1 data-parallel x 1" in proc.stderr
-    proc = train(tmp_path, *common)
-    assert "resharding data state from 1x3 to 2x0" in proc.stderr
+              "--training.seq_len", 32, "--training.batch_size", 4]  # fmt: skip
+    eight = ["--training.global_batch_size", 8]
+    train(tmp_path, *common, *eight, "--training.stop_at_step", 3)
+    proc = train(tmp_path, *common, *eight, "--training.stop_at_step", 6,
+                 "--training.num_workers", 3, nproc=1)  # fmt: skip
+    assert "8 sequences: 2 micro-batches of at most 4 x 32 per data-parallel rank" in proc.stderr
+    proc = train(tmp_path, *common, "--training.global_batch_size", 10, nproc=3)
+    assert "10 sequences: 1 micro-batches of at most 4 x 32" in proc.stderr
+    assert "the busiest does 1.20 x the mean" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))
     assert_exactly_once(tmp_path)
     config = [*CONFIG, *map(str, common)]
     assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
     provenance = read_provenance(str(tmp_path / "provenance"))
     lengths = document_lengths(parse_args(config), tokenizer_of(config))
-    report = check_complete(provenance, lengths, 12)["shakespeare"]
+    report = check_complete(provenance, lengths)["shakespeare"]
     assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+    steps = sequences_by_step(provenance)
+    assert [len(steps[s]) for s in range(1, 10)] == [8] * 6 + [10] * 3
 
 
 def tokenizer_of(config: list[str]):
@@ -341,20 +342,21 @@ def test_a_signal_on_a_save_step_stops_there_with_one_save(tmp_path, monkeypatch
 
 
 def test_one_ranks_data_error_stops_every_rank_with_one_line(tmp_path):
-    """Only rank 0 meets the empty document; rank 1 goes on into the forward pass. Rank 0
-    prints its error, rank 1 one line naming rank 0, and no frame of the project's code
-    appears in any traceback (torchrun's own summary is all there is)."""
+    """Only rank 0 measures the empty document (its share of the length index); rank 1
+    measures clean ones. Each rank prints the one line naming the document, and no frame
+    of the project's code appears in any traceback (torchrun's own summary is all there
+    is)."""
     docs = [{"id": f"d{i}", "text": "" if i == 0 else f"Line {i} of a document.\n" * 30}
             for i in range(12)]  # fmt: skip
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     proc = train(tmp_path / "run", "--training.dataset_path", tmp_path / "data",
-                 "--training.data_shards", 2, "--training.shuffle", "false",
+                 "--training.shuffle", "false",
                  "--training.bad_data", "error", expect_ok=False)  # fmt: skip
     errors = error_lines(proc.stderr)
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
     assert errors[0].startswith("[rank0] error: document 'd0'")
-    assert errors[1].startswith("[rank1] error: stopped because rank 0 failed: document 'd0'")
+    assert errors[1].startswith("[rank1] error: document 'd0'")
     frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
     assert not [f for f in frames if "torchtitan" in f or "train.py" in f], frames
 

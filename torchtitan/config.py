@@ -151,7 +151,9 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    batch_size: int = _opt(8, "sequences per step per rank", ge=1)
+    batch_size: int = _opt(
+        8, "sequences per micro-batch (per forward and backward) on each data-parallel rank", ge=1
+    )
     seq_len: int = _opt(2048, "tokens per sequence", ge=2)
     steps: int = _opt(10000, "number of optimizer steps to train", ge=1)
     max_norm: float = _opt(1.0, "gradient clipping norm", gt=0.0)
@@ -183,11 +185,10 @@ class Training:
     text_field: str = _opt("text", "column holding the document text")
     id_field: str = _opt("id", "column holding the document id")
     num_workers: int = _opt(0, "dataloader worker processes per rank", ge=0)
-    data_shards: int = _opt(
-        0,
-        "virtual data shards; fix the data order independently of ranks and workers. 0: chosen "
-        "at the start of a run from the corpus and the layout, and kept by its checkpoints",
-        ge=0,
+    length_index_dir: str = _opt(
+        "",
+        "where each corpus's token counts are cached (measured on its first start; empty: "
+        "$TORCHTITAN_CACHE/length_index or ~/.cache/torchtitan/length_index)",
     )
     stop_at_step: int = _opt(
         -1,
@@ -199,9 +200,14 @@ class Training:
     data_parallel: str = _opt("fsdp", "data-parallel wrapper", choices=["fsdp", "ddp"])
     global_batch_size: int = _opt(
         0,
-        "sequences per optimizer step over all ranks; a multiple of batch_size x ranks, the "
-        "rest made up by gradient accumulation (0: batch_size x ranks, no accumulation)",
+        "sequences per optimizer step over all ranks, split as evenly as they go over the "
+        "data-parallel ranks and into micro-batches of at most batch_size (0: batch_size x ranks)",
         ge=0,
+    )
+    batch_size_schedule: str = _opt(
+        "",
+        "global batch by step, as step:sequences,... from step 0 (e.g. 0:256,2000:512); "
+        "overrides global_batch_size",
     )
     mixed_precision_param: str = _opt(
         "auto",
@@ -393,11 +399,16 @@ class JobConfig:
         v = self.validation
         if v.enable and not v.dataset_path:
             _check_dataset_name("validation.dataset", v.dataset)
-        if t.global_batch_size % t.batch_size:
-            raise ConfigError(
-                f"training.global_batch_size {t.global_batch_size} is not a multiple of "
-                f"training.batch_size {t.batch_size}; make it batch_size x ranks x accumulation"
-            )
+        if t.batch_size_schedule:
+            from torchtitan.data.loader import parse_schedule
+
+            try:
+                parse_schedule(t.batch_size_schedule)
+            except ValueError as e:
+                raise ConfigError(
+                    f"training.batch_size_schedule {t.batch_size_schedule!r}: {e}; write it as "
+                    "step:sequences,... from step 0, e.g. 0:256,2000:512"
+                ) from None
         _check_parallelism(self.parallelism, t.data_parallel, t.compile)
         problem = _attention_problem(self)
         if problem:

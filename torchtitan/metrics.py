@@ -1,16 +1,17 @@
 """Training metrics: what a step reports, on the console, in JSONL and TensorBoard, and
 the data provenance.
 
-Owns: the per-step values (``StepMetrics``: loss and skipped documents over ranks,
-grad norm, LR, throughput, MFU, data wait, memory, epoch starts, the held-out loss on
-its steps), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
+Owns: the per-step values (``StepMetrics``: loss over ranks, grad norm, LR,
+throughput, MFU, data wait, memory; from the data position, which every rank shares,
+skipped documents, tokens per source and passes begun; the held-out loss on its
+steps), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
 events; the first rank of each tensor-parallel group writes the provenance of its
 data-parallel rank (TP peers train on the same data). On resume, lines of steps after
 the resumed step (left by the interrupted run) are dropped, so the files always
 describe the run as it finally counts.
 
-Cost: on a log step, three small collectives (the loss, the skipped count, the epoch
-starts gathered to rank 0); nothing on other steps but the provenance line.
+Cost: on a log step, one small gather to rank 0 (``across_ranks``); nothing on other
+steps but the provenance line.
 
 Never: compute losses, pull batches or decide when to stop.
 """
@@ -64,6 +65,10 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+# Keys of the cumulative tokens read from each source (``source_tokens/<name>``).
+SOURCE_TOKENS = "source_tokens/"
+
+
 class MetricLogger:
     """Console line on rank 0 every ``log_freq`` steps, the same values to JSONL and TensorBoard."""
 
@@ -89,12 +94,13 @@ class MetricLogger:
         return step % self.log_freq == 0 or step == last_step or step == 1
 
     def log(self, step: int, values: dict, epoch_starts: list | None = None):
-        """One step's values; ``epoch_starts`` lists ``[step, shard, source, epoch]`` of every
-        virtual shard that began a new pass over its documents since the last log line."""
+        """One step's values; ``epoch_starts`` lists ``[step, source, pass]`` of every pass
+        over a source's documents begun since the last log line (said in one line)."""
         if self.rank != 0:
             return
-        for at, shard, source, epoch in epoch_starts or []:
-            logger.info("step %d: virtual shard %d of %s starts epoch %d", at, shard, source, epoch)
+        if epoch_starts:
+            logger.info("step %d: %s", step, "; ".join(
+                f"pass {e} of {source} began at step {at}" for at, source, e in epoch_starts))  # fmt: skip
         logger.info(
             "step %5d  loss %.4f  grad_norm %.4f  lr %.2e  tok/s %.0f  step %.1fms (median %.1f, "
             "max %.1f rank %d)  data %.1fms (max %.1f)  mem %.2fGiB",
@@ -112,6 +118,13 @@ class MetricLogger:
                 step, skipped, skipped - self._skipped_seen,
             )  # fmt: skip
             self._skipped_seen = skipped
+        shares = {
+            k[len(SOURCE_TOKENS) :]: v for k, v in values.items() if k.startswith(SOURCE_TOKENS)
+        }
+        if len(shares) > 1:
+            total = sum(shares.values()) or 1
+            logger.info("step %5d  tokens by source: %s", step, "  ".join(
+                f"{name} {n} ({100 * n / total:.1f}%)" for name, n in shares.items()))  # fmt: skip
         extra = [f"{k} {values[k]:.4f}" for k in ("mfu_pct", "validation_loss") if k in values]
         if extra:
             logger.info("step %5d  %s", step, "  ".join(extra))
@@ -158,15 +171,14 @@ def _start_wandb(cfg):
     )
 
 
-def across_ranks(
-    dims, loss, step_ms: float, data_wait_ms: float, skipped: int, epoch_starts: list
-) -> dict:
+def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
     """What a log line says of all ranks, combined on rank 0 in one gather on the control
-    group (it replaces a mean, a sum and a gather): the mean loss, the slowest rank's step
-    time against the median, the longest data wait, the skipped documents, the epoch
-    starts. Other ranks get {}. Cost: one small message per rank per log line, none on
-    other steps (a straggler shows on the line after it slowed)."""
-    mine = [(dims.rank, float(loss), step_ms, data_wait_ms, skipped, epoch_starts)]
+    group (it replaces a mean and a gather): the mean loss, the slowest rank's step
+    time against the median, the longest data wait. Other ranks get {}. Cost: one small
+    message per rank per log line, none on other steps (a straggler shows on the line
+    after it slowed). What the data position says (skipped documents, passes begun,
+    tokens per source) is the same on every rank: rank 0's own."""
+    mine = [(dims.rank, float(loss), step_ms, data_wait_ms)]
     every = sorted(parallel.gather_to_main(dims, mine), key=lambda r: r[0])
     if not every:
         return {}
@@ -180,8 +192,6 @@ def across_ranks(
         "step_ms_max": slowest[2],
         "slowest_rank": slowest[0],
         "data_wait_ms_max": max(r[3] for r in every),
-        "skipped_documents": sum(r[4] for r in every),
-        "epoch_starts": sorted(e for r in every for e in r[5]),
     }
 
 
@@ -214,12 +224,17 @@ class StepMetrics:
     and last, and where a validation runs) the console line, JSONL and TensorBoard;
     every step, the provenance line."""
 
-    def __init__(self, cfg, dims, model, validator, preemption, accumulation: int, start_step: int):
+    def __init__(self, cfg, dims, model, validator, preemption, loader, start_step: int):
         t = cfg.training
         self.dims, self.model, self.validator = dims, model, validator
         self.preemption = preemption
+        self.loader = loader
         self.last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
-        self.tokens_per_step = t.batch_size * accumulation * t.seq_len * dims.dp_world
+        self.seq_len = t.seq_len
+        schedule = loader.schedule
+        global_batch = schedule.global_batch(start_step)
+        accumulation = schedule.accumulation(global_batch)
+        self.tokens_per_step = global_batch * t.seq_len
         self.flops_per_token = llama.flops_per_token(
             getattr(model, "module", model).args, t.seq_len
         )
@@ -229,28 +244,31 @@ class StepMetrics:
         if cfg.metrics.data_provenance and dims.tp_rank == 0:
             folder = os.path.join(cfg.job.dump_folder, "provenance")
             self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main)
-        self.epoch_starts: list[list] = []  # [step, shard, source, epoch] since the last line
+        self.epoch_starts: list[list] = []  # [step, source, pass] since the last line
         self._start = 0.0
         logger.info(
-            "training steps %d..%d, %d tokens per step (%d micro-batches of %d x %d per "
-            "data-parallel rank; %s)",
-            start_step + 1, self.last_step, self.tokens_per_step, accumulation, t.batch_size,
-            t.seq_len, parallel.describe_layout(dims),
+            "training steps %d..%d, %d tokens per step (%d sequences: %d micro-batches of at "
+            "most %d x %d per data-parallel rank; %s)%s",
+            start_step + 1, self.last_step, self.tokens_per_step, global_batch, accumulation,
+            t.batch_size, t.seq_len, parallel.describe_layout(dims),
+            f"; global batch by step {t.batch_size_schedule}" if t.batch_size_schedule else "",
         )  # fmt: skip
+
+    def step_tokens(self, loader) -> int:
+        """Tokens of the step just taken over all ranks (the schedule's global batch)."""
+        self.tokens_per_step = loader.last_global_batch * self.seq_len
+        return self.tokens_per_step
 
     def start_step(self):
         self._start = time.perf_counter()
 
     def end_step(self, step: int, tokens_seen: int, batches: list[dict], data_wait_s: float,
-                 loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, skipped: int):  # fmt: skip
-        """Record the step just taken (``skipped``: this rank's skipped documents so far)."""
+                 loss: torch.Tensor, grad_norm: torch.Tensor, lr: float):  # fmt: skip
+        """Record the step just taken."""
         step_s = time.perf_counter() - self._start  # throughput excludes validation
         if self.provenance is not None:
             self.provenance.write(step, [s for b in batches for s in b["spans"]])
-        if self.dims.tp_rank == 0:  # TP peers read the same shards: count them once
-            self.epoch_starts += [[step, *e] for b in batches for e in b["epoch_starts"]]
-        else:
-            skipped = 0
+        self.epoch_starts += [[step, *e] for e in self.loader.take_epoch_starts()]
         validation = {}
         if self.validator is not None and self.validator.due(step, self.last_step):
             validation["validation_loss"] = self.validator.run(self.model)
@@ -259,8 +277,8 @@ class StepMetrics:
         per_rank = self.tokens_per_step / self.dims.world_size / step_s
         peak, per_token = self.peak, self.flops_per_token
         mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
-        ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s, skipped,
-                             self.epoch_starts)  # fmt: skip
+        ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s)
+        sources = {f"{SOURCE_TOKENS}{k}": v for k, v in self.loader.tokens_by_source().items()}
         values = {
             "loss": ranks.get("loss", 0.0),
             "grad_norm": grad_norm.item(),
@@ -273,10 +291,12 @@ class StepMetrics:
             "stop_check_ms": 1000 * self.preemption.last_check_s,
             "memory_gib": memory_gib(self.dims.device),
             "tokens_seen": tokens_seen,
-            **{k: v for k, v in ranks.items() if k not in ("loss", "epoch_starts")},
+            **{k: v for k, v in ranks.items() if k != "loss"},
+            "skipped_documents": self.loader.skipped_documents(),
+            **sources,
             **validation,
         }
-        self.logger.log(step, values, epoch_starts=ranks.get("epoch_starts", []))
+        self.logger.log(step, values, epoch_starts=self.epoch_starts)
         self.epoch_starts = []
 
     def close(self):

@@ -3,12 +3,12 @@
 Owns: loading ``<dump_folder>/provenance/rank*.jsonl`` and checking that the
 recorded spans cover every document they touch exactly once and without holes
 (``check_exactly_once``), and that nothing was skipped (``check_complete``: every
-document of a finished epoch read whole, at most one partly read document per shard
-and source at the stop). Written by ``metrics.ProvenanceWriter``; each line is
+document of a finished pass read whole, at most one partly read document per source
+at the stop). Written by ``metrics.ProvenanceWriter``; each line is
 ``{"step": N, "sequences": [[[source, doc_id, start, end, epoch, shard], ...], ...]}``
 with token offsets into the document as tokenized with its BOS/EOS, end exclusive, the
 epoch in which the document was read (a document is read once per epoch) and the
-virtual shard that read it.
+unit (of the source's shuffle) that holds it.
 
 Never: write provenance, or read the data itself (callers pass document lengths).
 """
@@ -101,48 +101,46 @@ def sequences_by_step(provenance: dict[int, dict[int, list]]) -> dict[int, list]
 class CompletenessReport:
     finished_epochs: list[int] = field(default_factory=list)
     missing: int = 0  # documents not read whole in a finished epoch
-    partial: int = 0  # partly read documents beyond the one a stopped shard may hold
+    partial: int = 0  # partly read documents beyond the one a stopped stream may hold
     examples: list[str] = field(default_factory=list)
 
 
 def check_complete(
-    provenance: dict[int, dict[int, list]], lengths: dict[str, dict[str, int]], data_shards: int
+    provenance: dict[int, dict[int, list]], lengths: dict[str, dict[str, int]]
 ) -> dict[str, CompletenessReport]:
     """Per source: nothing skipped.
 
     ``lengths`` holds, per source, the token count (BOS/EOS included) of every usable
-    document. An epoch of a source is finished when every one of the ``data_shards``
-    shards has read past it; in it every document must have been read whole. In each
-    shard, at most one document (the one at its cursor when the run stopped) may be
-    partly read, and only in the shard's last epoch. Cost: O(spans + documents).
+    document. A source is read as one stream, pass after pass, so every pass before
+    its newest is finished, and in it every document must have been read whole. At most
+    one document (the one the stream stopped in) may be partly read, and only in the
+    newest pass. Cost: O(spans + documents).
     """
-    covered: dict[tuple, int] = defaultdict(int)  # (source, epoch, shard, doc) -> tokens
-    last_epoch: dict[tuple, int] = {}  # (source, shard) -> its newest epoch
-    for source, doc_id, start, end, epoch, shard in spans_of(provenance):
-        covered[(source, epoch, shard, doc_id)] += end - start
-        last_epoch[(source, shard)] = max(last_epoch.get((source, shard), 0), epoch)
+    covered: dict[tuple, int] = defaultdict(int)  # (source, epoch, doc) -> tokens
+    last_epoch: dict[str, int] = {}
+    for source, doc_id, start, end, epoch, *_ in spans_of(provenance):
+        covered[(source, epoch, doc_id)] += end - start
+        last_epoch[source] = max(last_epoch.get(source, 0), epoch)
     reports: dict[str, CompletenessReport] = {}
     for source, docs in lengths.items():
         report = reports[source] = CompletenessReport()
-        shard_epochs = [last_epoch.get((source, v)) for v in range(data_shards)]
-        finished = min(shard_epochs) if None not in shard_epochs else 0
-        report.finished_epochs = list(range(finished))
+        newest = last_epoch.get(source, 0)
+        report.finished_epochs = list(range(newest))
         whole: dict[int, set] = defaultdict(set)
-        partial: dict[tuple, list] = defaultdict(list)
-        for (src, epoch, shard, doc_id), tokens in covered.items():
+        partial: dict[int, list] = defaultdict(list)
+        for (src, epoch, doc_id), tokens in covered.items():
             if src != source:
                 continue
             if tokens >= docs.get(doc_id, 0):
                 whole[epoch].add(doc_id)
             else:
-                partial[(shard, epoch)].append(doc_id)
+                partial[epoch].append(doc_id)
         for epoch in report.finished_epochs:
             for doc_id in sorted(set(docs) - whole[epoch]):
                 report.missing += 1
-                _example(report, f"{doc_id}: not read whole in finished epoch {epoch}")
-        for (shard, epoch), doc_ids in sorted(partial.items()):
-            allowed = 1 if epoch == last_epoch[(source, shard)] else 0
-            for doc_id in doc_ids[allowed:]:
+                _example(report, f"{doc_id}: not read whole in finished pass {epoch}")
+        for epoch, doc_ids in sorted(partial.items()):
+            for doc_id in doc_ids[1 if epoch == newest else 0 :]:
                 report.partial += 1
-                _example(report, f"{doc_id}: partly read by shard {shard} in epoch {epoch}")
+                _example(report, f"{doc_id}: partly read in pass {epoch}")
     return reports

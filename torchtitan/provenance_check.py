@@ -5,8 +5,8 @@
 Per source: tokens consumed, tokens consumed twice within one epoch, gaps inside
 documents. Given the run's config (the same ``--section.key`` arguments as training),
 it also reads every document with the run's tokenizer and proves completeness: every
-document of a finished epoch was read whole, and each virtual shard holds at most one
-partly read document, at the stop. Exit status 1 on any failure. Resumed runs are
+document of a finished pass was read whole, and each source holds at most one partly
+read document, at the stop. Exit status 1 on any failure. Resumed runs are
 fine: the trainer drops the provenance lines of steps that a resume re-ran.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchtitan.provenance import check_complete, check_exactly_once, read_provenance, spans_of
+from torchtitan.provenance import check_complete, check_exactly_once, read_provenance
 
 
 def main(argv=None) -> int:
@@ -50,11 +50,7 @@ def _completeness(provenance, config_args: list[str]) -> bool:
 
     cfg = parse_args(config_args)
     lengths = document_lengths(cfg, build_tokenizer(cfg.model))
-    shards = cfg.training.data_shards
-    if not shards:  # chosen at the run's start: every shard has read by now, or none finished
-        shards = 1 + max(span[5] for span in spans_of(provenance))
-        print(f"virtual shards: {shards} (the highest shard index in the provenance, plus one)")
-    reports = check_complete(provenance, lengths, shards)
+    reports = check_complete(provenance, lengths)
     print(f"{'source':<28}{'documents':>10}{'finished epochs':>17}{'missing':>9}{'partial':>9}")
     ok = True
     for source, r in sorted(reports.items()):

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan import parallel, tensor_parallel
-from torchtitan.config import ConfigError
 from torchtitan.data import build_dataloader
 
 logger = logging.getLogger("torchtitan")
@@ -49,26 +48,6 @@ PEAK_BF16_TFLOPS = {
     ("L40",): 181.05,
     ("L4",): 121.0,
 }
-
-
-def accumulation_steps(cfg, dp_world: int) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank: global / (micro-batch
-    x data-parallel ranks); tensor-parallel peers share their DP rank's micro-batches.
-
-    The global batch is what a job keeps when its layout changes: resumed on fewer
-    data-parallel ranks, each accumulates more micro-batches of the same size.
-    """
-    t = cfg.training
-    per_pass = t.batch_size * dp_world
-    if t.global_batch_size == 0:
-        return 1
-    if t.global_batch_size % per_pass:
-        raise ConfigError(
-            f"training.global_batch_size {t.global_batch_size} is not a multiple of "
-            f"training.batch_size {t.batch_size} x {dp_world} ranks = {per_pass}; use a "
-            f"multiple of {per_pass} or change the micro-batch size"
-        )
-    return t.global_batch_size // per_pass
 
 
 def peak_tflops(cfg, device: torch.device) -> float:
@@ -185,8 +164,10 @@ class TrainStep:
     def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(mean loss over the micro-batches, gradient norm, lr used) of one step.
 
-        Each micro-batch's mean loss is divided by their number, so with equal-sized
-        micro-batches the summed gradient is that of the mean over the whole batch.
+        Each micro-batch's mean loss is scaled by its ``loss_weight`` (ranks x its
+        sequences / the global batch; the loader sets it), so the gradient averaged over
+        the ranks is that of the mean over the whole global batch, however unevenly its
+        sequences fell on ranks and micro-batches.
         With document boundaries masked, micro-batches hold different numbers of labels
         that count: each one's summed loss is divided by the count over all micro-batches
         and ranks (one all-reduce of an integer per step), times the ranks that the
@@ -202,7 +183,7 @@ class TrainStep:
             with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
                 with self.loss.context():
                     if normalizer is None:
-                        loss = self.loss(batch) / len(batches)
+                        loss = self.loss(batch) * batch.get("loss_weight", 1 / len(batches))
                     else:
                         loss = self.loss(batch, normalizer)
                     loss.backward()
@@ -236,7 +217,8 @@ class Validator:
         t.dataset_config, t.dataset_split = v.dataset_config, v.dataset_split
         # Fixed data, read in order by the main process: nothing random, nothing that
         # depends on the training stream.
-        t.shuffle, t.num_workers, t.data_shards = False, 0, 0
+        t.shuffle, t.num_workers = False, 0
+        t.global_batch_size, t.batch_size_schedule = 0, ""  # one micro-batch per rank
         self.loader = build_dataloader(held_out, tokenizer, dims.dp_rank, dims.dp_world)
         self.freq, self.steps = v.freq, v.steps
         self.loss = loss
@@ -249,9 +231,8 @@ class Validator:
     def run(self, model: torch.nn.Module) -> float:
         """The mean loss over every rank's ``validation.steps`` batches.
 
-        Cost: steps x (one forward of a batch); the loader restarts at the first
-        document of each of this rank's shards, O(own shards)."""
-        self.loader.seek({})
+        Cost: steps x (one forward of a batch); the loader seeks to the start, O(1)."""
+        self.loader.seek()
         model.eval()
         try:
             with self.loss.context():

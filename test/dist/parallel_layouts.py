@@ -209,7 +209,7 @@ def main():
     sharded_init(out, dims)
     sequence_parallel_masks(dims)
 
-    data = ["--training.dataset_path", corpus, "--training.data_shards", 12,
+    data = ["--training.dataset_path", corpus,
             "--training.seq_len", 32, "--training.batch_size", 3,
             "--training.global_batch_size", 12, "--training.steps", 8,
             "--checkpoint.enable_checkpoint", "--checkpoint.interval", 100,

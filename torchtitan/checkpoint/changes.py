@@ -24,7 +24,8 @@ def fingerprint_diff(old: dict, new: dict) -> list[str]:
     """Each differing field of two data fingerprints, as 'field: old -> new'.
 
     Only the fields this version fingerprints count: a field an older version recorded
-    and this one dropped (``data_shards``: the loader state checks it) is not a change.
+    and this one dropped (``data_shards``, gone with the virtual shards; ``seq_len``, which
+    a resume may change: the stream continues at its token offsets) is not a change.
     """
     diffs = []
     for key in sorted(new):

@@ -220,10 +220,9 @@ class CheckpointManager:
         state = {}
         for name in names:
             if name == "dataloader":
-                # Every rank's entry: the loader needs all of them to reshard.
-                state[name] = {
-                    k.split(".", 1)[1]: b"" for k in saved if k.startswith("dataloader.")
-                }
+                # One entry: every rank's holds the same global position.
+                entries = [k.split(".", 1)[1] for k in saved if k.startswith("dataloader.")]
+                state[name] = {self.states[name].loader.entry_to_load(entries): b""}
             elif name == "rng":
                 keys = [k for k in self.states["rng"].keys() if f"rng.{k}" in saved]
                 missing = [k for k in self.states["rng"].keys() if k not in keys]

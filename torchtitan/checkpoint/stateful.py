@@ -73,8 +73,9 @@ class DataLoaderState(Stateful):
 
     TP peers build the same loader and consume the same batches (test_parallel checks a
     digest of them), so one writer per data-parallel rank keeps the checkpoint at one
-    entry per DP rank without leaning on DCP's merging of equal keys. Every rank loads
-    every entry (the loader reshards from all of them).
+    entry per DP rank without leaning on DCP's merging of equal keys. Every entry holds
+    the same global position, so a rank loads one (``entry_to_load``), whatever the
+    layout that wrote them.
     """
 
     def __init__(self, loader, writes: bool):

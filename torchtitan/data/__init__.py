@@ -1,28 +1,35 @@
-"""The data path: sources -> tokens -> token buffer -> sequences -> batches.
+"""The data path: sources -> length index -> global order -> windows -> steps -> batches.
 
 ``build_dataloader`` turns the config into a ``ParallelDataLoader`` for one
 data-parallel rank; ``data_fingerprint`` records what the data stream depends on.
+Modules, none importing its caller: sources (files, documents by index), streaming
+(units, blocks), index (token counts), order (the global order, the mix), packing (a
+document's tokens), dataset (windows), loader (steps, ranks, state), plan (one
+resolution per job).
 """
 
 from __future__ import annotations
 
-from torchtitan.data.dataset import TokenDataset
-from torchtitan.data.loader import ParallelDataLoader
+from torchtitan.data.dataset import Position, TokenStream
+from torchtitan.data.loader import BatchSchedule, ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
 from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.pretokenized import check_tokenizer, stored_lengths
 from torchtitan.data.sources import DataError, SourceSpec, open_source
 
 __all__ = [
+    "BatchSchedule",
     "DataError",
     "DataPlan",
+    "Position",
     "combine",
     "inspect_share",
     "list_sources",
     "local_plan",
     "ParallelDataLoader",
-    "TokenDataset",
+    "TokenStream",
     "build_dataloader",
+    "build_stream",
     "data_fingerprint",
     "document_lengths",
     "source_specs",
@@ -34,46 +41,11 @@ def source_specs(training) -> list[SourceSpec]:
     return list_sources(training)
 
 
-# The automatic shard count: a multiple of the consumer count with as many divisors as
-# possible (so that many layouts can resume it), up to this many shards per consumer
-# or SHARDS_CAP in all, whichever is larger, and never more than the documents.
-SHARDS_PER_CONSUMER = 8
-SHARDS_CAP = 512
-
-
-def auto_data_shards(consumers: int, documents: int) -> int:
-    """The virtual shard count for ``consumers`` (ranks x workers) over a corpus whose
-    smallest source has ``documents`` documents. Raises DataError if it cannot be done."""
-    if documents < consumers:
-        raise DataError(
-            f"the smallest source has {documents} documents, fewer than the {consumers} data "
-            "consumers (ranks x max(1, workers)); use fewer ranks or workers, or more documents "
-            "(streaming, a compressed JSON-lines file counts as one: it is read whole)"
-        )
-    limit = min(documents, max(consumers * SHARDS_PER_CONSUMER, SHARDS_CAP))
-    multiples = range(consumers, limit + 1, consumers)
-    return max(multiples, key=lambda v: (_divisor_count(v), v))
-
-
-def _divisor_count(n: int) -> int:
-    count, d = 0, 1
-    while d * d <= n:
-        if n % d == 0:
-            count += 1 if d * d == n else 2
-        d += 1
-    return count
-
-
-def build_dataloader(
-    cfg, tokenizer, dp_rank: int, dp_world: int, accumulation: int = 1, plan: DataPlan | None = None
-) -> ParallelDataLoader:
-    """The loader of one data-parallel rank, from the job's data ``plan`` (resolved in this
-    process when not given: a single process, the validation data). With
-    ``training.data_shards = 0`` the shard count is chosen here from the corpus and the
-    layout; a resume takes the checkpoint's (see ``ParallelDataLoader.load_state_dict``).
-    Cost with a plan: opening the sources (a map-style one is memory-mapped by
-    ``datasets``; a streaming one opens no file until its shards read)."""
-    t = cfg.training
+def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStream:
+    """The job's token stream over the plan's sources and length indexes (resolved in this
+    process when no plan is given). Cost: opening the sources (a map-style one is
+    memory-mapped by ``datasets``; a streaming one opens no file until a window reads it)."""
+    t = training
     plan = plan or local_plan(t, tokenizer)
     documents = plan.documents or [None] * len(plan.specs)
     block_rows = plan.block_rows or [None] * len(plan.specs)
@@ -81,43 +53,29 @@ def build_dataloader(
         open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming, n, rows)
         for s, n, rows in zip(plan.specs, documents, block_rows)
     ]
-    consumers = dp_world * max(1, t.num_workers)
-    shards = t.data_shards or auto_data_shards(
-        consumers, min(src.document_count() for src in sources)
-    )
-    dataset = TokenDataset(
-        sources,
-        tokenizer,
-        t.seq_len,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        data_shards=shards,
-        seed=t.seed,
-        shuffle=t.shuffle,
-        streaming=t.streaming,
-        text_field=t.text_field,
-        id_field=t.id_field,
-        bad_data=t.bad_data,
-    )
+    return TokenStream(sources, plan.indexes, tokenizer, t.seq_len, seed=t.seed,
+                       shuffle=t.shuffle, bad_data=t.bad_data)  # fmt: skip
+
+
+def build_dataloader(
+    cfg, tokenizer, dp_rank: int, dp_world: int, plan: DataPlan | None = None
+) -> ParallelDataLoader:
+    """The loader of one data-parallel rank, from the job's data ``plan`` (resolved in this
+    process when not given: a single process, the validation data)."""
+    t = cfg.training
     return ParallelDataLoader(
-        dataset,
-        t.batch_size,
+        build_stream(t, tokenizer, plan),
+        BatchSchedule.from_config(t, dp_world),
+        dp_rank=dp_rank,
         num_workers=t.num_workers,
-        auto_shards=t.data_shards == 0,
         document_layout=cfg.model.attention_mask == "block_causal" or t.mask_document_boundaries,
-        accumulation=accumulation,
     )
 
 
 def data_fingerprint(cfg, tokenizer, plan: DataPlan | None = None) -> dict:
-    """Everything the order and content of the data stream depends on, but the shard count
-    (the data plan's fingerprint; see ``plan.combine``).
-
-    The shard count is the loader's: its state records the count the run resolved (given,
-    or chosen at the start), and a resume compares that with the config's, or adopts it
-    under ``training.data_shards = 0`` (see ``ParallelDataLoader.load_state_dict``). The
-    raw setting here would refuse the equal count given explicitly.
-    """
+    """Everything the order and content of the data stream depends on (the data plan's
+    fingerprint; see ``plan.combine``): not the layout, batch size or sequence length,
+    which a resume may change."""
     return (plan or local_plan(cfg.training, tokenizer)).fingerprint
 
 

@@ -24,7 +24,7 @@ import os
 import re
 from pathlib import Path
 
-from torchtitan.data.sources import DEFAULT_SPLIT, DataError, SourceSpec, is_remote, local_path
+from torchtitan.data.spec import DEFAULT_SPLIT, DataError, SourceSpec, is_remote, local_path
 
 logger = logging.getLogger(__name__)
 

@@ -1,76 +1,192 @@
-"""The data-parallel-aware loader: a torch DataLoader over a TokenDataset, with its own state.
+"""The data-parallel loader: a rank's micro-batches of the global stream, with its own state.
 
-Owns: batching, worker processes, and the loader state as checkpointed: one entry
-per data-parallel rank (``dp_rank_<r>``, since DCP de-duplicates equal keys across
-ranks) holding the layout it was saved at, the state of every virtual shard the
-rank owns, each consumer's round-robin position and which worker's batch is next.
+Owns: the global batch of every step (``BatchSchedule``: ``training.global_batch_size``,
+or ``training.batch_size_schedule``), which windows of a step each data-parallel rank
+reads and how they split into its micro-batches, the worker processes that read them,
+and the loader state as checkpointed.
 
-The state is *owned here*, not read out of a DataLoader: every batch carries the
-post-batch state of the shards it came from (see dataset.py), and the loader
-keeps the latest one per shard as batches are handed to the trainer. So a
-checkpoint holds exactly what was consumed, whatever workers have prefetched;
-saving costs no round-trip to the workers and no replay; and resuming, on the
-same layout or another one, is the same path: give each shard state to its owner.
+A step takes the next ``G`` windows of the global order (order.py). Rank ``r`` of ``R``
+reads a contiguous slice of them, ``G // R`` windows, one more for the first ``G % R``
+ranks, so any rank count works, and split into the step's ``A`` micro-batches (the same
+``A`` on every rank: ``ceil(ceil(G / R) / training.batch_size)``). Each micro-batch
+carries the weight that makes the averaged gradient the one of the global batch's mean
+loss, however unevenly the windows fell (``loss_weight = R * n / G``).
 
-A worker sends its batches in *groups* (enough batches for ``GROUP_TOKENS`` tokens)
-as numpy arrays in one message: a message costs both sides more than making a small
-batch does. This process keeps one received group per worker and hands their batches
-out round-robin, one worker at a time as without groups, so neither the order nor
-the equal pace of the shards depends on the group size, and the state stays "whose
-batch is next".
+The state is the position after the last step handed out in full: windows taken and a
+token offset per source (dataset.Position), the same on every rank. Saving it costs
+nothing and no worker round-trip; resuming on any layout, batch size or sequence length
+is a seek to it. Workers prefetch from there without changing it.
 
-Never: decide which data a shard reads (dataset.py) or touch checkpoint files.
+A worker sends its micro-batches in *groups* (enough for ``GROUP_TOKENS`` tokens) as
+numpy arrays in one message: a message costs both sides more than making a small batch
+does. Worker ``w`` of ``W`` makes the micro-batches ``m`` with ``m % W == w``, and this
+process hands them out in order.
+
+Never: decide which data comes next (order.py, dataset.py) or touch checkpoint files.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import pickle
 import signal
 import time
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchtitan.data.dataset import TokenDataset, as_tensors, collate
-from torchtitan.data.sources import DataError
+from torchtitan.data.dataset import Position, TokenStream, as_tensors, collate
+from torchtitan.data.spec import DataError
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "dp_rank_"
-STATE_VERSION = 3  # 3: streaming positions are (epoch, unit, at)
-# Tokens a worker sends per message at least (in whole batches, at most MAX_GROUP): a
-# message costs ~0.5 ms between pickling, queueing and polling, more than a batch of
+STATE_VERSION = 4  # 4: the global order's position (windows, a token offset per source)
+# Tokens a worker sends per message at least (in whole micro-batches, at most MAX_GROUP):
+# a message costs ~0.5 ms between pickling, queueing and polling, more than a batch of
 # 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
 GROUP_TOKENS = 16_384
 MAX_GROUP = 64
+# Above this (busiest rank's sequences / the mean) an uneven split is said at the start.
+IMBALANCE_WARNING = 1.15
 
 
 def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
-    """Batches per worker message: 1 without workers."""
+    """Micro-batches per worker message: 1 without workers."""
     if not num_workers:
         return 1
     return min(MAX_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1))))
 
 
-class WorkerGroups(IterableDataset):
-    """What one loader worker yields: lists of ``group`` collated batches of its consumer."""
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:256,2000:512"`` -> [(0, 256), (2000, 512)]. Raises ValueError naming the part."""
+    points = []
+    for part in text.split(","):
+        step, sep, size = part.strip().partition(":")
+        if not sep or not step.strip().isdigit() or not size.strip().isdigit():
+            raise ValueError(f"{part.strip()!r} is not step:sequences")
+        points.append((int(step), int(size)))
+    if points[0][0] != 0:
+        raise ValueError("the first point must be at step 0")
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+        raise ValueError("steps must increase")
+    if any(size < 1 for _, size in points):
+        raise ValueError("every global batch must be at least 1 sequence")
+    return points
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, collate, group: int):
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.collate = collate
-        self.group = group
+
+class BatchSchedule:
+    """The global batch of every step and its split over ranks and micro-batches."""
+
+    def __init__(self, points: list[tuple[int, int]], micro: int, dp_world: int):
+        self.points, self.micro, self.dp_world = points, micro, dp_world
+        for _, size in points:
+            if size // dp_world < self.accumulation(size):
+                raise DataError(
+                    f"a global batch of {size} sequences over {dp_world} data-parallel ranks "
+                    f"in micro-batches of {micro} leaves a rank fewer sequences than "
+                    f"micro-batches ({self.accumulation(size)}); raise the global batch or "
+                    "training.batch_size"
+                )
+            if self.imbalance(size) > IMBALANCE_WARNING:
+                even = size // dp_world * dp_world
+                logger.warning(
+                    "a global batch of %d over %d data-parallel ranks gives %d or %d sequences a "
+                    "rank: the busiest does %.2f x the mean each step; %d (or a multiple of %d) "
+                    "splits evenly", size, dp_world, size // dp_world, -(-size // dp_world),
+                    self.imbalance(size), max(even, dp_world), dp_world,
+                )  # fmt: skip
+
+    @classmethod
+    def from_config(cls, training, dp_world: int) -> BatchSchedule:
+        t = training
+        if t.batch_size_schedule:
+            points = parse_schedule(t.batch_size_schedule)
+        else:
+            points = [(0, t.global_batch_size or t.batch_size * dp_world)]
+        return cls(points, t.batch_size, dp_world)
+
+    def imbalance(self, global_batch: int) -> float:
+        """The busiest rank's sequences over the mean: ``ceil(G / R) / (G / R)``."""
+        return -(-global_batch // self.dp_world) / (global_batch / self.dp_world)
+
+    def global_batch(self, step: int) -> int:
+        """Sequences of the step made after ``step`` completed steps."""
+        return next(size for start, size in reversed(self.points) if start <= step)
+
+    def accumulation(self, global_batch: int) -> int:
+        """Micro-batches per rank in a step of ``global_batch`` (the same on every rank)."""
+        most = -(-global_batch // self.dp_world)  # the first ranks' windows
+        return -(-most // self.micro)
+
+    def rank_slice(self, global_batch: int, rank: int) -> tuple[int, int]:
+        """The windows ``[lo, hi)`` of a step that data-parallel ``rank`` reads."""
+        base, extra = divmod(global_batch, self.dp_world)
+        lo = rank * base + min(rank, extra)
+        return lo, lo + base + (rank < extra)
+
+    def micro_sizes(self, windows: int, accumulation: int) -> list[int]:
+        base, extra = divmod(windows, accumulation)
+        return [base + (i < extra) for i in range(accumulation)]
+
+
+@dataclass
+class StepPlan:
+    """One step as this rank reads it: its micro-batches' windows ``(source, offset)``,
+    their loss weights, and the position after the whole step."""
+
+    step: int
+    global_batch: int
+    micro: list[list[tuple[int, int]]]
+    weights: list[float]
+    after: Position
+
+
+def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: int,
+               position: Position):  # fmt: skip
+    """This rank's steps from ``position`` on, endlessly. Cost: O(global batch) per step
+    of arithmetic; nothing is read."""
+    while True:
+        size = schedule.global_batch(step)
+        chosen, offsets, after = stream.advance(position, size)
+        lo, hi = schedule.rank_slice(size, rank)
+        sizes = schedule.micro_sizes(hi - lo, schedule.accumulation(size))
+        micro, i = [], lo
+        for n in sizes:
+            micro.append(list(zip(chosen[i : i + n].tolist(), offsets[i : i + n].tolist())))
+            i += n
+        weights = [schedule.dp_world * n / size for n in sizes]
+        yield StepPlan(step, size, micro, weights, after)
+        position, step = after, step + 1
+
+
+class WorkerBatches(IterableDataset):
+    """What one loader worker yields: groups of the micro-batches ``m % workers == w``."""
+
+    def __init__(self, loader: ParallelDataLoader, step: int, position: Position):
+        self.stream, self.schedule = loader.stream, loader.schedule
+        self.rank, self.collate, self.group = loader.dp_rank, loader.collate, loader.group
+        self.step, self.position = step, position
 
     def __iter__(self):
-        samples = iter(self.dataset)
-        while True:
-            yield [
-                self.collate([next(samples) for _ in range(self.batch_size)])
-                for _ in range(self.group)
-            ]
+        info = get_worker_info()
+        workers, me = (info.num_workers, info.id) if info else (1, 0)
+        m, out = 0, []
+        for plan in plan_steps(self.stream, self.schedule, self.rank, self.step, self.position):
+            for windows, weight in zip(plan.micro, plan.weights):
+                if m % workers == me:
+                    batch = self.collate([self.stream.window(s, o) for s, o in windows])
+                    batch["loss_weight"], batch["micro"] = weight, m
+                    out.append(batch)
+                    if len(out) == self.group:
+                        yield out
+                        out = []
+                m += 1
 
 
 # Signals that ask a job to stop (schedulers send SIGTERM or SIGUSR1 to the whole
@@ -89,269 +205,196 @@ def _as_is(group: list[dict]) -> list[dict]:
     return group
 
 
-class ParallelDataLoader(Stateful):
-    """Batches for one data-parallel rank, with a per-rank checkpoint entry."""
+# Loaders whose workers run. Workers ignore SIGTERM (above), and at interpreter exit
+# multiprocessing stops its daemon children with SIGTERM and then joins them: a loader
+# still referenced then (a module global, a traceback) would hang the exit. So its
+# workers are shut down first (atexit runs this before multiprocessing's own handler,
+# registered earlier).
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
 
-    def __init__(
-        self,
-        dataset: TokenDataset,
-        batch_size: int,
-        *,
-        num_workers: int = 0,
-        auto_shards: bool = False,
-        document_layout: bool = False,
-        accumulation: int = 1,
-    ):
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.accumulation = accumulation  # micro-batches per optimizer step (layout only)
+
+@atexit.register
+def _close_running_loaders():
+    for loader in list(_RUNNING):
+        loader.close()
+
+
+class ParallelDataLoader(Stateful):
+    """Micro-batches for one data-parallel rank, with a checkpoint entry per rank."""
+
+    def __init__(self, stream: TokenStream, schedule: BatchSchedule, *, dp_rank: int = 0,
+                 num_workers: int = 0, document_layout: bool = False):  # fmt: skip
+        self.stream, self.schedule = stream, schedule
+        self.dp_rank, self.dp_world = dp_rank, schedule.dp_world
         self.num_workers = num_workers
-        self.dp_rank, self.dp_world = dataset.dp_rank, dataset.dp_world
-        # The shard count was chosen for this run (training.data_shards = 0): a resume
-        # adopts the checkpoint's instead.
-        self.auto_shards = auto_shards
-        # Batches carry per-document positions and ids only for a model that uses them.
         # A worker's batches cross to this process as arrays (see collate).
         self.collate = functools.partial(
             collate, document_layout=document_layout, transfer=num_workers > 0
         )
-        check_equal_rates(dataset.data_shards, self.dp_world, num_workers)
+        self.group = group_size(schedule.micro, stream.seq_len, num_workers)
+        self.position = stream.start()  # after the last step handed out in full
+        self.step = 0  # the step the next micro-batch belongs to
+        self._plans = None
+        self._plan: StepPlan | None = None
+        self._i = 0  # micro-batches of self._plan handed out
         self._loader: DataLoader | None = None
         self._iter = None
-        # The consumed position: shard -> state after the last batch it gave the trainer
-        # (shards absent here have emitted nothing since the start or the load).
-        self._shard_states: dict[int, dict] = {}
-        self._next: dict[int, int] = {}  # consumer -> round-robin position among its shards
-        self._turn = 0  # index (among this rank's workers) of the consumer whose batch is next
-        self.group = group_size(batch_size, dataset.seq_len, num_workers)
-        # Per worker (by its id in the running DataLoader): the rest of its last group.
         self._held: list[list[dict]] = []
-        self._slot = 0  # id of the worker whose batch is next
-        self._skipped: dict[int, int] = {}
+        self._slot = 0
+        self._m = 0
+        self._epoch_starts: list[list] = []
         self.last_wait_s = 0.0
+        self.last_global_batch = 0  # sequences of the last step handed out in full
 
-    def layout(self) -> dict:
-        return {
-            "dp_world": self.dp_world,
-            "num_workers": self.num_workers,
-            "data_shards": self.dataset.data_shards,
-            "batch_size": self.batch_size,
-            "accumulation": self.accumulation,
-            "seq_len": self.dataset.seq_len,
-        }
-
+    # ---- iteration ----------------------------------------------------------------------
     def _start(self):
-        # The loader's own generator: with workers the iterator draws a base seed when
-        # it starts, and from the global RNG that draw would shift dropout masks after
-        # a resume.
-        generator = torch.Generator().manual_seed(self.dataset.seed + self.dp_rank)
-        self.dataset.worker_rotation = self._turn
-        workers = self.num_workers
-        if workers:
-            groups = WorkerGroups(self.dataset, self.batch_size, self.collate, self.group)
+        self._plans = plan_steps(self.stream, self.schedule, self.dp_rank, self.step,
+                                 self.position)  # fmt: skip
+        self._plan, self._i, self._m = None, 0, 0
+        if self.num_workers:
+            # The loader's own generator: the iterator draws a base seed when it starts,
+            # and from the global RNG that draw would shift dropout masks after a resume.
+            generator = torch.Generator().manual_seed(self.stream.seed + self.dp_rank)
             self._loader = DataLoader(
-                groups,
+                WorkerBatches(self, self.step, self.position.copy()),
                 batch_size=None,
-                num_workers=workers,
+                num_workers=self.num_workers,
                 collate_fn=_as_is,
                 prefetch_factor=4 if self.group == 1 else 2,  # keeps every worker busy
                 persistent_workers=True,
-                generator=generator,
                 worker_init_fn=_leave_stop_signals_to_the_rank,
-            )
-        else:
-            self._loader = DataLoader(
-                self.dataset,
-                batch_size=self.batch_size,
-                collate_fn=self.collate,
                 generator=generator,
             )
-        self._held, self._slot = [[] for _ in range(workers)], 0
-        self._iter = iter(self._loader)
+            self._iter = iter(self._loader)
+            self._held, self._slot = [[] for _ in range(self.num_workers)], 0
+            _RUNNING.add(self)
+
+    def _restart(self):
+        self._plans = self._loader = self._iter = None  # the iterator stops its workers
+        self._plan, self._i = None, 0
+
+    def close(self):
+        """Stop the workers (if any run); a later batch starts them again."""
+        _RUNNING.discard(self)
+        self._restart()
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
         start = time.perf_counter()
-        if self._iter is None:
+        if self._plans is None:
             self._start()
+        if self._plan is None:
+            self._plan, self._i = next(self._plans), 0
+        plan, i = self._plan, self._i
         if self.num_workers:
             held = self._held[self._slot]
             if not held:
-                # Groups are all one size and handed out round-robin, so the worker whose
-                # group ran out is the one the DataLoader (in order) sends next.
+                # Groups are handed out round-robin, so the worker whose group ran out is
+                # the one the DataLoader (in order) sends next.
                 held[:] = next(self._iter)[::-1]  # popped from the end
             batch = as_tensors(held.pop())
+            if batch.pop("micro") != self._m:
+                raise RuntimeError(f"loader worker sent micro-batch out of order at {self._m}")
             self._slot = (self._slot + 1) % self.num_workers
-            self._turn = (self._turn + 1) % self.num_workers
         else:
-            batch = next(self._iter)
+            batch = self.collate([self.stream.window(s, o) for s, o in plan.micro[i]])
+            batch["loss_weight"] = plan.weights[i]
+        self._m += 1
+        self._i += 1
+        if self._i == len(plan.micro):  # the step is handed out whole: it is the position
+            self._epoch_starts += self.stream.epoch_starts(self.position, plan.after)
+            self.position, self.step = plan.after, plan.step + 1
+            self.last_global_batch = plan.global_batch
+            self._plan = None
         self.last_wait_s = time.perf_counter() - start
-        self._shard_states.update(batch["shard_states"])
-        self._next[batch["consumer"]] = batch["next"]
-        self._skipped[batch["consumer"]] = batch["skipped"]
         return batch
 
-    def skipped_documents(self) -> int:
-        """Documents dropped by the bad-data policy on this rank, as of the last batch."""
-        return sum(self._skipped.values())
+    def next_step(self) -> list[dict]:
+        """The micro-batches of the next step (its global batch is the schedule's)."""
+        batches = [next(self)]
+        while self._plan is not None:
+            batches.append(next(self))
+        return batches
 
-    # ---- state ------------------------------------------------------------------------
+    def set_step(self, step: int):
+        """The training step the next batch is for (the schedule is by training step: a
+        data restart keeps the batch size the run has reached)."""
+        if step != self.step:
+            self.step = step
+            self._restart()
+
+    def seek(self, position: Position | None = None):
+        """Continue from ``position`` (the start when None): for validation, which reads
+        the same first batches every time, and tools that need a far-along state."""
+        self.position = position.copy() if position else self.stream.start()
+        self._restart()
+
+    # ---- what the metrics read ---------------------------------------------------------
+    def skipped_documents(self) -> int:
+        """Documents dropped by the bad-data policy before the position (all ranks')."""
+        return self.stream.skipped_before(self.position)
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Tokens read from each source since the data started (all ranks')."""
+        return dict(zip(self.stream.names, self.position.offsets))
+
+    def take_epoch_starts(self) -> list[list]:
+        """``[source, pass]`` of every pass begun since the last call."""
+        out, self._epoch_starts = self._epoch_starts, []
+        return out
+
+    # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's entry. Cost: O(shards this rank owns), no worker round-trip."""
-        initial = None
-        shards = {}
-        for v in self.dataset.rank_shards(self.num_workers):
-            if v not in self._shard_states and initial is None:
-                initial = self.dataset.initial_shard_state()
-            shards[v] = self._shard_states.get(v, initial)
+        """This rank's entry (every rank's is the same). Cost: O(sources)."""
+        if self._plan is not None:
+            raise RuntimeError("the loader state is taken between steps, not inside one")
         entry = {
             "version": STATE_VERSION,
-            "layout": self.layout(),
-            "shards": shards,
-            "next": dict(self._next),
-            "turn": self._turn,
+            "windows": self.position.windows,
+            "offsets": list(self.position.offsets),
+            "sources": list(self.stream.names),
+            "seq_len": self.stream.seq_len,
+            "step": self.step,
         }
         return {f"{KEY_PREFIX}{self.dp_rank}": pickle.dumps(entry)}
 
-    def seek(self, shard_states: dict[int, dict]):
-        """Place this rank's shards at the given states, as if trained to them (for tools and
-        benchmarks that need a far-along state without the hours of training)."""
-        owned = set(self.dataset.rank_shards(self.num_workers))
-        self._shard_states = {int(v): s for v, s in shard_states.items() if int(v) in owned}
-        self._next, self._turn = {}, 0
-        self.dataset.load_shard_states(self._shard_states)
-        self._loader = self._iter = None
-
-    def load_state_dict(self, state_dict: dict):
-        """Load from the entries of one or all old ranks (all are needed to reshard).
-
-        Cost: unpickling the entries given (a few KB per old rank); the shards'
-        documents are read lazily by their new owners, one per shard and source.
-        """
-        entries = {
-            int(k[len(KEY_PREFIX) :]): pickle.loads(v)
-            for k, v in state_dict.items()
-            if k.startswith(KEY_PREFIX) and v
-        }
+    def entry_to_load(self, saved: list[str]) -> str:
+        """The one entry this rank reads: its own, else the first (all hold the same
+        position). O(1) per rank, whatever the old layout."""
+        mine = f"{KEY_PREFIX}{self.dp_rank}"
+        if mine in saved:
+            return mine
+        entries = sorted(k for k in saved if k.startswith(KEY_PREFIX))
         if not entries:
             raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
-        versions = {e.get("version") for e in entries.values()}
-        if versions != {STATE_VERSION}:
+        return entries[0]
+
+    def load_state_dict(self, state_dict: dict):
+        """Seek to the saved position. Cost: unpickling one entry; the documents are read
+        when their windows are."""
+        entries = [v for k, v in sorted(state_dict.items()) if k.startswith(KEY_PREFIX) and v]
+        if not entries:
+            raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
+        entry = pickle.loads(entries[0])
+        if entry.get("version") != STATE_VERSION:
             raise DataError(
-                f"the checkpoint's dataloader state has format {sorted(map(str, versions))}, this "
+                f"the checkpoint's dataloader state has format {entry.get('version')}, this "
                 f"version reads {STATE_VERSION}; resume with the version that wrote it, or pass "
                 "--checkpoint.exclude_from_loading dataloader to restart the data"
             )
-        old = next(iter(entries.values()))["layout"]
-        if self.auto_shards and old["data_shards"] != self.dataset.data_shards:
-            check_equal_rates(old["data_shards"], self.dp_world, self.num_workers)
-            logger.info(
-                "virtual shards: %d, as the checkpoint was started with (training.data_shards = 0)",
-                old["data_shards"],
+        if entry["sources"] != self.stream.names:
+            raise DataError(
+                f"the checkpoint's data position is over sources {entry['sources']}, the "
+                f"config has {self.stream.names}; resume with the original training.datasets "
+                "or pass --checkpoint.exclude_from_loading dataloader"
             )
-            self.dataset.data_shards = old["data_shards"]
-        new = self.layout()
-        _check_compatible(old, new)
-        if (old["dp_world"], old["num_workers"]) == (new["dp_world"], new["num_workers"]):
-            if self.dp_rank not in entries:
-                raise DataError(
-                    f"the checkpoint has no dataloader entry for dp_rank_{self.dp_rank} "
-                    f"(it has {sorted(entries)}); was it written by another job?"
-                )
-            mine = entries[self.dp_rank]
-            shard_states, self._next, self._turn = mine["shards"], mine["next"], mine["turn"]
-        else:
-            shard_states = _all_shard_states(entries, old, new)
-            self._next, self._turn = {}, 0
-        owned = set(self.dataset.rank_shards(self.num_workers))
-        self._shard_states = {v: s for v, s in shard_states.items() if v in owned}
-        self.dataset.load_shard_states(shard_states, next_by_consumer=self._next)
-        self._loader = self._iter = None  # workers must start from the loaded state
-
-
-def check_equal_rates(data_shards: int, dp_world: int, num_workers: int):
-    """Refuse a layout whose consumers would own unequal numbers of shards.
-
-    Consumers visit their shards round-robin, so a consumer with fewer shards would read
-    each of them faster: parts of the corpus would start a new epoch while others are
-    still unread. With ``consumers | data_shards`` every shard advances at the same rate.
-    """
-    consumers = dp_world * max(1, num_workers)
-    if data_shards % consumers == 0:
-        return
-    fits = [c for c in range(1, data_shards + 1) if data_shards % c == 0]
-    raise DataError(
-        f"{consumers} data consumers ({dp_world} ranks x {max(1, num_workers)}) do not divide "
-        f"training.data_shards={data_shards}, so some shards would be read faster than others; "
-        f"use a ranks x max(1, workers) count among {fits}, or data_shards a multiple of "
-        f"{consumers} (0 chooses one at the start of a run)"
-    )
-
-
-def _all_shard_states(entries: dict[int, dict], old: dict, new: dict) -> dict[int, dict]:
-    """The union of every old rank's shard states; each shard exactly once."""
-    missing = sorted(set(range(old["dp_world"])) - set(entries))
-    if missing:
-        raise DataError(f"cannot reshard data state: entries of old ranks {missing} are missing")
-    shard_states: dict[int, dict] = {}
-    for rank in sorted(entries):
-        for v, s in entries[rank]["shards"].items():
-            if int(v) in shard_states:
-                raise DataError(f"virtual shard {v} appears twice in the saved data state")
-            shard_states[int(v)] = s
-    logger.info(
-        "resharding data state from %dx%d to %dx%d (ranks x workers; %d virtual shards)",
-        old["dp_world"],
-        old["num_workers"],
-        new["dp_world"],
-        new["num_workers"],
-        len(shard_states),
-    )
-    # A shard absent here would silently restart from its beginning: insist on all.
-    absent = sorted(set(range(new["data_shards"])) - set(shard_states))
-    if absent:
-        raise DataError(
-            f"cannot reshard data state: virtual shards {absent[:10]} have no saved state"
-        )
-    return shard_states
-
-
-def _check_compatible(old: dict, new: dict):
-    if old["data_shards"] != new["data_shards"]:
-        raise DataError(
-            f"the checkpoint's data state has {old['data_shards']} virtual shards, the config "
-            f"{new['data_shards']}; resume with --training.data_shards {old['data_shards']}"
-        )
-    if old["seq_len"] != new["seq_len"]:
-        raise DataError(
-            f"the checkpoint was trained at seq_len {old['seq_len']}, the config has "
-            f"{new['seq_len']}; resume with --training.seq_len {old['seq_len']}"
-        )
-    old_global = _global_batch(old)
-    new_global = _global_batch(new)
-    if old_global != new_global:
-        per_pass = new["dp_world"] * new["batch_size"]
-        hint = (
-            f"keep it with --training.global_batch_size {old_global}"
-            if old_global % per_pass == 0
-            else f"{old_global} is not a multiple of {new['dp_world']} ranks x micro-batch "
-            f"{new['batch_size']}; choose a micro-batch (training.batch_size) that divides "
-            f"{old_global // new['dp_world'] if old_global % new['dp_world'] == 0 else old_global}"
-        )
-        raise DataError(
-            f"global batch size changed from {old_global} ({_batch_text(old)}) to {new_global} "
-            f"({_batch_text(new)}); {hint}"
-        )
-
-
-def _global_batch(layout: dict) -> int:
-    return layout["dp_world"] * layout["batch_size"] * layout.get("accumulation", 1)
-
-
-def _batch_text(layout: dict) -> str:
-    return (
-        f"{layout['dp_world']} ranks x {layout['batch_size']} x "
-        f"{layout.get('accumulation', 1)} micro-batches"
-    )
+        if entry["seq_len"] != self.stream.seq_len:
+            logger.info(
+                "sequence length %d -> %d: the stream continues at the saved token offsets",
+                entry["seq_len"], self.stream.seq_len,
+            )  # fmt: skip
+        self.position = Position(int(entry["windows"]), [int(o) for o in entry["offsets"]])
+        self.step = int(entry["step"])
+        self._restart()

@@ -12,28 +12,36 @@ everyone's bytes, and the value they produce (``DataPlan``):
    Rank 0 also checks that the first file has the text column.
 3. ``combine`` (rank 0 only): the data fingerprint and the document counts of the job,
    from every share. Cost: O(files) small values, once.
+4. The length index of every source (index.py): ``cached_indexes`` (rank 0) reads the
+   ones a start of this corpus and tokenizer already made; for the others
+   ``measure_share`` (every rank) tokenizes every ``world``-th unit, and
+   ``complete_indexes`` (rank 0) puts them together and caches them. Cost: O(documents
+   / ranks) tokenization per rank on a corpus's first start, O(documents) integers
+   moved on every start.
 
 ``train.py`` moves the values between the ranks (a broadcast, a gather, a broadcast);
 this module never touches ``torch.distributed``. A single process (tests, tools,
-benchmarks) runs the three in a row with ``local_plan``. After the plan a rank opens
-only the files its own shards read (streaming; a map-style source's shards read
+benchmarks) runs the four in a row with ``local_plan``. After the plan a rank opens
+only the files its own windows lie in (streaming; a map-style source's windows read
 documents from every file, which ``datasets`` memory-maps).
 
-Never: tokenize, pack, or know about batches and checkpoints.
+Never: tokenize (index.py measures), pack, or know about batches and checkpoints.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan.data import index as length_index
 from torchtitan.data.pretokenized import check_tokenizer
-from torchtitan.data.sources import DataError, SourceSpec, is_remote, resolve_source
+from torchtitan.data.sources import DataError, SourceSpec, is_remote, open_source, resolve_source
 
 
 @dataclass
 class DataPlan:
     """The resolved sources, the fingerprint of what they hold, and (streaming) their
-    document counts, for the automatic shard count. Small: O(files) names and numbers."""
+    document counts (which the sources are opened with), then their length indexes.
+    Small but for the indexes: O(files) names and numbers, O(documents) integers."""
 
     specs: list[SourceSpec]
     fingerprint: dict
@@ -41,6 +49,8 @@ class DataPlan:
     # Streaming: per source, file -> rows of each block (parquet, Arrow, text), so that
     # units are cut without any rank reading another rank's footers.
     block_rows: list[dict[int, list[int]]] | None = None
+    # Per source, its documents' token counts (index.py); filled by the fourth step.
+    indexes: list[length_index.SourceIndex] | None = None
 
 
 def list_sources(training) -> list[SourceSpec]:
@@ -119,7 +129,6 @@ def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) ->
     fingerprint = {
         "sources": sources,
         "tokenizer_sha256": tokenizer.sha256(),
-        "seq_len": t.seq_len,
         "shuffle": t.shuffle,
         "seed": t.seed,
         "streaming": t.streaming,
@@ -128,7 +137,72 @@ def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) ->
     return DataPlan(specs, fingerprint, documents, block_rows)
 
 
+def _keys(plan: DataPlan, training) -> list[str]:
+    sha = plan.fingerprint["tokenizer_sha256"]
+    return [length_index.index_key(src, sha, training) for src in plan.fingerprint["sources"]]
+
+
+def cached_indexes(plan: DataPlan, training) -> list:
+    """Per source, its cached length index, or None where none is cached yet.
+    Cost: O(documents) bytes read per cached source."""
+    folder = length_index.cache_dir(training.length_index_dir)
+    return [length_index.load_cached(folder, key) for key in _keys(plan, training)]
+
+
+def _open(plan: DataPlan, s: int, training):
+    t = training
+    documents = plan.documents[s] if plan.documents else None
+    rows = plan.block_rows[s] if plan.block_rows else None
+    return open_source(plan.specs[s], t.text_field, t.id_field, t.seed, t.shuffle, t.streaming,
+                       documents, rows)  # fmt: skip
+
+
+def measure_share(plan: DataPlan, found: list, training, tokenizer, rank: int, world: int) -> dict:
+    """``(source, unit) -> (lengths, row_at)`` of this rank's share of the units of the
+    sources with no index in ``found``: every ``world``-th unit, from ``rank``.
+    Cost: those units read and tokenized, O(documents / ranks)."""
+    share = {}
+    for s, cached in enumerate(found):
+        if cached is not None:
+            continue
+        source = _open(plan, s, training)
+        mine = list(range(len(length_index.source_units(source))))[rank::world]
+        measured = length_index.measure(source, tokenizer, mine, training.bad_data)
+        share.update({(s, u): v for u, v in measured.items()})
+    return share
+
+
+def _unit_count(plan: DataPlan, training, s: int) -> int:
+    return len(length_index.source_units(_open(plan, s, training)))
+
+
+def complete_indexes(plan: DataPlan, found: list, shares: list[dict], training) -> list:
+    """Every source's index: the cached ones, and the rest from every rank's share,
+    written to the cache for the next start. Raises DataError if a unit is missing."""
+    folder = length_index.cache_dir(training.length_index_dir)
+    keys = _keys(plan, training)
+    measured: dict[int, dict] = {}
+    for share in shares:
+        for (s, u), value in share.items():
+            measured.setdefault(s, {})[u] = value
+    out = []
+    for s, cached in enumerate(found):
+        if cached is None:
+            count = _unit_count(plan, training, s)
+            cached = length_index.assemble(count, training.streaming, measured.get(s, {}))
+            length_index.save_cached(folder, keys[s], cached)
+        out.append(cached)
+    return out
+
+
 def local_plan(training, tokenizer) -> DataPlan:
-    """The three steps in one process (rank 0 of 1). Cost: O(files) opens."""
+    """The four steps in one process (rank 0 of 1). Cost: O(files) opens, and the length
+    index measured where none is cached."""
     specs = list_sources(training)
-    return combine(specs, [inspect_share(specs, training, tokenizer, 0, 1)], training, tokenizer)
+    plan = combine(specs, [inspect_share(specs, training, tokenizer, 0, 1)], training, tokenizer)
+    found = cached_indexes(plan, training)
+    if any(x is None for x in found):
+        share = measure_share(plan, found, training, tokenizer, 0, 1)
+        found = complete_indexes(plan, found, [share], training)
+    plan.indexes = found
+    return plan

@@ -1,20 +1,19 @@
 """Streaming sources: documents read straight from their files, a few blocks at a time.
 
-Owns: cutting a source's files into *units* (whole files when there are at least as
-many files as virtual shards; otherwise parquet row groups, Arrow record batches or
-byte ranges of whole JSON lines, and row ranges of row groups, or finer byte ranges,
-if still too few), the per-epoch seeded order of those units, which units a virtual
-shard reads (``order[v::V]``), and a shard's position in them: ``(epoch, unit, at)``,
-where ``at`` is a row of the unit's file (parquet, Arrow, text) or the byte offset of
-a line (JSON lines). A resume seeks to that position: it decodes at most the one block
-holding it.
+Owns: cutting a source's files into *units*, the granules the global order shuffles
+(whole files when there are at least ``index.STREAM_UNITS``; otherwise parquet row
+groups, Arrow record batches or byte ranges of whole JSON lines, and row ranges of row
+groups, or finer byte ranges, if still too few), and reading a unit's documents from a
+position ``at``: a row of the unit's file (parquet, Arrow, text) or the byte offset of a
+line (JSON lines). The length index records each row's ``at``, so a read at any
+position decodes at most the one block holding it.
 
 Readers use pyarrow for parquet and Arrow IPC (``datasets.save_to_disk`` files) and
 read bytes through ``fsspec`` when a path is a URL, so remote files need no copy.
 
-Never: tokenize, pack, or know about ranks and workers (dataset.py does that); never
-decode a row that belongs to another shard's unit (except a row group shared by the
-row-range units of a small corpus, decoded once per process while any of them reads it).
+Never: tokenize, pack, or know about ranks and workers (dataset.py does that). A row
+group shared by the row-range units of a small corpus is decoded once per process
+while any reader holds it.
 """
 
 from __future__ import annotations
@@ -27,19 +26,18 @@ import weakref
 
 import numpy as np
 
-from torchtitan.data.sources import (
+from torchtitan.data.spec import (
     BadText,
     DataError,
     SourceSpec,
-    _check_column,
-    _epoch_order,
+    check_column,
     is_remote,
     text_doc_id,
     token_arrays,
 )
 
 # A JSON lines unit is a byte range of whole lines, of this size at most (smaller ones when
-# a corpus has few bytes per virtual shard).
+# a corpus has few bytes for the units it wants).
 CHUNK_BYTES = 64 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
@@ -117,7 +115,7 @@ class StreamSource:
         self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
         for f, counts in (block_rows or {}).items():  # from the data plan: no footer to read
             self._starts[f] = _starts_of(counts)
-        self._units: dict[int, list[tuple[int, int, int]]] = {}  # shard count -> units
+        self._units: dict[int, list[tuple[int, int, int]]] = {}  # units wanted -> units
         self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
         self.rows_decoded = 0
         # From a data plan: the count and the column check were made once for the job.
@@ -134,39 +132,24 @@ class StreamSource:
         self._decoded = weakref.WeakValueDictionary()
 
     # ---- units ------------------------------------------------------------------------
-    def document_count(self) -> int:
-        """Documents in the source, for the automatic shard count: parquet footers' and
-        Arrow batch headers' row counts; one per text file; for JSON lines an estimate
-        (``JsonLinesReader.document_estimate``). Cost: nothing when the data plan gave it,
-        else one footer (or 1 MiB) per file."""
-        if self._documents is None:
-            self._documents = sum(document_estimate(self.spec, f) for f in self.spec.files)
-        return self._documents
-
-    def units(self, num_shards: int) -> list[tuple[int, int, int]]:
+    def units(self, wanted: int) -> list[tuple[int, int, int]]:
         """The units ``(file, lo, hi)`` each epoch orders: rows ``[lo, hi)`` of the file
         (bytes for JSON lines; ``hi = -1`` is the file's end). A pure function of the files
-        and ``num_shards``, so it is the same on every resume.
+        and ``wanted`` (``index.STREAM_UNITS``), so it is the same on every start.
 
-        Whole files when there are at least ``num_shards``; else blocks (row groups,
+        Whole files when there are at least ``wanted``; else blocks (row groups,
         record batches, byte ranges of whole lines), cut into about one row range of equal
-        rows per shard (JSON lines: finer byte ranges) if there are still fewer blocks
-        than shards. Cost: O(files + blocks), once per process (JSON lines: a partial line
+        rows each (JSON lines: finer byte ranges) if there are still fewer blocks than
+        wanted. Cost: O(files + blocks), once per process (JSON lines: a partial line
         read per cut).
         """
-        if num_shards not in self._units:
-            if len(self.spec.files) >= num_shards:
+        if wanted not in self._units:
+            if len(self.spec.files) >= wanted:
                 units = [(f, 0, -1) for f in range(len(self.spec.files))]
             else:
-                units = self._reader.split(self, num_shards)
-            self._units[num_shards] = units
-        return self._units[num_shards]
-
-    def shard_units(self, epoch: int, shard: int, num_shards: int) -> np.ndarray:
-        """Indices into ``units(num_shards)`` that virtual shard ``shard`` reads in ``epoch``."""
-        units = self.units(num_shards)
-        order = _epoch_order(len(units), self.seed, self._identity, epoch, self.shuffle)
-        return order[shard::num_shards]
+                units = self._reader.split(self, wanted)
+            self._units[wanted] = units
+        return self._units[wanted]
 
     def block_starts(self, f: int) -> tuple[int, ...]:
         """First row of each block of file ``f``, then its row count (cached per file)."""
@@ -188,7 +171,7 @@ class StreamSource:
 
     def block(self, f: int, b: int) -> _Block:
         """Block ``b`` of file ``f``, decoded; shared while any reader holds it (the row
-        ranges of one row group, read by several shards, decode it once)."""
+        ranges of one row group, read by several readers, decode it once)."""
         block = self._decoded.get((f, b))
         if block is None:
             block = self._reader.decode(self, self.spec.files[f], b)
@@ -210,33 +193,6 @@ class StreamSource:
                 for _, _, doc_id, value in docs:
                     yield doc_id, value
 
-    def position_at(self, shard: int, num_shards: int, fraction: float, epoch: int = 0) -> dict:
-        """The cursor state of ``shard`` ``fraction`` of the way through its rows (bytes for
-        JSON lines, moved to a line start) in ``epoch``, as a checkpoint taken there would
-        hold it: for tools and benchmarks that need a far-along state without reading up to
-        it. Cost: a footer per file of the shard's units (a line's read for JSON lines)."""
-        units = [self.units(num_shards)[u] for u in self.shard_units(epoch, shard, num_shards)]
-        sizes = [self._unit_size(u) for u in units]
-        target = int(fraction * sum(sizes))
-        k = 0
-        while k < len(units) - 1 and target >= sizes[k]:
-            target, k = target - sizes[k], k + 1
-        if units and self.spec.fmt == "json" and target > 0:
-            f, lo, _ = units[k]
-            with _open_binary(self.spec.files[f]) as fh:
-                fh.seek(lo + target - 1)
-                fh.readline()
-                target = fh.tell() - lo
-        return {"epoch": epoch, "unit": k, "at": target}
-
-    def _unit_size(self, unit: tuple[int, int, int]) -> int:
-        f, lo, hi = unit
-        if hi >= 0:
-            return hi - lo
-        if self.spec.fmt == "json":
-            return _file_size(self.spec.files[f])
-        return self.block_starts(f)[-1]
-
 
 def _starts_of(counts: list[int]) -> tuple[int, ...]:
     return (0, *(int(x) for x in np.cumsum(counts, dtype=np.int64)))
@@ -247,7 +203,7 @@ def check_columns(spec: SourceSpec, text_field: str):
     any). Cost: one schema or 1 MiB read."""
     columns = _READERS[spec.fmt](spec).columns(spec.files[0])
     if columns is not None:
-        _check_column(spec, spec.tokens_field or text_field, columns)
+        check_column(spec, spec.tokens_field or text_field, columns)
 
 
 def inspect_file(spec: SourceSpec, path: str) -> tuple[int, list[int] | None]:
@@ -262,7 +218,8 @@ def inspect_file(spec: SourceSpec, path: str) -> tuple[int, list[int] | None]:
 
 
 def document_estimate(spec: SourceSpec, path: str) -> int:
-    """Documents in one file of a streaming source (see ``StreamSource.document_count``)."""
+    """Documents in one file of a streaming source (parquet and Arrow footers' row counts;
+    an estimate for JSON lines)."""
     return inspect_file(spec, path)[0]
 
 
@@ -272,17 +229,17 @@ class _RowReader:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
 
-    def split(self, source: StreamSource, num_shards: int) -> list[tuple[int, int, int]]:
+    def split(self, source: StreamSource, wanted: int) -> list[tuple[int, int, int]]:
         blocks = []
         for f in range(len(self.spec.files)):
             starts = source.block_starts(f)
             blocks += [(f, a, b) for a, b in zip(starts, starts[1:]) if b > a]
-        if len(blocks) >= num_shards or not blocks:
+        if len(blocks) >= wanted or not blocks:
             return blocks
-        # Fewer blocks than shards: cut them into about one row range per shard, of about
-        # equal rows (shards reading ranges of one block share its decode: see
+        # Fewer blocks than wanted: cut them into about that many row ranges, of about
+        # equal rows (readers of ranges of one block share its decode: see
         # StreamSource.block).
-        parts = _apportion([b - a for _, a, b in blocks], num_shards)
+        parts = _apportion([b - a for _, a, b in blocks], wanted)
         return [unit for (f, a, b), k in zip(blocks, parts) for unit in _cut(f, a, b, k)]
 
     def read(self, source: StreamSource, unit, at: int):
@@ -477,7 +434,7 @@ class JsonLinesReader:
     def document_estimate(self, path: str) -> int:
         """Non-empty lines: counted in a file up to 1 MiB; in a larger one, the first MiB's
         count scaled to the file's size (rounded down). At least one per file. A compressed
-        file counts as one: it streams whole, so it can feed one shard per epoch only."""
+        file counts as one: it streams whole (for the data plan's document counts)."""
         if _compressed(path):
             return 1
         with _open_binary(path) as f:
@@ -488,22 +445,22 @@ class JsonLinesReader:
             lines = lines * size // max(1, len(head))
         return max(1, lines)
 
-    def split(self, source: StreamSource, num_shards: int) -> list[tuple[int, int, int]]:
-        """Byte ranges cut at line starts: at most ``CHUNK_BYTES`` each, and about one per
-        shard when that gives too few. A cut moves to the first line starting at or after
-        it, so no range is empty (a line longer than a range merges the cuts inside it;
-        then the cuts are made finer, up to 8 times as many, to keep one range per shard).
+    def split(self, source: StreamSource, wanted: int) -> list[tuple[int, int, int]]:
+        """Byte ranges cut at line starts: at most ``CHUNK_BYTES`` each, and about
+        ``wanted`` when that gives too few. A cut moves to the first line starting at or
+        after it, so no range is empty (a line longer than a range merges the cuts inside
+        it; then the cuts are made finer, up to 8 times as many, to reach ``wanted``).
         Cost: one read of the rest of a line per cut, once per process."""
         if any(map(_compressed, self.spec.files)):
             return [(f, 0, -1) for f in range(len(self.spec.files))]
         sizes = [_file_size(p) for p in self.spec.files]
         parts = [-(-size // CHUNK_BYTES) for size in sizes]
-        target = num_shards
+        target = wanted
         while True:
             if sum(parts) < target:
                 parts = _apportion(sizes, target)
             units = [u for f, k in enumerate(parts) for u in self._ranges(f, sizes[f], k)]
-            if len(units) >= num_shards or target >= 8 * num_shards:
+            if len(units) >= wanted or target >= 8 * wanted:
                 return units
             target *= 2
 
@@ -587,83 +544,3 @@ _READERS = {
     "text": TextReader,
     "json": JsonLinesReader,
 }
-
-
-class StreamCursor:
-    """Position of one virtual shard in a streaming source: ``(epoch, unit, at)``.
-
-    ``unit`` indexes the shard's units of the epoch; ``at`` is the position of the next
-    document in that unit's file (a row, or a line's byte offset), saved relative to the
-    unit's start. The documents read ahead are derived from it, never part of the
-    state. ``rows_decoded`` counts what this cursor decoded itself.
-    """
-
-    def __init__(self, source: StreamSource, shard: int, num_shards: int):
-        self.source = source
-        self.shard = shard
-        self.num_shards = num_shards
-        self.epoch = 0
-        self.rows_decoded = 0
-        self._mine: np.ndarray | None = None  # this epoch's unit indices (derived)
-        self._ahead: list[tuple] = []  # (at, next_at, doc_id, value), read ahead
-        self._i = 0  # index in _ahead of the document at the cursor
-        self._held = None  # the decoded block _ahead came from (shared with other readers)
-        self._start_unit(0)
-
-    def _units(self) -> np.ndarray:
-        if self._mine is None:
-            self._mine = self.source.shard_units(self.epoch, self.shard, self.num_shards)
-        return self._mine
-
-    def _unit(self) -> tuple[int, int, int]:
-        return self.source.units(self.num_shards)[self._units()[self.unit]]
-
-    def _unit_start(self) -> int:
-        return self._unit()[1] if self.unit < len(self._units()) else 0
-
-    def _start_unit(self, k: int):
-        self.unit, self._ahead, self._i, self._held = k, [], 0, None
-        self.at = self._unit_start()
-
-    def current(self) -> tuple[str, object] | None:
-        """The document at the cursor, or None at the end of the epoch."""
-        while self._i >= len(self._ahead):
-            if self.unit >= len(self._units()):
-                return None
-            before = self.source.rows_decoded
-            docs, next_at, self._held = self.source.read(self._unit(), self.at)
-            self.rows_decoded += self.source.rows_decoded - before
-            self._ahead, self._i = docs, 0
-            if docs:
-                self.at = docs[0][0]  # past blank lines
-            elif next_at is None:
-                self._start_unit(self.unit + 1)
-            else:
-                self.at = next_at
-        return self._ahead[self._i][2:]
-
-    def advance(self):
-        self.at = self._ahead[self._i][1]
-        self._i += 1
-        if self._i < len(self._ahead):
-            self.at = self._ahead[self._i][0]
-
-    def next_epoch(self):
-        self.epoch += 1
-        self._mine = None
-        self._start_unit(0)
-
-    def state_dict(self) -> dict:
-        # ``at`` relative to the unit's start: a shard that has read nothing is at
-        # (0, 0, 0), whichever units it holds (the loader relies on one initial state).
-        return {"epoch": self.epoch, "unit": self.unit, "at": self.at - self._unit_start()}
-
-    def load_state_dict(self, state: dict):
-        if "unit" not in state:
-            raise DataError(
-                "the checkpoint's streaming position is of an older format; resume with the "
-                "version that wrote it, or pass --checkpoint.exclude_from_loading dataloader"
-            )
-        self.epoch, self._mine = int(state["epoch"]), None
-        self._start_unit(int(state["unit"]))
-        self.at += int(state["at"])

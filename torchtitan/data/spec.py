@@ -1,0 +1,202 @@
+"""What every kind of source shares: its spec, its errors, its order, its columns.
+
+Owns: ``SourceSpec`` (a source's name, files, weight and identity, and the data's
+fingerprint), ``DataError`` and ``BadText``, the seeded per-pass permutation every
+order is built from (``epoch_order``), reading Arrow token columns, and the column
+check. sources.py resolves and opens sources; streaming.py, hub.py and pretokenized.py
+each handle a kind; all of them build on this module, which imports none of them (so
+the data package has no import circle).
+
+Never: resolve names or paths to files, open a source, or tokenize.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan import REPO_ROOT
+
+_FORMATS = {
+    ".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".arrow": "arrow",
+}  # fmt: skip
+
+
+# Compressed files (x.jsonl.gz, as Hub datasets such as C4 ship) are read by `datasets`.
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+
+
+DEFAULT_SPLIT = "train"
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read as configured; the message names it and the fix."""
+
+
+@dataclass
+class BadText:
+    """Stands in for a document's text that could not be decoded, so policy can skip it."""
+
+    reason: str
+
+
+@dataclass
+class SourceSpec:
+    """One source of documents: a name (provenance, logs), its files and its weight.
+
+    ``root`` is the folder the files are named relative to (the folder given, or the
+    fixed part of a glob): ``a/000.parquet`` and ``b/000.parquet`` stay distinct.
+    ``location`` is the path as the user wrote it (for messages only). The document
+    order depends on ``identity()``, never on where the files are mounted.
+
+    ``tokens_field`` non-empty marks a pretokenized source: that column holds each
+    document's text token ids (no BOS/EOS), and readers yield them as an int32 array in
+    place of the text; ``id_field``, if set, is this source's id column whatever
+    ``training.id_field`` says. ``disk_path`` is a ``save_to_disk`` folder, read
+    map-style with ``load_from_disk`` (memory-mapped, no copy). ``order_identity``, if
+    set, is the identity (a pretokenized corpus keeps its original's, so its order).
+    ``tokenizer_sha256`` is the tokenizer a pretokenized corpus was made with.
+    ``stamps`` are ``[what, value]`` pairs of the data's own fingerprint (a Hub
+    revision, a ``save_to_disk`` fingerprint) that ``fingerprint()`` adds.
+    """
+
+    name: str
+    files: list[str]
+    weight: float = 1.0
+    root: str = ""
+    location: str = ""
+    named: bool = True  # the name was given (registry, or name = ... in a mix)
+    tokens_field: str = ""
+    id_field: str = ""
+    disk_path: str = ""
+    order_identity: str = ""
+    tokenizer_sha256: str = ""
+    stamps: list[list] = field(default_factory=list)
+    fmt: str = field(init=False)
+
+    def __post_init__(self):
+        self.fmt = _file_format(self.files, self.where)
+
+    @property
+    def where(self) -> str:
+        """How messages name the source: the path as given, else the name."""
+        return self.location or self.name
+
+    def relative_name(self, path: str) -> str:
+        return os.path.relpath(path, self.root) if self.root else os.path.basename(path)
+
+    def identity(self) -> str:
+        """What seeds this source's document order: its given name, or else its files'
+        paths relative to the root and their sizes. Moving or re-mounting the data, or
+        writing ./data for data, keeps it. Cost: one stat per file."""
+        if self.order_identity:
+            return self.order_identity
+        if self.named:
+            return f"name:{self.name}"
+        listing = "\n".join(f"{self.relative_name(f)}\t{os.path.getsize(f)}" for f in self.files)
+        return "files:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+    def fingerprint(self, signatures: list[list] | None = None) -> list[list]:
+        """Per file: its path relative to ``root``, size, and CRC32 of its first and last
+        MiB (cheap, and any edit that moves bytes shows); then the ``stamps``. A remote
+        file (a Hub URL) is named only: the revision stamp pins its bytes. ``signatures``
+        (one per file, as ``signature`` gives them) are used as given: the ranks of a job
+        sign a share each (see plan.py). Cost without them: O(files), 2 MiB read each."""
+        if signatures is None:
+            signatures = [[] if is_remote(f) else self.signature(f) for f in self.files]
+        return [[self.relative_name(f), *sig] for f, sig in zip(self.files, signatures)] + [
+            list(s) for s in self.stamps
+        ]
+
+    @staticmethod
+    def signature(path: str) -> list:
+        """[size, CRC32 of the first and the last MiB] of a local file. Cost: 2 MiB read."""
+        return _file_signature(path)
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def _file_signature(path: str) -> list:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        crc = zlib.crc32(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(1 << 20, size - (1 << 20)))
+            crc = zlib.crc32(f.read(), crc)
+    return [size, crc]
+
+
+def local_path(path: str) -> Path:
+    """``path`` as given, or under the repo root if only there."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p
+    return p
+
+
+def _data_suffix(path: str) -> str:
+    """The suffix naming a file's format: ``.jsonl`` for ``x.jsonl.gz`` too."""
+    p = Path(path)
+    if p.suffix.lower() in _COMPRESSIONS:
+        p = p.with_suffix("")
+    return p.suffix.lower()
+
+
+def _file_format(files: list[str], name: str) -> str:
+    fmts = {_FORMATS.get(_data_suffix(f)) for f in files}
+    if None in fmts or len(fmts) != 1:
+        exts = sorted({Path(f).suffix for f in files})
+        raise DataError(
+            f"dataset {name!r}: files must all be one of {sorted(_FORMATS)}, got {exts}; "
+            "point training.dataset_path at files of one supported format"
+        )
+    return fmts.pop()
+
+
+def text_doc_id(text) -> str:
+    """Stable id for a document without an id column: a hash of its text."""
+    return hashlib.sha1(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def token_arrays(column) -> list[np.ndarray | None]:
+    """Each row of an Arrow list<int> column as an int32 array (a view of one buffer),
+    or None for a null row."""
+    if hasattr(column, "combine_chunks"):  # a gather gives one chunk per row: join them once
+        column = column.combine_chunks()
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    nulls = column.is_null().to_numpy(zero_copy_only=False) if column.null_count else None
+    return [
+        None if nulls is not None and nulls[i] else values[offsets[i] : offsets[i + 1]]
+        for i in range(len(column))
+    ]
+
+
+@lru_cache(maxsize=8)
+def epoch_order(n: int, seed: int, identity: str, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    # zlib.crc32 rather than hash(): str hashes are salted per process.
+    rng = np.random.default_rng([seed, zlib.crc32(identity.encode()), epoch])
+    return rng.permutation(n)
+
+
+def check_column(spec: SourceSpec, text_field: str, columns: list[str]):
+    if spec.tokens_field and text_field not in columns:
+        raise DataError(
+            f"pretokenized dataset {spec.where!r} has no column {text_field!r} (columns: "
+            f"{columns}); write it again with scripts/pretokenize.py"
+        )
+    if text_field not in columns:
+        raise DataError(
+            f"dataset {spec.where!r} has no column {text_field!r} (columns: {columns}); "
+            "set training.text_field to the column that holds the text"
+        )
