@@ -260,6 +260,8 @@ def test_resume_on_any_rank_count_gives_the_same_global_batches(heavy_corpus, to
         got += global_steps(ranks, 3)
         state = ranks[-1].state_dict()
     assert got == reference
+    restarted = global_steps(loaders(heavy_corpus, tokenizer, chain[1], global_batch_size=24), 3)
+    assert restarted != reference[3:6], "a leg that does not load the position differs"
 
 
 def test_batch_size_changes_and_schedules_keep_every_token_once(heavy_corpus, tokenizer):
@@ -292,6 +294,12 @@ def test_a_changed_sequence_length_continues_at_the_token_offset(heavy_corpus, t
     tokens += [t for step in global_steps([second], 5) for w, _ in step for t in w]
     (reference,) = loaders(heavy_corpus, tokenizer, 1, seq=len(tokens) - 1, batch=1)
     assert tokens == window_of(next(reference), 0)
+    # Negative control: resuming at the saved window count in windows of the new length
+    # (not at the token offsets) skips tokens.
+    (windows_based,) = loaders(heavy_corpus, tokenizer, 1, seq=15)
+    windows_based.seek(Position(20, [20 * 16]))
+    skipped = [t for step in global_steps([windows_based], 5) for w, _ in step for t in w]
+    assert tokens[20 * 32 :] != skipped
 
 
 def test_unequal_splits_weigh_every_sequence_alike(tiny_corpus, tokenizer):
@@ -419,7 +427,7 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=REPO, timeout=120)
     assert done.returncode == 0
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, str(script), "hang"], cwd=REPO, timeout=8)
+        subprocess.run([sys.executable, str(script), "hang"], cwd=REPO, timeout=5)
 
 
 # ---- bad data, the length index ----------------------------------------------------------

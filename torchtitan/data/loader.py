@@ -19,8 +19,9 @@ is a seek to it. Workers prefetch from there without changing it.
 
 A worker sends its micro-batches in *groups* (enough for ``GROUP_TOKENS`` tokens) as
 numpy arrays in one message: a message costs both sides more than making a small batch
-does. Worker ``w`` of ``W`` makes the micro-batches ``m`` with ``m % W == w``, and this
-process hands them out in order.
+does. A group is a run of consecutive micro-batches: worker ``w`` of ``W`` makes those
+with ``m // group % W == w`` (so a document at the boundary of two micro-batches is
+mostly tokenized by one worker), and this process hands them out in order.
 
 Never: decide which data comes next (order.py, dataset.py) or touch checkpoint files.
 """
@@ -52,6 +53,10 @@ STATE_VERSION = 4  # 4: the global order's position (windows, a token offset per
 # 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
 GROUP_TOKENS = 16_384
 MAX_GROUP = 64
+# A group is also a run of consecutive micro-batches one worker makes: a document at the
+# boundary of two micro-batches is tokenized by both makers if they differ, so runs of
+# at least this many keep the work duplicated across workers small for long sequences.
+MIN_GROUP = 4
 # Above this (busiest rank's sequences / the mean) an uneven split is said at the start.
 IMBALANCE_WARNING = 1.15
 
@@ -60,7 +65,7 @@ def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
     """Micro-batches per worker message: 1 without workers."""
     if not num_workers:
         return 1
-    return min(MAX_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1))))
+    return min(MAX_GROUP, max(MIN_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1)))))
 
 
 def parse_schedule(text: str) -> list[tuple[int, int]]:
@@ -166,7 +171,9 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
 
 
 class WorkerBatches(IterableDataset):
-    """What one loader worker yields: groups of the micro-batches ``m % workers == w``."""
+    """What one loader worker yields: runs of ``group`` consecutive micro-batches, every
+    ``workers``-th run (``m // group % workers == w``). Consecutive micro-batches mostly
+    share a document at their boundary; one worker making both tokenizes it once."""
 
     def __init__(self, loader: ParallelDataLoader, step: int, position: Position):
         self.stream, self.schedule = loader.stream, loader.schedule
@@ -179,7 +186,7 @@ class WorkerBatches(IterableDataset):
         m, out = 0, []
         for plan in plan_steps(self.stream, self.schedule, self.rank, self.step, self.position):
             for windows, weight in zip(plan.micro, plan.weights):
-                if m % workers == me:
+                if m // self.group % workers == me:
                     batch = self.collate([self.stream.window(s, o) for s, o in windows])
                     batch["loss_weight"], batch["micro"] = weight, m
                     out.append(batch)
@@ -297,7 +304,8 @@ class ParallelDataLoader(Stateful):
             batch = as_tensors(held.pop())
             if batch.pop("micro") != self._m:
                 raise RuntimeError(f"loader worker sent micro-batch out of order at {self._m}")
-            self._slot = (self._slot + 1) % self.num_workers
+            if not held:  # the next run is the next worker's
+                self._slot = (self._slot + 1) % self.num_workers
         else:
             batch = self.collate([self.stream.window(s, o) for s, o in plan.micro[i]])
             batch["loss_weight"] = plan.weights[i]
