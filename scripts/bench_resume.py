@@ -5,12 +5,16 @@
 1. Builds (once) a large parquet corpus from the bundled text under
    ``outputs/bench_corpus`` (never committed): the bundled documents repeated with new
    ids until the text reaches --size-mb, in --shards files.
-2. Makes two dataloader states of a 2-rank job: every virtual shard's cursor at 1% and
-   at 99% of its documents, as a checkpoint taken there would hold them (the state is
-   a position; reaching 99% by training would take hours on a CPU).
-3. Times, in fresh processes, from process start to the first batch after loading
-   each state (rank 0 of 2), alternating 1% and 99%, and reports the median of each
-   and their ratio (target: 99% / 1% <= 1.3).
+2. Builds the corpus's length index (once per corpus and tokenizer, cached under
+   $TORCHTITAN_CACHE), as the first start of a job on it would.
+3. Makes two dataloader states of a 2-rank job: the global position (windows taken,
+   token offset) at 1% and at 99% of the epoch, as a checkpoint taken there would hold
+   it (``loader.seek(Position)``, then ``state_dict``; reaching 99% by training would
+   take hours on a CPU).
+4. Times, in fresh processes, from process start to the first batch after loading
+   each state (rank 0 of 2, built from a config as train.py builds it: the data plan,
+   the cached index, the loader), alternating 1% and 99%, and reports the median of
+   each and their ratio (target: 99% / 1% <= 1.3).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
 
-SEQ, BATCH, SHARDS = 2048, 8, 64
+SEQ, BATCH = 2048, 8
 
 
 def build_corpus(out: Path, size_mb: int, shards: int) -> Path:
@@ -60,36 +64,52 @@ def build_corpus(out: Path, size_mb: int, shards: int) -> Path:
 
 
 def make_state(corpus: Path, fraction: float, path: Path):
-    """The rank-0 loader state of a 2-rank job with every shard `fraction` through its documents."""
-    from torchtitan.data import ParallelDataLoader, TokenDataset
-    from torchtitan.data.sources import resolve_source
+    """The rank-0 loader state of a 2-rank job ``fraction`` of the way through the epoch;
+    the first build measures (and caches) the corpus's length index."""
+    from torchtitan.config import parse_args
+    from torchtitan.data import Position, build_dataloader
     from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
-    ds = TokenDataset([resolve_source(path=str(corpus))], Tokenizer(DEFAULT_TOKENIZER_PATH), SEQ,
-                      dp_rank=0, dp_world=2, data_shards=SHARDS, seed=0)  # fmt: skip
-    loader = ParallelDataLoader(ds, BATCH)
-    documents = len(ds.sources[0])
-    initial = ds.initial_shard_state()
-    states, positions = {}, {}
-    for v in ds.rank_shards(0):
-        shard_size = -(-(documents - v) // SHARDS)
-        positions[v] = int(fraction * shard_size)
-        source = {**initial["sources"][0], "cursor": {"epoch": 0, "pos": positions[v]}}
-        states[v] = {**initial, "sources": [source]}
-    loader.seek(states)
+    cfg = parse_args(config_argv(corpus))
+    loader = build_dataloader(cfg, Tokenizer(DEFAULT_TOKENIZER_PATH), 0, 2)
+    stream = loader.stream
+    windows = int(fraction * stream.orders[0].epoch_tokens) // stream.window_size
+    loader.seek(Position(windows, [windows * stream.window_size]))
     path.write_bytes(pickle.dumps(loader.state_dict()))
-    return positions
+    return windows
+
+
+def build_index(corpus: Path) -> dict:
+    """Seconds to the corpus's length index in this process: measured on a corpus's
+    first start (every document tokenized once, O(documents)), else read from the cache."""
+    from torchtitan.config import parse_args
+    from torchtitan.data import combine, inspect_share, list_sources, local_plan
+    from torchtitan.data.plan import cached_indexes
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+
+    t, tokenizer = parse_args(config_argv(corpus)).training, Tokenizer(DEFAULT_TOKENIZER_PATH)
+    specs = list_sources(t)
+    plan = combine(specs, [inspect_share(specs, t, tokenizer, 0, 1)], t, tokenizer)
+    cached = all(x is not None for x in cached_indexes(plan, t))
+    start = time.perf_counter()
+    plan = local_plan(t, tokenizer)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "was_cached": cached, "documents": len(plan.indexes[0].lengths)}
+
+
+def config_argv(corpus: Path) -> list[str]:
+    return ["--training.dataset_path", str(corpus), "--training.seq_len", str(SEQ),
+            "--training.batch_size", str(BATCH), "--training.seed", "0"]  # fmt: skip
 
 
 CHILD = """
 import pickle, sys, time, warnings
 warnings.filterwarnings("ignore")
-from torchtitan.data import ParallelDataLoader, TokenDataset
-from torchtitan.data.sources import resolve_source
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-ds = TokenDataset([resolve_source(path=sys.argv[1])], Tokenizer(DEFAULT_TOKENIZER_PATH), {seq},
-                  dp_rank=0, dp_world=2, data_shards={shards}, seed=0)
-loader = ParallelDataLoader(ds, {batch})
+cfg = parse_args(sys.argv[3:])
+loader = build_dataloader(cfg, Tokenizer(DEFAULT_TOKENIZER_PATH), 0, 2)
 with open(sys.argv[2], "rb") as f:
     loader.load_state_dict(pickle.load(f))
 batch = next(loader)
@@ -98,11 +118,10 @@ print("FIRST", batch["spans"][0][0][1], flush=True)
 
 
 def time_to_first_batch(corpus: Path, state: Path) -> tuple[float, str]:
-    code = CHILD.format(seq=SEQ, shards=SHARDS, batch=BATCH)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", CHILD, str(corpus), str(state), *config_argv(corpus)]
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, str(corpus), str(state)], cwd=REPO, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
@@ -124,6 +143,7 @@ def main(argv=None) -> int:
         args.size_mb, args.shards, args.repeats = 2, 4, 1
         args.corpus = args.corpus + "_smoke"
     corpus = build_corpus(Path(args.corpus), args.size_mb, args.shards)
+    index = build_index(corpus)
     states = {}
     for label, fraction in (("1%", 0.01), ("99%", 0.99)):
         states[label] = Path(args.corpus) / f"state-{label[:-1]}.pkl"
@@ -145,6 +165,7 @@ def main(argv=None) -> int:
         "median_99pct_s": med["99%"],
         "ratio_99_over_1": med["99%"] / med["1%"],
         "first_document": docs,
+        "length_index": index,
     }
     print(f"{'position':<10}{'median s':>10}   runs")
     for label in ("1%", "99%"):
@@ -152,6 +173,8 @@ def main(argv=None) -> int:
             f"{label:<10}{med[label]:>10.2f}   {', '.join(f'{t:.2f}' for t in times[label])}   first doc {docs[label]}"
         )
     print(f"ratio 99% / 1%: {result['ratio_99_over_1']:.3f} (target <= 1.3)")
+    how = "read from the cache" if index["was_cached"] else "measured (first start)"
+    print(f"length index of {index['documents']:,} documents: {index['seconds']:.2f} s, {how}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

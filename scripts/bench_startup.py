@@ -4,14 +4,18 @@
 
 One process simulates rank r of R (r = R // 2; R = 1, 64, 1,024) over a streaming
 parquet corpus of --files tiny files (4 documents each, generated under the temporary
-folder), through the path train.py runs: rank 0 lists the sources once
-(``list_sources``), every rank inspects its share of the files (``inspect_share``; the
-other ranks' shares are computed too, untimed, as rank 0 needs them), rank 0 combines
-them (``combine``), and rank r builds its loader from the plan and takes its first
-batch (``build_dataloader``, ``next``). Printed per R: the rank's data files opened,
-bytes read and seconds to its first batch; rank 0's listing and combining once per job;
-and, as the baseline, the same rank resolving the data alone, as every rank did before
-the plan (``local_plan``).
+folder), through the path train.py runs (``resolve_data``): rank 0 lists the sources
+once (``list_sources``), every rank inspects its share of the files
+(``inspect_share``), rank 0 combines them (``combine``) and looks for the corpus's
+length index in the cache (``cached_indexes``); where there is none (a corpus's first
+start) every rank measures its share of the units (``measure_share``: every R-th file,
+tokenized) and rank 0 puts the shares together and caches them (``complete_indexes``);
+then rank r builds its loader from the plan and takes its first batch
+(``build_dataloader``, ``next``). The other ranks' shares are computed too, untimed, as
+rank 0 needs them. Printed per R, for a start with the index cached and for a first
+start: the rank's data files opened, bytes read and seconds to its first batch; rank
+0's once-per-job work; and, as the baseline, the same rank resolving the data alone
+(``local_plan``), as every rank did before the plan.
 
 Opens are counted from Python's audit events, bytes from /proc/self/io (rchar), each
 phase after a warm-up run, so the page cache is warm and imports are done.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -28,6 +33,7 @@ from pathlib import Path
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
+from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.io_count import counting
 
@@ -62,25 +68,49 @@ def measure(fn, corpus: Path):
 
 def simulate(cfg, tokenizer, corpus: Path, ranks: int) -> dict:
     t, rank = cfg.training, ranks // 2
+    shutil.rmtree(t.length_index_dir, ignore_errors=True)  # this R's run is a first start
     specs, listing = measure(lambda: list_sources(t), corpus)
     others = [inspect_share(specs, t, tokenizer, r, ranks) for r in range(ranks) if r != rank]
     mine, share = measure(lambda: inspect_share(specs, t, tokenizer, rank, ranks), corpus)
     plan, combining = measure(lambda: combine(specs, [*others, mine], t, tokenizer), corpus)
 
+    # First start: no index cached; every rank measures its share, rank 0 completes it.
+    found = cached_indexes(plan, t)
+    assert all(x is None for x in found), "the first start found an index cached"
+    everyone = measure_share(plan, found, t, tokenizer, 0, 1)  # untimed: the other shares
+    measured, measuring = measure(
+        lambda: measure_share(plan, found, t, tokenizer, rank, ranks), corpus
+    )
+    rest = {k: v for k, v in everyone.items() if k not in measured}
+    plan.indexes, completing = measure(
+        lambda: complete_indexes(plan, found, [rest, measured], t), corpus
+    )
+    # Every later start: rank 0 reads the index from the cache (and broadcasts it).
+    _, reading = measure(lambda: cached_indexes(plan, t), corpus)
+
     def first_batch():
         loader = build_dataloader(cfg, tokenizer, rank, ranks, plan=plan)
         next(loader)
-        return loader.dataset.data_shards
+        return loader.stream.orders[0].index.units
 
-    shards, first = measure(first_batch, corpus)
+    units, first = measure(first_batch, corpus)
     _, alone = measure(lambda: local_plan(t, tokenizer), corpus)
-    per_rank = {k: share[k] + first[k] for k in ("bytes_read", "seconds")}
-    per_rank["files_opened"] = len(share.pop("files") | first.pop("files"))
-    for phase in (listing, combining, alone):
+    cached = total(share, first, *([reading] if rank == 0 else []))
+    first_start = total(share, measuring, first)
+    for phase in (share, first, measuring, listing, combining, completing, reading, alone):
         phase.pop("files")
-    return {"ranks": ranks, "rank": rank, "data_shards": shards, "per_rank": per_rank,
-            "share": share, "first_batch": first, "rank0_listing": listing,
-            "rank0_combine": combining, "baseline_resolving_alone": alone}  # fmt: skip
+    return {"ranks": ranks, "rank": rank, "units": units, "per_rank": cached,
+            "per_rank_first_start": first_start, "share": share, "measure_share": measuring,
+            "first_batch": first, "rank0_listing": listing, "rank0_combine": combining,
+            "rank0_index_read": reading, "rank0_index_complete": completing,
+            "baseline_resolving_alone": alone}  # fmt: skip
+
+
+def total(*phases: dict) -> dict:
+    """One rank's phases summed: distinct files opened, bytes, seconds."""
+    out = {k: sum(p[k] for p in phases) for k in ("bytes_read", "seconds")}
+    out["files_opened"] = len(set().union(*(p["files"] for p in phases)))
+    return out
 
 
 def main(argv=None) -> int:
@@ -94,28 +124,32 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.files, args.ranks = 200, "1,64"
-    corpus = build_corpus(
-        Path(tempfile.gettempdir()) / "bench_startup" / str(args.files), args.files
-    )
+    root = Path(tempfile.gettempdir()) / "bench_startup" / str(args.files)
+    corpus = build_corpus(root, args.files)
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
     cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
-                      "--training.seq_len", "64", "--training.batch_size", "8"])  # fmt: skip
+                      "--training.seq_len", "64", "--training.batch_size", "8",
+                      "--training.length_index_dir", str(root / "length_index")])  # fmt: skip
     simulate(cfg, tokenizer, corpus, 2)  # warm-up: imports, page cache
     results = [simulate(cfg, tokenizer, corpus, int(r)) for r in args.ranks.split(",")]
 
     print(f"\nstart-up of one rank over {args.files:,} streaming parquet files (tiny)\n")
-    print("| R | rank | shards | files opened | MB read | s to first batch "
-          "| before: files | before: MB | before: s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| R | rank | index cached: files opened | MB read | s to first batch "
+          "| first start: files | MB | s | before: files | before: MB | before: s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        a, b = r["per_rank"], r["baseline_resolving_alone"]
-        print(f"| {r['ranks']:,} | {r['rank']} | {r['data_shards']:,} | {a['files_opened']} | "
-              f"{a['bytes_read'] / 1e6:.2f} | {a['seconds']:.3f} | {b['files_opened']:,} | "
+        a, f, b = r["per_rank"], r["per_rank_first_start"], r["baseline_resolving_alone"]
+        print(f"| {r['ranks']:,} | {r['rank']} | {a['files_opened']:,} | "
+              f"{a['bytes_read'] / 1e6:.2f} | {a['seconds']:.3f} | {f['files_opened']:,} | "
+              f"{f['bytes_read'] / 1e6:.2f} | {f['seconds']:.3f} | {b['files_opened']:,} | "
               f"{b['bytes_read'] / 1e6:.2f} | {b['seconds']:.3f} |")  # fmt: skip
     r = results[-1]
     print(f"\nonce per job, rank 0: listing {r['rank0_listing']['seconds']:.3f} s "
           f"({r['rank0_listing']['files_opened']} files opened), combining "
-          f"{r['rank0_combine']['seconds']:.3f} s")  # fmt: skip
+          f"{r['rank0_combine']['seconds']:.3f} s, reading the cached index "
+          f"{r['rank0_index_read']['seconds']:.3f} s "
+          f"({r['rank0_index_read']['bytes_read'] / 1e6:.2f} MB); on a first start, "
+          f"completing it {r['rank0_index_complete']['seconds']:.3f} s")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"files": args.files, "results": results}, indent=1))
     return 0

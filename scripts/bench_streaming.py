@@ -7,9 +7,10 @@ Same documents, same SentencePiece model (data/tokenizer/tokenizer.model), one r
 tokens/s out of the loader (seq_len 2048, batch 8 unless a row says otherwise), medians
 of rounds in which every row is measured once, ours then the peer's, so drift on a
 shared machine hits both alike. Ours is built as training builds it
-(``build_dataloader`` from a config; ``training.data_shards = 0``, chosen from the
-corpus). The peer is torchtitan 0.3.0's ``HuggingFaceTextDataset`` in its
-``ParallelAwareDataloader``, run in a subprocess of ``--peer-python`` (a virtual
+(``build_dataloader`` from a config: the global order over the corpus's length index,
+made or read from the cache when the loader is built, before any timing). The peer is
+torchtitan 0.3.0's ``HuggingFaceTextDataset`` in its ``ParallelAwareDataloader``, run
+in a subprocess of ``--peer-python`` (a virtual
 environment where ``import torchtitan`` is 0.3.0; this script installs nothing, and
 skips the peer, saying why, when it cannot import it). The peer reads the bundled
 SentencePiece model through a small adapter to its tokenizer interface, defined in the
@@ -21,8 +22,9 @@ module, 4 JSON lines files; never committed). Rows: map-style at 0 workers (the 
 map-style with workers yields every batch twice, so it is not measured), streaming at
 0 and 2 workers, and seq_len 128 at 0 and 2 workers. Then resume: a large streaming
 corpus (the bundled text repeated to --resume-mb in 8 parquet files of 128-row groups,
-and the same as 8 JSON lines files) is resumed at 1% and at 99% of every virtual
-shard, timing load_state_dict to the first batch, alternating, in fresh loaders.
+and the same as 8 JSON lines files) is resumed at 1% and at 99% of the epoch (a
+``Position``: windows taken and the token offset there), timing load_state_dict to
+the first batch, alternating, in fresh loaders.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT
 from torchtitan.config import parse_args
-from torchtitan.data import build_dataloader
+from torchtitan.data import Position, build_dataloader
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
@@ -146,12 +148,10 @@ def our_loader(tokenizer, where: str, streaming: bool, workers: int, seq_len: in
 
 
 def warmup_batches(loader) -> int:
-    """Batches of start-up, not throughput: every virtual shard's first sequence (each
-    tokenizes the document it starts in, a whole small corpus when shards are many
-    and documents long: ~1 M tokens at 504 shards and seq_len 2048), worker start-up, and
+    """Batches of start-up, not throughput: the first documents, worker start-up, and
     what workers queue meanwhile (up to 4 groups each). The peer skips as many."""
     workers = loader.num_workers
-    return -(-loader.dataset.data_shards // BATCH) + 2 + 2 * workers + 4 * workers * loader.group
+    return 2 + 2 * workers + 4 * workers * loader.group
 
 
 def our_rate(tokenizer, where: str, streaming: bool, workers: int, seq_len: int, tokens: int):
@@ -164,10 +164,9 @@ def our_rate(tokenizer, where: str, streaming: bool, workers: int, seq_len: int,
     for _ in range(batches):
         next(loader)
     rate = batches * seq_len * BATCH / (time.perf_counter() - start)
-    shards = loader.dataset.data_shards
-    units = len(loader.dataset.sources[0].units(shards)) if streaming else None
+    units = loader.stream.orders[0].index.units  # what the order shuffles (documents, blocks)
     del loader
-    return rate, {"data_shards": shards, "units": units, "warmup_batches": warmup}
+    return rate, {"units": units, "warmup_batches": warmup}
 
 
 # ---- the peer: torchtitan 0.3.0, in its own interpreter --------------------------------
@@ -306,21 +305,16 @@ def peer_rate(
 
 
 def resume_states(tokenizer, folder: Path) -> dict[str, bytes]:
-    """The loader state (rank 0 of 1, streaming) with every shard at 1% and at 99% of its
-    rows (bytes for JSON lines), as a checkpoint taken there would hold it."""
+    """The loader state (rank 0 of 1, streaming) at 1% and at 99% of the epoch's tokens,
+    as a checkpoint taken there would hold it."""
     import pickle
 
     states = {}
     for label, fraction in (("1%", 0.01), ("99%", 0.99)):
         loader = our_loader(tokenizer, str(folder), True, 0, SEQ)
-        ds, source = loader.dataset, loader.dataset.sources[0]
-        initial = ds.initial_shard_state()
-        shard_states = {}
-        for v in ds.rank_shards(0):
-            position = source.position_at(v, ds.data_shards, fraction)
-            cursor = {**initial["sources"][0], "cursor": position}
-            shard_states[v] = {**initial, "sources": [cursor]}
-        loader.seek(shard_states)
+        stream = loader.stream
+        windows = int(fraction * stream.orders[0].epoch_tokens) // stream.window_size
+        loader.seek(Position(windows, [windows * stream.window_size]))
         states[label] = pickle.dumps(loader.state_dict())
     return states
 
@@ -335,12 +329,13 @@ def time_resume(tokenizer, folder: Path, state: bytes) -> tuple[float, str, int]
     loader.load_state_dict(pickle.loads(state))
     batch = next(loader)
     elapsed = time.perf_counter() - start
-    return elapsed, batch["spans"][0][0][1], loader.dataset.sources[0].rows_decoded
+    return elapsed, batch["spans"][0][0][1], loader.stream.sources[0].rows_decoded
 
 
 def resume_from_scratch(tokenizer, folder: Path, state: bytes) -> float:
     """Seconds from nothing to the first batch, as a relaunched job pays them: the data
-    plan (list, sign and count the files), the loader, its state, the first batch."""
+    plan (list, sign and count the files; the length index read from the cache), the
+    loader, its state, the first batch."""
     import pickle
 
     start = time.perf_counter()

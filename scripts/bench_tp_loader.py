@@ -3,18 +3,19 @@
     python scripts/bench_tp_loader.py [--batches 200] [--shapes 4x128,8x2048] [--smoke] [--json out.json]
 
 A torchrun job of 4 CPU ranks (gloo) laid out as 2 DP x 2 TP. For each batch shape
-(micro-batch x seq_len), on the bundled corpus, through the project's own
-``build_dataloader`` for the rank's data-parallel rank:
+(micro-batch x seq_len), on the bundled corpus, through the project's own data path as
+train.py runs it (``resolve_data``: the job's data plan and length index, resolved
+once over the ranks; then ``build_dataloader`` for the rank's data-parallel rank):
 
   build      every TP rank builds the DP rank's loader and draws its batches itself
              (what train.py does): no communication, each peer tokenizes and packs
   broadcast  TP rank 0 builds it; each batch (tensors over the TP group, then its
-             spans and shard states pickled) is broadcast to the peer, which draws
+             spans and loss weight pickled) is broadcast to the peer, which draws
              nothing
 
 Reports per mode: mean wall ms per batch on the TP rank 0 and on its peer, and CPU
-ms per batch summed over the TP group (the first batch, which opens the shards, is
-counted; it is the same work in both modes).
+ms per batch summed over the TP group (the first batch, which opens the source and
+reads its first documents, is counted; it is the same work in both modes).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def rank_main(args) -> list[dict]:
     from torchtitan.config import parse_args
     from torchtitan.data import build_dataloader
     from torchtitan.data.tokenizer import build_tokenizer
+    from train import resolve_data  # the product path (the repository root is on the path)
 
     dims = parallel.init_distributed()
     rows = []
@@ -54,12 +56,13 @@ def rank_main(args) -> list[dict]:
         layout = parallel.apply_layout(dims, cfg)
         tp_group = layout.mesh["tp"].get_group()
         tokenizer = build_tokenizer(cfg.model)
+        plan = resolve_data(cfg, tokenizer, layout)  # collective: every rank, as train.py
         row = {"shape": shape, "batches": args.batches}
         for mode in ("build", "broadcast"):
             dist.barrier()
             loader = None
             if mode == "build" or layout.tp_rank == 0:
-                loader = build_dataloader(cfg, tokenizer, layout.dp_rank, layout.dp_world)
+                loader = build_dataloader(cfg, tokenizer, layout.dp_rank, layout.dp_world, plan)
             times, cpu = [], time.process_time()
             for _ in range(args.batches):
                 start = time.perf_counter()

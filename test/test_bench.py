@@ -24,8 +24,8 @@ def check_data(r: dict):
                     r["workers2_tokens_per_s"], r["streaming_workers0_tokens_per_s"])  # fmt: skip
     assert r["workers0_over_raw"] == r["workers0_tokens_per_s"] / r["raw_encode_tokens_per_s"]
     assert 0 < r["workers0_over_raw"] < 1.5, "the pipeline cannot out-tokenize the tokenizer"
-    assert all(200 < b < 16_384 for b in r["state_bytes_per_rank"].values()), (
-        "a position, not tokens"
+    assert all(0 < b <= 1024 for b in r["state_bytes_per_rank"].values()), (
+        "a position (a few integers), not tokens"
     )
 
 
@@ -82,14 +82,16 @@ def check_streaming(r: dict):
         if row["peer_tokens_per_s"] is not None:
             assert row["ours_over_peer"] == row["ours_tokens_per_s"] / row["peer_tokens_per_s"]
         if row["streaming"]:
-            assert row["units"] >= 1 and row["data_shards"] >= 1, "streaming reads units"
+            assert row["units"] >= 1, "streaming reads units"
     assert r["peer"]["skipped"] or r["peer"]["tokens_match"], "the peer must tokenize as we do"
     for fmt, resume in r["resume"].items():
         assert positive(resume["median_1pct_s"], resume["median_99pct_s"])
         assert resume["ratio_99_over_1"] == resume["median_99pct_s"] / resume["median_1pct_s"]
         first, decoded = resume["first_document"], resume["rows_decoded"]
         assert first["1%"] != first["99%"], f"{fmt}: the 99% state was not applied"
-        assert 0 < decoded["99%"] <= 3 * decoded["1%"], f"{fmt}: a late resume re-reads the data"
+        # A block or a few where the position lies, never the rows before it.
+        late = 0.99 * resume["corpus"]["documents"]
+        assert 0 < decoded["99%"] < late / 4, f"{fmt}: a late resume re-reads the data"
     for side in r.get("resume_side_by_side", {}).values():
         assert positive(side["ours_s"]), side
     for target in r["summary"]["targets"]:
@@ -105,6 +107,8 @@ def check_startup(r: dict):
         assert alone["files_opened"] == r["files"], "resolving alone opens every file"
         if row["ranks"] > 1:
             assert mine["files_opened"] < alone["files_opened"], "a rank opens its share only"
+            first = row["per_rank_first_start"]
+            assert first["files_opened"] < alone["files_opened"], "it measures its share only"
 
 
 def check_tp_loader(r: dict):
@@ -197,16 +201,17 @@ NONSENSE = [
     (check_checkpoint, {"sync_save_s": 1.0, "checkpoint_mb": 1.0, "integrity_s": 0.1,
                         "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1}),
     (check_streaming, {"rows": [{"ours_tokens_per_s": 2.0, "peer_tokens_per_s": 1.0,
-                                 "ours_over_peer": 2.0, "streaming": True, "units": 20,
-                                 "data_shards": 8}],
+                                 "ours_over_peer": 2.0, "streaming": True, "units": 20}],
                        "peer": {"skipped": "", "tokens_match": True},
                        "resume": {"parquet": {"median_1pct_s": 1.0, "median_99pct_s": 1.1,
                                               "ratio_99_over_1": 1.1,
                                               "first_document": {"1%": "a", "99%": "a"},
-                                              "rows_decoded": {"1%": 128, "99%": 128}}},
+                                              "rows_decoded": {"1%": 128, "99%": 128},
+                                              "corpus": {"documents": 4096}}},
                        "summary": {"targets": []}}),
     (check_startup, {"files": 200, "results": [
         {"ranks": 64, "per_rank": {"seconds": 0.1, "bytes_read": 10, "files_opened": 200},
+         "per_rank_first_start": {"files_opened": 6},
          "baseline_resolving_alone": {"files_opened": 200}}]}),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
                                                   "result": "3 of 4 steps bit-equal"}],
@@ -221,3 +226,55 @@ NONSENSE = [
 def test_the_checks_reject_a_result_that_makes_no_sense(check, result):
     with pytest.raises(AssertionError):
         check(result)
+
+
+def check_sampling(r: dict):
+    from torchtitan.data.loader import IMBALANCE_WARNING
+
+    corpus = r["corpus"]
+    for row in r["coverage"]:
+        assert row["coverage"] == 1.0, f"{row['ranks']}: a document repeated before pass 0 ended"
+        assert row["exactly_once"]["heavy"] == [0, 1], row
+    read = r["coverage"][0]
+    assert read["planned_equals_read"] is True, "the simulation must be what the loaders read"
+    assert read["documents_read_pass0"] == corpus["documents"]
+    for mix in r["mix"]:
+        for source in mix["sources"]:
+            assert abs(source["share"] - source["weight"]) < 0.01, (mix["mix"], source)
+            assert mix["coverage"][source["name"]] in (None, 1.0), (mix["mix"], source)
+    assert r["mix"][0]["exactly_once"]["heavy"] == [0], "the large source's first pass is whole"
+    for row in r["imbalance"]:
+        busiest = row["sequences_max"] / row["mean"]
+        assert busiest == row["max_over_mean"] == row["schedule_imbalance"], row
+        assert row["sequences_max"] - row["sequences_min"] <= 1, row
+        assert positive(row["plan_ms_per_step"]), row
+        assert row["warned"] == (row["schedule_imbalance"] > IMBALANCE_WARNING), row
+
+
+def test_sampling_benchmark_smoke(tmp_path, capsys):
+    """scripts/bench_sampling.py --smoke, in this process (a few seconds: no interpreter
+    start-up): its figures hold what the global order promises, and the check rejects an
+    early repeat, a simulation that differs from the loaders, and a skewed mix."""
+    import copy
+    import importlib.util
+
+    script = REPO / "scripts" / "bench_sampling.py"
+    spec = importlib.util.spec_from_file_location("bench_sampling", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "result.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    assert "| ranks (resumed halfway into pass 0) |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    check_sampling(result)
+    for path, value in ((("coverage", 1, "coverage"), 0.084),
+                        (("coverage", 0, "planned_equals_read"), False),
+                        (("mix", 0, "sources", 1, "share"), 0.05)):  # fmt: skip
+        broken = copy.deepcopy(result)
+        *where, key = path
+        target = broken
+        for step in where:
+            target = target[step]
+        target[key] = value
+        with pytest.raises(AssertionError):
+            check_sampling(broken)
