@@ -284,6 +284,17 @@ def test_batch_size_changes_and_schedules_keep_every_token_once(heavy_corpus, to
     assert windows == [w for w, _ in reference]
 
 
+def test_the_schedule_is_by_training_step(heavy_corpus, tokenizer):
+    """A data restart at training step 3 (``exclude_from_loading dataloader``: no loader
+    state) takes the schedule's batch of step 3, not of its own first step. Negative
+    control: without ``set_step`` it starts over at the first entry."""
+    (restarted,) = loaders(heavy_corpus, tokenizer, 1, batch_size_schedule="0:8,3:20")
+    restarted.set_step(3)
+    assert len(global_steps([restarted], 1)[0]) == 20
+    (plain,) = loaders(heavy_corpus, tokenizer, 1, batch_size_schedule="0:8,3:20")
+    assert len(global_steps([plain], 1)[0]) == 8
+
+
 def test_a_changed_sequence_length_continues_at_the_token_offset(heavy_corpus, tokenizer):
     """5 steps at seq_len 31, then 5 at 15: the tokens laid end to end are the stream of
     an uninterrupted run (nothing skipped or read twice at the change)."""
@@ -311,12 +322,16 @@ def test_unequal_splits_weigh_every_sequence_alike(tiny_corpus, tokenizer):
     assert slices == [(0, 4), (4, 7), (7, 10)]
     assert schedule.accumulation(10) == 2
     assert [schedule.micro_sizes(b - a, 2) for a, b in slices] == [[2, 2], [2, 1], [2, 1]]
+    # Micro-batches of 1 split unevenly too: 8 or 9 windows a rank in 8 micro-batches
+    # (one of 2 where there are 9), never a refusal; only fewer windows than ranks is one.
+    ones = BatchSchedule([(0, 8192)], 1, 1016)
+    assert (ones.accumulation(8192), ones.largest_micro(8192)) == (8, 2)
+    with pytest.raises(DataError, match="cannot give each of 4"):
+        BatchSchedule([(0, 3)], 1, 4)
     stream = build_stream(cfg(tiny_corpus).training, tokenizer)
     plans = [next(plan_steps(stream, schedule, r, 0, stream.start())) for r in range(3)]
     weights = [(len(m), w) for p in plans for m, w in zip(p.micro, p.weights)]
     assert all(w == 3 * n / 10 for n, w in weights) and sum(n for n, _ in weights) == 10
-    with pytest.raises(DataError, match="fewer sequences than micro-batches"):
-        BatchSchedule([(0, 5)], 1, 4)
 
 
 # ---- mixing -----------------------------------------------------------------------------
@@ -375,6 +390,10 @@ def test_passes_begun_are_reported_once_each(tiny_corpus, second_corpus, tokeniz
             range(1, loader.stream.orders[s].epoch_of(loader.position.offsets[s]) + 1)
         )
     assert len([e for e in events if e[0] == "shakespeare"]) >= 3
+    from torchtitan.metrics import passes_begun
+
+    line = passes_begun([[7, "few", 31], [8, "few", 32], [9, "few", 45], [9, "big", 1]])
+    assert line == "passes 31-45 of few began at steps 7-9; pass 1 of big began at step 9"
 
 
 # ---- workers ----------------------------------------------------------------------------
@@ -406,6 +425,9 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     multiprocessing stops daemon children with SIGTERM and joins them: a loader still
     referenced at exit (a module global here) must have its workers shut down first.
     Negative control: without that, the same process hangs (killed at the timeout)."""
+    import contextlib
+    import os
+    import signal
     import subprocess
     import sys
 
@@ -423,11 +445,26 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
         "if sys.argv[1:] == ['hang']:\n"
         "    import atexit, torchtitan.data.loader as loader\n"
         "    atexit.unregister(loader._close_running_loaders)\n"
+        "print('exiting', flush=True)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, timeout=120)
-    assert done.returncode == 0
-    with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, str(script), "hang"], cwd=REPO, timeout=5)
+
+    def exits_within(seconds: float, *args) -> bool:
+        """Whether the script, once it says it is exiting, is gone within ``seconds``."""
+        # A session of its own: a hung one is killed with its workers (which ignore SIGTERM).
+        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+        try:
+            assert proc.stdout.readline().strip() == "exiting"
+            return proc.wait(timeout=seconds) == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    assert exits_within(60)
+    assert not exits_within(3, "hang")
 
 
 # ---- bad data, the length index ----------------------------------------------------------
@@ -465,27 +502,53 @@ def test_the_order_locates_tokens_and_counts_skipped_documents_inside_units():
     assert skipped == [0, 0, 1, 2, 2, 3]
 
 
-def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, workers):
     """A document whose token count is not the index's (the data or tokenizer changed
-    behind the cache) is a DataError naming the cache, not a silently shifted order."""
+    behind the cache) is a DataError naming the cache, not a silently shifted order; from
+    a loader worker too, as one line (not the worker's traceback). A damaged cache file
+    is measured again."""
     from torchtitan.data import index as length_index
 
     (tmp_path / "d.jsonl").write_text("".join(
         json.dumps({"id": f"d{i}", "text": f"Document {i}. " * (5 + i)}) + "\n" for i in range(6)))  # fmt: skip
     cache = tmp_path / "cache"
-    c = cfg(tmp_path / "d.jsonl", length_index_dir=cache)
-    (loader,) = [build_dataloader(c, tokenizer, 0, 1)]
+    c = cfg(tmp_path / "d.jsonl", length_index_dir=cache, num_workers=workers)
+    loader = build_dataloader(c, tokenizer, 0, 1)
     next(loader)
+    loader.close()
     (path,) = cache.glob("*.npz")
     with np.load(path) as z:
         lengths = z["lengths"].copy()
     lengths[0] += 1
     np.savez(path, lengths=lengths)
     stale = build_dataloader(c, tokenizer, 0, 1)
-    with pytest.raises(DataError, match="length index"):
+    with pytest.raises(DataError, match="length index") as raised:
         for _ in range(6):
             next(stale)
+    assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)
+    stale.close()
+    path.write_bytes(path.read_bytes()[:40])  # a truncated file
+    assert length_index.load_cached(str(cache), path.stem) is None
+    again = build_dataloader(c, tokenizer, 0, 1)  # measured and cached again
+    next(again)
+    again.close()
     assert length_index.load_cached(str(cache), path.stem) is not None
+
+
+def test_an_index_of_another_size_than_the_data_is_one_line(tmp_path, tokenizer):
+    """A cached index holding another number of documents than the source (rows added
+    behind an unchanged signature) is refused when the loader is built, naming the
+    cache, instead of reading past the data or leaving its tail unread."""
+    (tmp_path / "d.jsonl").write_text("".join(
+        json.dumps({"id": f"d{i}", "text": f"Document {i}."}) + "\n" for i in range(6)))  # fmt: skip
+    c = cfg(tmp_path / "d.jsonl", length_index_dir=tmp_path / "cache")
+    build_dataloader(c, tokenizer, 0, 1)
+    (path,) = (tmp_path / "cache").glob("*.npz")
+    with np.load(path) as z:
+        np.savez(path, lengths=np.concatenate([z["lengths"], [5]]))
+    with pytest.raises(DataError, match="holds 7 units, the data 6"):
+        build_dataloader(c, tokenizer, 0, 1)
 
 
 def test_missing_path_and_column_are_clear_errors(small_corpus, tokenizer):

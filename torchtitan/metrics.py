@@ -65,6 +65,21 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def passes_begun(epoch_starts: list) -> str:
+    """``[step, source, pass]`` events as one line, a range per source ("passes 31-45 of
+    few began at steps 7-9"): a small source at a high weight begins many per step."""
+    by_source: dict[str, list] = {}
+    for at, source, e in epoch_starts:
+        by_source.setdefault(source, []).append((at, e))
+    parts = []
+    for source, events in by_source.items():
+        (s0, e0), (s1, e1) = events[0], events[-1]
+        passes = f"pass {e0}" if e0 == e1 else f"passes {e0}-{e1}"
+        steps = f"step {s0}" if s0 == s1 else f"steps {s0}-{s1}"
+        parts.append(f"{passes} of {source} began at {steps}")
+    return "; ".join(parts)
+
+
 # Keys of the cumulative tokens read from each source (``source_tokens/<name>``).
 SOURCE_TOKENS = "source_tokens/"
 
@@ -99,8 +114,7 @@ class MetricLogger:
         if self.rank != 0:
             return
         if epoch_starts:
-            logger.info("step %d: %s", step, "; ".join(
-                f"pass {e} of {source} began at step {at}" for at, source, e in epoch_starts))  # fmt: skip
+            logger.info("step %d: %s", step, passes_begun(epoch_starts))
         logger.info(
             "step %5d  loss %.4f  grad_norm %.4f  lr %.2e  tok/s %.0f  step %.1fms (median %.1f, "
             "max %.1f rank %d)  data %.1fms (max %.1f)  mem %.2fGiB",
@@ -250,7 +264,7 @@ class StepMetrics:
             "training steps %d..%d, %d tokens per step (%d sequences: %d micro-batches of at "
             "most %d x %d per data-parallel rank; %s)%s",
             start_step + 1, self.last_step, self.tokens_per_step, global_batch, accumulation,
-            t.batch_size, t.seq_len, parallel.describe_layout(dims),
+            schedule.largest_micro(global_batch), t.seq_len, parallel.describe_layout(dims),
             f"; global batch by step {t.batch_size_schedule}" if t.batch_size_schedule else "",
         )  # fmt: skip
 

@@ -65,7 +65,7 @@ def build_dataloader(
     t = cfg.training
     return ParallelDataLoader(
         build_stream(t, tokenizer, plan),
-        BatchSchedule.from_config(t, dp_world),
+        BatchSchedule.from_config(t, dp_world, dp_rank),
         dp_rank=dp_rank,
         num_workers=t.num_workers,
         document_layout=cfg.model.attention_mask == "block_causal" or t.mask_document_boundaries,

@@ -93,7 +93,7 @@ class DocumentReader:
         if self.source.streaming:
             self._read_block(epoch, unit, row)
             return
-        order = self.order.order(epoch)
+        order = self.order.units_of(epoch)  # cached by the order, not the process-wide lru
         rows = [int(u) for u in order[k : k + READ_AHEAD]]
         for r, doc in zip(rows, self.source.documents(rows)):
             self._raw[(epoch, r)] = doc
@@ -109,11 +109,17 @@ class DocumentReader:
         if self._units is None:
             self._units = source_units(self.source)
         index = self.order.index
-        _, hi = index.rows(unit)
+        lo, hi = index.rows(unit)
         # The decoded block stays held while its rows are read: a neighbouring row range
         # of the same row group decodes nothing.
         docs, _, self._held = self.source.read(self._units[unit], int(index.row_at[row]))
         self._raw = OrderedDict()
+        if not docs:
+            raise DataError(
+                f"dataset {self.name!r}: unit {unit} has no document at row {row - lo}, which "
+                "the length index holds: the data changed since the index was made; delete "
+                "the cached index (training.length_index_dir)"
+            )
         for i, (at, _, doc_id, value) in enumerate(docs[: hi - row]):
             if at != int(index.row_at[row + i]):
                 raise DataError(
@@ -133,6 +139,14 @@ class TokenStream:
             raise DataError(
                 "no data source configured; set training.dataset or training.dataset_path"
             )
+        for src, index in zip(sources, indexes):
+            units = len(source_units(src))
+            if index.units != units:
+                raise DataError(
+                    f"the length index of dataset {src.spec.where!r} holds {index.units} units, "
+                    f"the data {units}: the data changed behind the cache; delete the cached "
+                    "index (training.length_index_dir) to measure it again"
+                )
         self.sources = sources
         self.seq_len = seq_len
         self.seed = seed

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,8 +171,8 @@ def load_cached(folder: str, key: str) -> SourceIndex | None:
     try:
         with np.load(path) as z:
             return SourceIndex(z["lengths"], z.get("unit_rows"), z.get("row_at"))
-    except (OSError, ValueError, KeyError) as e:
-        logger.warning("length index %s is unreadable (%s): measuring again", path, e)
+    except Exception as e:  # noqa: BLE001 - a damaged cache file is measured again
+        logger.warning("length index %s is unreadable (%r): measuring again", path, e)
         return None
 
 
@@ -179,8 +180,10 @@ def save_cached(folder: str, key: str, index: SourceIndex):
     """Write atomically (a file of another pid's is never seen half-written)."""
     try:
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{key}.{os.getpid()}.npz")
-        np.savez(tmp, **index.arrays())
+        # A unique name: writers on other hosts sharing the folder never meet.
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".npz", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **index.arrays())
         os.replace(tmp, os.path.join(folder, f"{key}.npz"))
     except OSError as e:  # a read-only cache costs the next start a measuring, nothing else
         logger.warning("cannot write the length index to %s (%s)", folder, e)

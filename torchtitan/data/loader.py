@@ -8,7 +8,8 @@ and the loader state as checkpointed.
 A step takes the next ``G`` windows of the global order (order.py). Rank ``r`` of ``R``
 reads a contiguous slice of them, ``G // R`` windows, one more for the first ``G % R``
 ranks, so any rank count works, and split into the step's ``A`` micro-batches (the same
-``A`` on every rank: ``ceil(ceil(G / R) / training.batch_size)``). Each micro-batch
+``A`` on every rank: ``ceil((G // R) / training.batch_size)``; a rank with the one
+window more may have a micro-batch of ``batch_size + 1``). Each micro-batch
 carries the weight that makes the averaged gradient the one of the global batch's mean
 loss, however unevenly the windows fell (``loss_weight = R * n / G``).
 
@@ -88,17 +89,17 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
 class BatchSchedule:
     """The global batch of every step and its split over ranks and micro-batches."""
 
-    def __init__(self, points: list[tuple[int, int]], micro: int, dp_world: int):
+    def __init__(self, points: list[tuple[int, int]], micro: int, dp_world: int,
+                 dp_rank: int = 0):  # fmt: skip
         self.points, self.micro, self.dp_world = points, micro, dp_world
         for _, size in points:
-            if size // dp_world < self.accumulation(size):
+            if size < dp_world:
                 raise DataError(
-                    f"a global batch of {size} sequences over {dp_world} data-parallel ranks "
-                    f"in micro-batches of {micro} leaves a rank fewer sequences than "
-                    f"micro-batches ({self.accumulation(size)}); raise the global batch or "
-                    "training.batch_size"
+                    f"a global batch of {size} sequences cannot give each of {dp_world} "
+                    "data-parallel ranks one; raise training.global_batch_size (or the "
+                    f"schedule's entry) to at least {dp_world}"
                 )
-            if self.imbalance(size) > IMBALANCE_WARNING:
+            if self.imbalance(size) > IMBALANCE_WARNING and dp_rank == 0:
                 even = size // dp_world * dp_world
                 logger.warning(
                     "a global batch of %d over %d data-parallel ranks gives %d or %d sequences a "
@@ -108,13 +109,13 @@ class BatchSchedule:
                 )  # fmt: skip
 
     @classmethod
-    def from_config(cls, training, dp_world: int) -> BatchSchedule:
+    def from_config(cls, training, dp_world: int, dp_rank: int = 0) -> BatchSchedule:
         t = training
         if t.batch_size_schedule:
             points = parse_schedule(t.batch_size_schedule)
         else:
             points = [(0, t.global_batch_size or t.batch_size * dp_world)]
-        return cls(points, t.batch_size, dp_world)
+        return cls(points, t.batch_size, dp_world, dp_rank)
 
     def imbalance(self, global_batch: int) -> float:
         """The busiest rank's sequences over the mean: ``ceil(G / R) / (G / R)``."""
@@ -125,9 +126,15 @@ class BatchSchedule:
         return next(size for start, size in reversed(self.points) if start <= step)
 
     def accumulation(self, global_batch: int) -> int:
-        """Micro-batches per rank in a step of ``global_batch`` (the same on every rank)."""
-        most = -(-global_batch // self.dp_world)  # the first ranks' windows
-        return -(-most // self.micro)
+        """Micro-batches per rank in a step of ``global_batch``: the same on every rank (FSDP
+        and DDP run collectives per micro-batch), as many as the ranks with the fewest
+        windows need. A rank with one window more puts it in one of them, which then
+        holds up to ``training.batch_size + 1`` (only when the split is uneven)."""
+        return -(-(global_batch // self.dp_world) // self.micro)
+
+    def largest_micro(self, global_batch: int) -> int:
+        most = -(-global_batch // self.dp_world)
+        return -(-most // self.accumulation(global_batch))
 
     def rank_slice(self, global_batch: int, rank: int) -> tuple[int, int]:
         """The windows ``[lo, hi)`` of a step that data-parallel ``rank`` reads."""
@@ -187,7 +194,11 @@ class WorkerBatches(IterableDataset):
         for plan in plan_steps(self.stream, self.schedule, self.rank, self.step, self.position):
             for windows, weight in zip(plan.micro, plan.weights):
                 if m // self.group % workers == me:
-                    batch = self.collate([self.stream.window(s, o) for s, o in windows])
+                    try:
+                        batch = self.collate([self.stream.window(s, o) for s, o in windows])
+                    except DataError as e:  # crosses as a value: one line, not a traceback
+                        yield [{"data_error": str(e)}]
+                        return
                     batch["loss_weight"], batch["micro"] = weight, m
                     out.append(batch)
                     if len(out) == self.group:
@@ -267,7 +278,7 @@ class ParallelDataLoader(Stateful):
                 batch_size=None,
                 num_workers=self.num_workers,
                 collate_fn=_as_is,
-                prefetch_factor=4 if self.group == 1 else 2,  # keeps every worker busy
+                prefetch_factor=2,  # runs of at least MIN_GROUP micro-batches each
                 persistent_workers=True,
                 worker_init_fn=_leave_stop_signals_to_the_rank,
                 generator=generator,
@@ -301,7 +312,10 @@ class ParallelDataLoader(Stateful):
                 # Groups are handed out round-robin, so the worker whose group ran out is
                 # the one the DataLoader (in order) sends next.
                 held[:] = next(self._iter)[::-1]  # popped from the end
-            batch = as_tensors(held.pop())
+            batch = held.pop()
+            if "data_error" in batch:
+                raise DataError(batch["data_error"])
+            batch = as_tensors(batch)
             if batch.pop("micro") != self._m:
                 raise RuntimeError(f"loader worker sent micro-batch out of order at {self._m}")
             if not held:  # the next run is the next worker's

@@ -47,6 +47,10 @@ class SourceOrder:
         """The units of ``epoch`` in reading order."""
         return epoch_order(self.index.units, self.seed, self.identity, epoch, self.shuffle)
 
+    def units_of(self, epoch: int) -> np.ndarray:
+        """The units of ``epoch`` in reading order, kept with the epoch's prefix sums."""
+        return self._epoch(epoch)[0]
+
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(unit order, tokens before each unit, skipped documents before each unit) of
         ``epoch``. Cost: O(units), once per epoch per process."""

@@ -476,20 +476,26 @@ class JsonLinesReader:
 
     def _stream(self, f: int, at: int):
         """File ``f`` open at byte ``at``. A compressed or remote file stays open between
-        reads: seeking in it would decompress (or download) everything before ``at``, so
-        reopening per read would cost O(position). It is reopened only when a read starts
-        elsewhere (a resume). A local plain file is opened per read (a seek is free)."""
+        reads (one at a time per reader): seeking in it decompresses (or downloads)
+        everything before ``at``, so reopening per read would cost O(position). A read
+        further on seeks forward on the open stream (the gap only); one before it (a
+        resume, a new pass) reopens. A local plain file is opened per read (a seek is
+        free)."""
         path = self.spec.files[f]
         if not (is_remote(path) or _compressed(path)):
             fh = open(path, "rb")
             fh.seek(at)
             return fh
         fh = self._streams.pop(f, None)
-        if fh is None or fh.tell() != at:
+        for other in self._streams.values():  # one open stream (and its buffers) at a time
+            other.close()
+        self._streams.clear()
+        if fh is None or fh.tell() > at:
             if fh is not None:
                 fh.close()
             fh = _open_binary(path)
-            fh.seek(at)
+        if fh.tell() < at:
+            fh.seek(at)  # forward: decompresses (downloads) only the gap
         self._streams[f] = fh
         return fh
 
