@@ -95,6 +95,32 @@ def assert_exactly_once(sequences, lengths: dict[str, int], epochs=(0,)):
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (doc_id, spans)
 
 
+def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: int,
+                                  delta: int = 1):  # fmt: skip
+    """``build()`` gives fresh loaders of every rank. Over ``steps`` steps (which must cross
+    more than two passes), the state after each step k in ``ks``, loaded into fresh loaders
+    (each rank its own entry), gives exactly the next ``ahead`` steps. Negative control:
+    the position after step ``control`` moved ``delta`` tokens does not."""
+    ranks = build()
+    reference, states = [], []
+    for _ in range(steps):
+        states.append([r.state_dict() for r in ranks])
+        reference += global_steps(ranks, 1)
+    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
+
+    def same(k, state) -> bool:
+        fresh = build()
+        for r, loader in enumerate(fresh):
+            loader.load_state_dict(state[r])
+        return global_steps(fresh, ahead) == reference[k : k + ahead]
+
+    for k in ks:
+        assert same(k, states[k]), k
+    entry = pickle.loads(states[control][0]["dp_rank_0"])
+    entry["offsets"][0] += delta
+    assert not same(control, [{"dp_rank_0": pickle.dumps(entry)}] * len(ranks))
+
+
 # ---- windows ----------------------------------------------------------------------------
 
 
@@ -212,24 +238,10 @@ def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers):
     ranks, tiny documents, so steps cross document and pass boundaries. Negative
     control: a position one token off does not reproduce the reference."""
     extra = dict(streaming=streaming, num_workers=workers, global_batch_size=6)
-    ranks = loaders(tiny_corpus, tokenizer, 2, **extra)
-    reference, states = [], []
-    for _ in range(14):
-        states.append([r.state_dict() for r in ranks])
-        reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
-
-    def same(k, state) -> bool:
-        fresh = loaders(tiny_corpus, tokenizer, 2, **extra)
-        for r, loader in enumerate(fresh):
-            loader.load_state_dict(state[r])
-        return global_steps(fresh, 3) == reference[k : k + 3]
-
-    for k in range(0, 11, 1 if workers == 0 else 5):
-        assert same(k, states[k]), k
-    entry = pickle.loads(states[4][0]["dp_rank_0"])
-    entry["offsets"][0] += 1
-    assert not same(4, [{"dp_rank_0": pickle.dumps(entry)}] * 2)
+    assert_restores_at_every_step(
+        lambda: loaders(tiny_corpus, tokenizer, 2, **extra), steps=14, ahead=3,
+        ks=range(0, 11, 1 if workers == 0 else 5), control=4,
+    )  # fmt: skip
 
 
 def test_the_state_is_a_position_of_a_few_bytes(heavy_corpus, tokenizer):

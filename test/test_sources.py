@@ -13,7 +13,6 @@ No network here: a Hub id is resolved through a local folder standing in for the
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from conftest import (
     train_here,
     write_jsonl,
 )
-from test_data import cfg, global_steps, loaders
+from test_data import assert_restores_at_every_step, cfg, global_steps, loaders
 
 from torchtitan.checkpoint import fingerprint_diff
 from torchtitan.config import ConfigError, DatasetSpec, parse_args
@@ -158,24 +157,14 @@ def test_each_kind_restores_at_every_step(kind, streaming, kind_folders, tokeniz
     if kind == "hub_id":
         hub_from_folder(monkeypatch, kind_folders["hub_repo"])
     kw = dict(KINDS[kind](kind_folders), streaming=streaming, global_batch_size=6)
-    ranks = loaders(None, tokenizer, 2, **kw)
-    reference, states = [], []
-    for _ in range(14):
-        states.append(ranks[0].state_dict())
-        reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
-
-    def same(k, state) -> bool:
-        fresh = loaders(None, tokenizer, 2, **kw)
-        for loader in fresh:
-            loader.load_state_dict(state)
-        return global_steps(fresh, 3) == reference[k : k + 3]
-
-    for k in range(11):
-        assert same(k, states[k]), k
-    entry = pickle.loads(states[5]["dp_rank_0"])
-    entry["offsets"][0] -= 1
-    assert not same(5, {"dp_rank_0": pickle.dumps(entry)})
+    assert_restores_at_every_step(
+        lambda: loaders(None, tokenizer, 2, **kw),
+        steps=14,
+        ahead=3,
+        ks=range(11),
+        control=5,
+        delta=-1,
+    )
 
 
 # ---- Hub-style folders ------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import bundled_documents, write_jsonl
-from test_data import assert_exactly_once, global_steps, loaders
+from test_data import assert_exactly_once, assert_restores_at_every_step, global_steps, loaders
 
 from torchtitan.data import index as length_index
 from torchtitan.data import streaming as streaming_module
@@ -247,24 +247,13 @@ def test_restore_at_every_step_in_every_layout(layout, tokenizer):
     rest, for k over more than two passes of shuffled units. Negative control: a
     position one token on does not reproduce the reference."""
     _, folder = layout
-    ranks = streaming(folder, tokenizer, 2, global_batch_size=96)
-    reference, states = [], []
-    for _ in range(12):
-        states.append(ranks[0].state_dict())
-        reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
-
-    def same(k, state) -> bool:
-        fresh = streaming(folder, tokenizer, 2, global_batch_size=96)
-        for loader in fresh:
-            loader.load_state_dict(state)
-        return global_steps(fresh, 2) == reference[k : k + 2]
-
-    for k in range(0, 11):
-        assert same(k, states[k]), k
-    entry = pickle.loads(states[5]["dp_rank_0"])
-    entry["offsets"][0] += 1
-    assert not same(5, {"dp_rank_0": pickle.dumps(entry)})
+    assert_restores_at_every_step(
+        lambda: streaming(folder, tokenizer, 2, global_batch_size=96),
+        steps=12,
+        ahead=2,
+        ks=range(11),
+        control=5,
+    )
 
 
 @pytest.mark.parametrize("name", ["jsonl_byte_ranges", "parquet_row_ranges"])

@@ -34,7 +34,6 @@ import functools
 import logging
 import pickle
 import signal
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -261,7 +260,6 @@ class ParallelDataLoader(Stateful):
         self._slot = 0
         self._m = 0
         self._epoch_starts: list[list] = []
-        self.last_wait_s = 0.0
         self.last_global_batch = 0  # sequences of the last step handed out in full
 
     # ---- iteration ----------------------------------------------------------------------
@@ -300,7 +298,6 @@ class ParallelDataLoader(Stateful):
         return self
 
     def __next__(self) -> dict:
-        start = time.perf_counter()
         if self._plans is None:
             self._start()
         if self._plan is None:
@@ -330,7 +327,6 @@ class ParallelDataLoader(Stateful):
             self.position, self.step = plan.after, plan.step + 1
             self.last_global_batch = plan.global_batch
             self._plan = None
-        self.last_wait_s = time.perf_counter() - start
         return batch
 
     def next_step(self) -> list[dict]:

@@ -29,8 +29,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
-
 from torchtitan import REPO_ROOT
 from torchtitan.data import hub, pretokenized
 from torchtitan.data.spec import (
@@ -249,9 +247,6 @@ class MapSource:
 
     def __len__(self) -> int:
         return len(self.ds)
-
-    def order(self, epoch: int) -> np.ndarray:
-        return epoch_order(len(self.ds), self.seed, self._identity, epoch, self.shuffle)
 
     def documents(self, indices: list[int]) -> list[tuple[str, object]]:
         """(doc_id, text) of several rows, read in one call (a row at a time costs ~0.3 ms)."""
