@@ -162,8 +162,10 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
         train_state=TrainState(),
         fingerprint={},
     )
-    manager.save(0, model_only=True)
-    manager.close()
+    try:
+        manager.save(0, model_only=True)
+    finally:
+        manager.close()
     logger.info("wrote seed checkpoint %s/step-0", manager.folder)
 
 
@@ -195,13 +197,16 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         train_state=train_state,
         fingerprint=plan.fingerprint,
     )
-    # Handlers go up before the load: a signal from here on stops the job at a step boundary.
-    preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
     try:
-        run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
-            checkpoint, preemption)  # fmt: skip
-    finally:  # handlers go, even when a step fails
-        preemption.close()
+        # Handlers go up before the load: a signal from here on stops the job at a step boundary.
+        preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
+        try:
+            run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
+                checkpoint, preemption)  # fmt: skip
+        finally:  # handlers go, even when a step fails
+            preemption.close()
+    finally:  # the folder's lease goes with the job, however it ends (close() released it too)
+        checkpoint.release_lease()
 
 
 def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
@@ -217,6 +222,7 @@ def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_sta
     metrics = StepMetrics(cfg, dims, model, validator, preemption, dataloader, train_state.step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     model.train()
+    first_step = train_state.step + 1
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
         while train_state.step < metrics.last_step:
             metrics.start_step()
@@ -224,6 +230,8 @@ def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_sta
             train_state.step += 1
             train_state.tokens_seen += metrics.step_tokens(dataloader)
             loss, grad_norm, lr = step(batches)
+            if train_state.step == first_step:  # start-up and the first compile are behind
+                parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
             metrics.end_step(train_state.step, train_state.tokens_seen, batches, data_wait_s,
                              loss, grad_norm, lr)  # fmt: skip
             saved = checkpoint.save_if_due(train_state.step, stop_at=cfg.training.stop_at_step)
@@ -244,27 +252,38 @@ def next_batches(dataloader) -> tuple[list[dict], float]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(argv)
-    dims = parallel.init_distributed()
+    restarted = parallel.torchrun_restart_problem()
+    if restarted:  # before the process groups, which is where it would fail
+        return _one_line(int(os.environ.get("RANK", "0")), restarted)
+    dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
     setup_logging(dims.rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     try:
         train(cfg, dims)
-    except USER_ERRORS as e:
+    except Exception as e:
+        # A broken collective (a peer failed, died or stopped answering) is said in one
+        # line naming the peer; a save it broke is the peer's failure, not a full disk.
+        broke = parallel.collective_broke(e)
+        if broke or not isinstance(e, USER_ERRORS):
+            cause = parallel.why_collective_broke(dims, e) if broke else parallel.failed_peer(dims)
+            if cause is not None:
+                return _one_line(dims.rank, f"stopped because {cause}")
         # Tell the other ranks first: this rank's exit is what breaks their collectives.
-        parallel.report_failure(dims, str(e))
-        return _one_line(dims, str(e))
-    except Exception:
-        peer = parallel.failed_peer(dims)
-        if peer is None:
-            raise  # a bug, or a failure of this rank's own: keep the traceback
-        return _one_line(dims, f"stopped because rank {peer[0]} failed: {peer[1]}")
+        parallel.report_failure(dims, str(e) if isinstance(e, USER_ERRORS) else _first_line(e))
+        if isinstance(e, USER_ERRORS):
+            return _one_line(dims.rank, str(e))
+        raise  # a bug, or a failure of this rank's own: keep the traceback
     finally:
         parallel.destroy_distributed()
     return 0
 
 
-def _one_line(dims: parallel.ParallelDims, message: str) -> int:
-    sys.stderr.write(f"[rank{dims.rank}] error: {message}\n")  # one write: lines stay whole
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+def _one_line(rank: int, message: str) -> int:
+    sys.stderr.write(f"[rank{rank}] error: {message}\n")  # one write: lines stay whole
     sys.stderr.flush()
     return 1
 

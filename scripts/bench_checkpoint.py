@@ -1,6 +1,7 @@
 """How long CheckpointManager makes the training loop wait, as train.py drives it.
 
-    python scripts/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--saves 3] [--smoke] [--json out.json]
+    python scripts/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--interval 6[,12]]
+                                       [--saves 3] [--smoke] [--json out.json]
 
 For each rank count (a torchrun job of that many CPU ranks, gloo, FSDP2), builds the
 model (125M with a 32,000-token vocab: 134 M parameters) and AdamW through the
@@ -16,14 +17,18 @@ makes them: forward/backward, ``wait_for_staging()`` before the optimizer step,
   fsync       each rank's fsync of its own files (the slowest rank; durability, not integrity)
   save        a sync save, end to end
 
-Reports per rank count: sync blocked/save, async blocked/save, async/sync (target
-<= 0.05 at >= 100 M parameters), integrity/save (target <= 0.10, flat in ranks).
+Reports per rank count and interval: sync blocked/save, async blocked/save, async/sync
+(target <= 0.05 at >= 100 M parameters when the interval is longer than a save's write),
+integrity/save (target <= 0.10, flat in ranks), and the interval's seconds against an
+async save's write (call to finalized): when the interval is the shorter, each save
+waits for the previous one and the job says so once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -51,12 +56,21 @@ def rank_main(args) -> dict:
     from torchtitan.optim import build_lr_scheduler, build_optimizer
 
     dims = parallel.init_distributed()
+    said = []  # the job's one line when a save waits for the previous one
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "shorter than a save's write" in record.getMessage():
+                said.append(record.getMessage())
+
+    logging.getLogger("torchtitan").addHandler(Said())
     torch.manual_seed(0)
     vocab = VOCAB[args.flavor]
     model = build_model(args.flavor, vocab, device="meta")
     params = count_parameters(model)
     model = parallel.parallelize(model, parse_args([]), dims)  # FSDP, as train.py does
-    result = {"flavor": args.flavor, "parameters": params, "ranks": dims.world_size}
+    result = {"flavor": args.flavor, "parameters": params, "ranks": dims.world_size,
+              "interval": args.interval}  # fmt: skip
     for mode in ("disabled", "async"):
         cfg = parse_args([
             "--job.dump_folder", os.path.join(args.root, f"{mode}-{dims.world_size}"),
@@ -108,6 +122,9 @@ def rank_main(args) -> dict:
         result[f"{key}_save_calls_s"] = saves
         result[f"{key}_close_s"] = close_s
         result[f"{key}_median_step_s"] = statistics.median(step_s)
+        if key == "async":
+            result["async_write_s"] = manager.saver.last_write_s
+            result["async_said"] = said[:]
         if key == "sync":
             result["sync_save_s"] = statistics.median(saves)
             result["integrity_s"] = max(w[0] for w in worst)
@@ -122,9 +139,10 @@ def rank_main(args) -> dict:
     return result
 
 
-def run_job(ranks: int, args, root: str) -> dict:
-    out = Path(root) / f"result-{ranks}.json"
-    argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
+def run_job(ranks: int, interval: int, args, root: str) -> dict:
+    out = Path(root) / f"result-{ranks}-{interval}.json"
+    root = os.path.join(root, f"interval-{interval}")
+    argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", root, "--json", str(out)]  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
     proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/bench_checkpoint.py"),
@@ -141,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--flavor", default="125M", choices=sorted(VOCAB))
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--saves", type=int, default=3)
-    p.add_argument("--interval", type=int, default=6, help="steps between saves")
+    p.add_argument("--interval", default="6", help="steps between saves (a list: one job each)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--smoke", action="store_true", help="debugmodel, 2 ranks, 2 saves")
     p.add_argument("--json", default="")
@@ -149,21 +167,29 @@ def main(argv=None) -> int:
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_main:
+        args.interval = int(args.interval)
         result = rank_main(args)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
     if args.smoke:
-        args.flavor, args.ranks, args.saves, args.interval = "debugmodel", "2", 2, 2
+        args.flavor, args.ranks, args.saves, args.interval = "debugmodel", "2", 2, "2"
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
-        rows = [run_job(int(r), args, root) for r in args.ranks.split(",")]
-    print(f"{'flavor':<11}{'params':>13}{'ranks':>6}{'MB':>8}{'save s':>8}{'sync blk s':>11}"
-          f"{'async blk s':>12}{'async/sync':>11}{'crc s':>8}{'crc/save':>9}{'fsync s':>9}")  # fmt: skip
+        rows = [run_job(int(r), int(i), args, root)
+                for r in args.ranks.split(",") for i in args.interval.split(",")]  # fmt: skip
+    print(f"{'flavor':<11}{'params':>13}{'ranks':>6}{'ivl':>5}{'ivl s':>7}{'write s':>8}{'MB':>7}"
+          f"{'save s':>8}{'sync blk s':>11}{'async blk s':>12}{'async/sync':>11}{'crc s':>8}"
+          f"{'crc/save':>9}{'fsync s':>9}")  # fmt: skip
     for r in rows:
-        print(f"{r['flavor']:<11}{r['parameters']:>13,}{r['ranks']:>6}{r['checkpoint_mb']:>8.0f}"
+        interval_s = r["interval"] * r["async_median_step_s"]
+        print(f"{r['flavor']:<11}{r['parameters']:>13,}{r['ranks']:>6}{r['interval']:>5}"
+              f"{interval_s:>7.2f}{r['async_write_s']:>8.2f}{r['checkpoint_mb']:>7.0f}"
               f"{r['sync_save_s']:>8.2f}{r['sync_blocked_s']:>11.2f}{r['async_blocked_s']:>12.3f}"
               f"{r['async_blocked_over_sync']:>11.3f}{r['integrity_s']:>8.3f}{r['integrity_over_save']:>9.3f}"
               f"{r['fsync_s']:>9.3f}")  # fmt: skip
+    for r in rows:
+        for line in r["async_said"]:
+            print(f"interval {r['interval']}, async, the job said: {line}")
     print(
         "targets: async/sync <= 0.05 at >= 100 M parameters; integrity/save <= 0.10, flat in ranks"
     )

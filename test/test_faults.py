@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import re
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG, REPO, bundled_documents, error_lines, read_jsonl, run_main, train_here
+from conftest import (
+    CONFIG,
+    REPO,
+    bundled_documents,
+    error_lines,
+    losses,
+    read_jsonl,
+    run_main,
+    torchrun,
+    train_here,
+)
 from test_data import loaders
 
 from torchtitan.data.sources import DataError, resolve_source
@@ -233,3 +248,215 @@ def test_preemption_campaign(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "failed 0" in proc.stdout and "PASS" in proc.stdout
+
+
+# ---- dead and hung ranks ----------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie waits on whoever adopted it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
+            for c in (task / "children").read_text().split()]  # fmt: skip
+
+
+def test_a_loader_worker_ends_with_its_rank_however_it_dies(tmp_path, small_corpus, tokenizer):
+    """A "rank" (a fork of this process) starts a real loader with one worker, then dies
+    by SIGKILL: its worker, which ignores the stop signals, is gone within 2 s instead
+    of living on with the rank's memory and sockets."""
+    read, write = os.pipe()
+    rank = os.fork()
+    if rank == 0:  # the rank: never returns into pytest
+        try:
+            (loader,) = loaders(small_corpus, tokenizer, 1, num_workers=1)
+            next(loader)
+            os.write(write, " ".join(map(str, _children(os.getpid()))).encode() + b"\n")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:  # a rank stuck before it answers is killed all the same
+        answered = select.select([f], [], [], 120)[0]
+        workers = [int(p) for p in f.readline().split()] if answered else []
+    os.kill(rank, signal.SIGKILL)
+    os.waitpid(rank, 0)
+    deadline = time.monotonic() + 2
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [p for p in workers if _alive(p)]
+    for pid in left:  # leave nothing behind, even when failing
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not left, f"loader worker(s) {left} outlived their rank"
+
+
+def test_comm_timeouts_reach_every_process_group(monkeypatch):
+    """``[comm]``: the init timeout is every group's until the first step, then the train
+    timeout (a one-rank gloo job in this process: the groups are real)."""
+    from torchtitan import parallel
+    from torchtitan.config import parse_args
+    from torchtitan.runs import free_port
+
+    status, log = run_main([*CONFIG, "--comm.train_timeout_seconds", 0])
+    assert status == 2 and "comm.train_timeout_seconds" in log
+    cfg = parse_args([*CONFIG, "--comm.init_timeout_seconds", "7",
+                      "--comm.train_timeout_seconds", "3"])  # fmt: skip
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
+    try:
+
+        def timeouts() -> list[float]:
+            groups = parallel.process_groups(dims)
+            assert len(groups) == 3  # the default, checkpoint and control groups
+            return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for g in groups]  # fmt: skip
+
+        assert timeouts() == [7, 7, 7]
+        dims = parallel.apply_layout(dims, cfg)
+        assert timeouts() == [7, 7, 7]
+        parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
+        assert timeouts() == [3, 3, 3]
+    finally:
+        parallel.destroy_distributed()
+
+
+def test_a_broken_collective_names_the_ranks_that_did_not_answer():
+    """Through a real store: ranks that saw the collective break say so; the silent one is
+    named, and a reported failure is passed on instead."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torchtitan import parallel
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    ranks = [parallel.ParallelDims(r, 3, r, torch.device("cpu"), "gloo", store=store)
+             for r in range(3)]  # fmt: skip
+    timed_out = RuntimeError(
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+        "operation to complete"
+    )
+    assert parallel.collective_broke(timed_out) and not parallel.collective_broke(ValueError())
+    store.set(f"torchtitan/saw_collective_break/0/{2}", "1")  # rank 2 answered
+    line = parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2)
+    assert line.startswith("rank 1 stopped answering: a collective failed (Timed out waiting")
+    store.set(f"torchtitan/saw_collective_break/0/{1}", "1")
+    assert parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2) is None  # all did
+    parallel.report_failure(ranks[2], "disk full")
+    assert parallel.why_collective_broke(ranks[1], timed_out) == "rank 2 failed: disk full"
+
+
+def test_a_torchrun_restart_stops_at_once_with_one_line(monkeypatch):
+    """torchrun's own restarts (--max-restarts) cannot form the process groups again
+    (README): a restarted rank says so in one line instead of failing later."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    status, log = run_main(CONFIG)
+    assert status == 1 and "--max-restarts 0" in error_lines(log)[0]
+    assert "Traceback" not in log
+
+
+FAULT_JOB = [*CONFIG, "--training.steps", 10, "--checkpoint.enable_checkpoint",
+             "--checkpoint.interval", 2, "--metrics.log_freq", 1, "--training.num_workers", 1,
+             "--comm.train_timeout_seconds", 10]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The per-step losses of the fault jobs run without a fault."""
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    proc = torchrun([*FAULT_JOB, "--job.dump_folder", dump])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(dump)
+
+
+def _job_processes(dump: Path) -> list[int]:
+    """Live processes of the job writing to ``dump``: torchrun, its ranks and their loader
+    workers (forks of a rank, with its command line)."""
+    marker, found = str(dump).encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                found += [int(entry.name)] if _alive(int(entry.name)) else []
+        except OSError:
+            pass
+    return [p for p in found if p != os.getpid()]
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's children, from their environment."""
+    out = {}
+    for pid in _children(launcher):
+        env = dict(
+            v.split(b"=", 1)
+            for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"=" in v
+        )
+        out[int(env[b"RANK"])] = pid
+    return out
+
+
+def _steps_logged(dump: Path) -> int:
+    try:
+        return (dump / "metrics.jsonl").read_text().count("}\n")
+    except OSError:
+        return 0
+
+
+def _wait(condition, seconds: float) -> float | None:
+    """Seconds until ``condition()`` held, or None if it did not within ``seconds``."""
+    begin = time.monotonic()
+    while time.monotonic() - begin < seconds:
+        if condition():
+            return time.monotonic() - begin
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_rank_ends_the_job_promptly_and_the_relaunch_is_exact(
+    tmp_path, uninterrupted, fault
+):
+    """Rank 1 of 2 (each with a loader worker) is stopped or killed after step 3.
+    SIGSTOP: rank 0 exits within the train timeout (10 s) + 8 s, with one line naming
+    rank 1; torchrun kills the stopped rank 30 s later (its shutdown grace). SIGKILL: rank
+    0 exits within 5 s of torchrun's SIGTERM. Either way no process of the job is left
+    once torchrun returns, and the relaunch resumes from the newest complete checkpoint
+    to losses equal to an uninterrupted run's."""
+    dump = tmp_path / "job"
+    log = tmp_path / "job.log"
+    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    try:
+        assert _wait(lambda: _steps_logged(dump) >= 3, 240) is not None, log.read_text()
+        ranks = _rank_pids(launcher.pid)
+        os.kill(ranks[1], getattr(signal, fault))
+        limit = 10 + 8 if fault == "SIGSTOP" else 0.1 + 5 + 1  # monitor interval + 5 s + slack
+        took = _wait(lambda: not _alive(ranks[0]), limit)
+        assert took is not None, f"rank 0 still alive {limit} s after rank 1's {fault}"
+        launcher.wait(timeout=60)
+        assert _wait(lambda: not _job_processes(dump), 3) is not None, _job_processes(dump)
+    finally:
+        for pid in [*_job_processes(dump), launcher.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+    text = log.read_text()
+    rank0 = [line for line in error_lines(text) if line.startswith("[rank0]")]
+    if fault == "SIGSTOP":
+        assert len(rank0) == 1 and "rank 1 stopped answering" in rank0[0], text[-3000:]
+    assert "preempted at step" not in text  # no save completed without the peer
+    complete = [int(m.group(1)) for e in os.scandir(dump / "checkpoint")
+                if (m := re.fullmatch(r"step-(\d+)", e.name))]  # fmt: skip
+    relaunch = torchrun([*FAULT_JOB, "--job.dump_folder", dump])
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert f"step-{max(complete)}" in relaunch.stderr.split("loaded checkpoint", 1)[1][:300]
+    assert losses(dump) == uninterrupted

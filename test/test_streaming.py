@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 from conftest import bundled_documents, write_jsonl
 from test_data import assert_exactly_once, assert_restores_at_every_step, global_steps, loaders
 
+from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import index as length_index
 from torchtitan.data import streaming as streaming_module
 from torchtitan.data.dataset import TokenStream
@@ -227,9 +227,9 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
         decoded = {}
         for r in (rows // 100, rows - rows // 100):
             (loader,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=1)
-            entry = pickle.loads(loader.state_dict()["dp_rank_0"])
+            entry = from_tensor(loader.state_dict()["dp_rank_0"])
             entry["offsets"] = [sum(tokens[:r])]  # d{r}'s first token, as a checkpoint holds it
-            loader.load_state_dict({"dp_rank_0": pickle.dumps(entry)})
+            loader.load_state_dict({"dp_rank_0": to_tensor(entry)})
             src = loader.stream.sources[0]
             assert src.rows_decoded == 0
             assert next(loader)["spans"][0][0][1:3] == [f"d{r}", 0]
@@ -439,13 +439,13 @@ def test_an_old_loader_state_is_refused_in_one_line(tmp_path, tokenizer):
     """A format-3 loader entry (per-shard cursors) is refused by the loader with the fix;
     a position over other sources too."""
     (loader,) = streaming(write_jsonl(tmp_path / "j", DOCS, 2), tokenizer)
-    entry = pickle.loads(loader.state_dict()["dp_rank_0"])
+    entry = from_tensor(loader.state_dict()["dp_rank_0"])
     old = {"version": 3, "shards": {0: {"epoch": 0, "unit": 0, "at": 0}}}
     with pytest.raises(DataError, match=r"format 3, this version reads 4.*exclude_from") as e:
-        loader.load_state_dict({"dp_rank_0": pickle.dumps(old)})
+        loader.load_state_dict({"dp_rank_0": to_tensor(old)})
     assert "\n" not in str(e.value)
     entry["sources"] = ["another"]
     with pytest.raises(DataError, match=r"over sources \['another'\].*exclude_from_loading"):
-        loader.load_state_dict({"dp_rank_0": pickle.dumps(entry)})
+        loader.load_state_dict({"dp_rank_0": to_tensor(entry)})
     (untouched,) = streaming(tmp_path / "j", tokenizer)
     assert torch.equal(next(loader)["input"], next(untouched)["input"])  # still at the start

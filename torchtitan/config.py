@@ -325,6 +325,17 @@ class Checkpoint:
         "signals on which every rank saves the current step and exits (empty: none)",
         choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"],
     )
+    lease_wait_seconds: float = _opt(
+        60.0,
+        "how long a job waits for a live job holding the checkpoint folder's lease to exit "
+        "(a requeue's predecessor still saving) before it stops",
+        ge=0,
+    )
+    lease_timeout_seconds: float = _opt(
+        60.0,
+        "a lease whose heartbeat is older than this is a killed job's and is taken over",
+        ge=1,
+    )
 
 
 @dataclass
@@ -361,6 +372,23 @@ class Profiling:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = _opt(
+        300,
+        "seconds a collective may wait until the first step is done (start-up, resume, "
+        "the first step's compile), on every process group",
+        ge=1,
+    )
+    train_timeout_seconds: int = _opt(
+        300,
+        "seconds a collective may wait after the first step, on every process group: a "
+        "stopped or hung rank ends the job this long after it stopped answering (keep it "
+        "above the longest gap between two collectives, e.g. the slowest rank's save)",
+        ge=1,
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -373,6 +401,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -424,6 +453,14 @@ class JobConfig:
             raise ConfigError(
                 "checkpoint.create_seed_checkpoint is true but checkpoint.enable_checkpoint "
                 "is false; set --checkpoint.enable_checkpoint"
+            )
+        ck = self.checkpoint
+        if ck.enable_checkpoint and ck.lease_wait_seconds >= self.comm.init_timeout_seconds:
+            # The other ranks wait for rank 0's lease in a collective.
+            raise ConfigError(
+                f"checkpoint.lease_wait_seconds {ck.lease_wait_seconds:g} is not below "
+                f"comm.init_timeout_seconds {self.comm.init_timeout_seconds}: the other ranks "
+                "would time out while rank 0 waits for the folder; lower the one or raise the other"
             )
         if self.metrics.enable_tensorboard:
             _check_importable(

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtitan import parallel
 from torchtitan.checkpoint import compat, integrity
+from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import CheckpointError
 
 
@@ -59,7 +60,7 @@ def _load_dcp(model: torch.nn.Module, path: str, dims):
         problem = "it is not a folder"
     if problem:
         raise CheckpointError(f"{what}: {problem}; pass a complete step-N folder")
-    problem = integrity.format_problem(path)
+    problem = integrity.format_problem(path, weights_only=True)
     if problem:
         raise CheckpointError(
             f"{what} {problem}; convert it with the version that wrote it (e.g. to a HF folder)"
@@ -72,7 +73,7 @@ def _load_dcp(model: torch.nn.Module, path: str, dims):
             f"{what}: {problem}; use the model.flavor and tokenizer of the job that wrote it"
         )
     dcp.load(state, checkpoint_id=path, process_group=dims.cpu_group,
-             no_dist=not dist.is_initialized())  # fmt: skip
+             planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
     set_model_state_dict(model, state["model"])
 
 

@@ -6,18 +6,25 @@ for CPU-side work (checkpoint traffic; control: the per-step stop agreement), th
 layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
 ``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
 collectives the trainer needs (a barrier, the mean of a scalar over ranks, a flag
-raised on any rank), telling the other ranks which rank failed and why (one key in the
-job's c10d store), and applying parallelism and its companions to a model: tensor
-parallel (``tensor_parallel.py`` holds the plan), FSDP2 or HSDP with mixed precision,
-or DDP, gradient sync during accumulation, activation checkpointing and per-block
-compilation.
+raised on any rank), the timeout of every process group (``comm.init_timeout_seconds``
+until the first step is done, then ``comm.train_timeout_seconds``), telling the other
+ranks which rank failed and why (one key in the job's c10d store), naming the ranks
+that stopped answering when a collective breaks, and applying parallelism and its
+companions to a model: tensor parallel (``tensor_parallel.py`` holds the plan), FSDP2
+or HSDP with mixed precision, or DDP, gradient sync during accumulation, activation
+checkpointing and per-block compilation.
 
 Rank layout: rank = (replica x shard_degree + shard) x tp_degree + tp_rank. Tensor
 parallel is innermost, so a TP group is adjacent ranks (one node's fast links), and
 the data-parallel rank is rank // tp_degree.
 
+A stopped or hung rank is found without per-step work: when a collective breaks (a
+timeout, a closed connection), each rank that sees it says so in the store and waits a
+few seconds for the others to say so too; those that do not are named. Cost: nothing
+per step; O(ranks) store look-ups once, after a failure.
+
 Never: define or build the model (it arrives on the meta device), hold training state,
-or read the config beyond the parallelism, precision and recompute settings.
+or read the config beyond the parallelism, precision, recompute and comm settings.
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ class ParallelDims:
 
 
 def init_distributed(timeout_s: int = 300) -> ParallelDims:
-    """Start the process group when launched by torchrun; one plain process otherwise."""
+    """Start the process group when launched by torchrun; one plain process otherwise.
+    Every group it makes waits ``timeout_s`` in a collective (``set_timeout`` changes it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -96,8 +104,8 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
         return ParallelDims(rank, world, local_rank, device, backend)
     return ParallelDims(
         rank, world, local_rank, device, backend,
-        cpu_group=dist.new_group(backend="gloo"),
-        control_group=dist.new_group(backend="gloo"),
+        cpu_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
+        control_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
         store=_job_store(),
     )  # fmt: skip
 
@@ -143,7 +151,29 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
             # FSDP over TP puts parameters on (dp_shard, tp); with this flattened view a
             # reduction over both (the gradient norm) is one all-reduce, not two in a row.
             mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    return replace(dims, tp=tp, dp_replicate=replicate, mesh=mesh)
+    dims = replace(dims, tp=tp, dp_replicate=replicate, mesh=mesh)
+    set_timeout(dims, cfg.comm.init_timeout_seconds)  # torch gives new groups 30 minutes
+    return dims
+
+
+def process_groups(dims: ParallelDims) -> list:
+    """Every process group this job made: the default one, the checkpoint and control
+    groups, and the mesh's (one per dimension, and the flattened FSDP x TP one)."""
+    if not dist.is_initialized():
+        return []
+    groups = [dist.group.WORLD, dims.cpu_group, dims.control_group]
+    if dims.mesh is not None:
+        groups += dims.mesh.get_all_groups()
+        if dims.tp > 1:
+            # (_flatten returns the view apply_layout made; slicing it by name is deprecated)
+            groups.append(dims.mesh["dp_shard", "tp"]._flatten("dp_shard_tp").get_group())
+    return [g for g in groups if g is not None]
+
+
+def set_timeout(dims: ParallelDims, seconds: float):
+    """How long a collective on any of the job's groups waits before it raises."""
+    for group in process_groups(dims):
+        group.set_timeout(timedelta(seconds=seconds))
 
 
 def describe_layout(dims: ParallelDims) -> str:
@@ -163,9 +193,33 @@ def _job_store():
         return None  # no store to share errors through: ranks then report only their own
 
 
+def _attempt() -> str:
+    # torchrun keeps its store across restarts of the worker group: keys are per attempt.
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def torchrun_restart_problem() -> str | None:
+    """One line when torchrun has restarted the job's processes (``--max-restarts``), else
+    None. Not supported: on torch 2.13 with gloo, restarted ranks mostly fail to form
+    their process group again after a rank was killed (they dial the dead attempt's
+    addresses: "Connection refused"), or hang; see the README. The scheduler's requeue
+    starts the job afresh and resumes it."""
+    if _attempt() == "0":
+        return None
+    return (
+        f"torchrun restarted the job (attempt {_attempt()}), which it cannot survive: its "
+        "process groups do not form again in restarted processes; launch with "
+        "--max-restarts 0 and let the scheduler requeue the job (it resumes from the last "
+        "checkpoint)"
+    )
+
+
 def _failure_key() -> str:
-    # torchrun keeps its store across restarts of the worker group: one key per attempt.
-    return f"torchtitan/first_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"torchtitan/first_failure/{_attempt()}"
+
+
+def _broken_key(rank: int) -> str:
+    return f"torchtitan/saw_collective_break/{_attempt()}/{rank}"
 
 
 def report_failure(dims: ParallelDims, message: str):
@@ -178,26 +232,83 @@ def report_failure(dims: ParallelDims, message: str):
         pass  # the store is gone: the job is ending anyway
 
 
-def failed_peer(dims: ParallelDims, wait_s: float = 5.0) -> tuple[int, str] | None:
-    """(rank, message) of the first rank that reported a failure, if another one did.
+def _reported_failure(dims: ParallelDims) -> tuple[int, str] | None:
+    if dims.store.check([_failure_key()]):
+        rank, _, message = dims.store.get(_failure_key()).decode().partition("\n")
+        return int(rank), message
+    return None
 
-    Called after a collective broke: the failing rank reports before it exits, and
-    its exit is what breaks the collective, so the report is normally there already;
-    ``wait_s`` covers a report still in flight. Cost: one store lookup per poll.
+
+def failed_peer(dims: ParallelDims) -> str | None:
+    """'rank N failed: <its message>' if another rank reported a failure already (it
+    reports before it exits, and its exit is what breaks this rank), else None."""
+    try:
+        failure = None if dims.store is None else _reported_failure(dims)
+    except RuntimeError:
+        return None  # the store is gone: the job is ending anyway
+    if failure is None or failure[0] == dims.rank:
+        return None
+    return f"rank {failure[0]} failed: {failure[1]}"
+
+
+def collective_broke(error: BaseException) -> bool:
+    """True when ``error``, or an error it wraps, is a collective or store operation that
+    timed out or lost its peer (gloo says so only in its message)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError) or "gloo/transport" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _gloo_reason(error: BaseException) -> str:
+    """'Timed out waiting 10000ms for recv operation to complete', from gloo's message."""
+    text = str(error)
+    at = text.find("gloo/transport")
+    line = text[at:].split("] ", 1)[-1] if at >= 0 else text
+    return line.split(". This is typically")[0].splitlines()[0][:200]
+
+
+def why_collective_broke(dims: ParallelDims, error: BaseException,
+                         wait_s: float = 3.0) -> str | None:  # fmt: skip
+    """Why a collective broke on this rank, in one line: another rank's reported failure,
+    or the ranks that did not answer. None when every rank answered and none reported a
+    failure (then the cause is this rank's own, and its traceback says more).
+
+    Every rank whose collective breaks says so in the store; a rank that is stopped
+    (SIGSTOP), hung, or dead never does, and after ``wait_s`` it is named. ``wait_s``
+    covers ranks whose own wait ran out a little later; it is short because torchrun
+    sends SIGTERM as soon as one rank exits. Cost: O(ranks) store look-ups per poll.
     """
     if dims.store is None:
         return None
+    peers = [_broken_key(r) for r in range(dims.world_size) if r != dims.rank]
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
+    try:
+        dims.store.set(_broken_key(dims.rank), "1")
+        while True:
             if dims.store.check([_failure_key()]):
-                rank, _, message = dims.store.get(_failure_key()).decode().partition("\n")
-                return (int(rank), message) if int(rank) != dims.rank else None
-        except RuntimeError:
-            return None
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)
+                return failed_peer(dims)
+            if dims.store.check(peers):
+                return None
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        silent = [r for r in range(dims.world_size)
+                  if r != dims.rank and not dims.store.check([_broken_key(r)])]  # fmt: skip
+    except RuntimeError:
+        return None  # the store is gone: the job is ending anyway
+    if not silent:  # the last ones answered just now
+        return None
+    names = ", ".join(map(str, silent))
+    return (
+        f"rank{'s' if len(silent) > 1 else ''} {names} stopped answering: a collective "
+        f"failed ({_gloo_reason(error)}) and {'they' if len(silent) > 1 else 'it'} did not "
+        f"report it within {wait_s:.0f} s (stopped, hung or killed; see its log, and "
+        "comm.train_timeout_seconds for how long a collective waits)"
+    )
 
 
 def destroy_distributed():

@@ -9,6 +9,10 @@ stops after the same step, has that step's checkpoint written and says so.
 Cost: one 4-byte gloo all-reduce per step on the control group (a CPU tensor:
 no device sync), independent of model size; O(log ranks) latency.
 
+A signal while a peer is gone (killed: torchrun SIGTERMs the rest) ends without a
+save: the agreement, or the save's own collectives, break at once (parallel.py names
+the peer), and DCP publishes a checkpoint only after every rank wrote its part.
+
 Never: decide what a checkpoint holds, or exit the process (train.py returns).
 """
 

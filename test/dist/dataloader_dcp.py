@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from torchtitan import parallel
+from torchtitan.checkpoint.entries import empty_like_saved
 from torchtitan.config import parse_args
 from torchtitan.data import ParallelDataLoader, build_dataloader
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -42,7 +43,7 @@ def save_and_restore(corpus: str, ckpt: str, workers: int):
     keys = [k for k in metadata if k.startswith("dataloader.")]
     assert len(keys) == dist.get_world_size(), keys  # one entry per rank survived DCP
     key = fresh.entry_to_load([k.split(".", 1)[1] for k in keys])
-    state = {"dataloader": {key: b""}}
+    state = {"dataloader": {key: empty_like_saved(metadata[f"dataloader.{key}"])}}
     dcp.load(state, checkpoint_id=ckpt)
     fresh.load_state_dict(state["dataloader"])
     for a, b in zip((next(fresh) for _ in range(5)), reference):

@@ -3,9 +3,10 @@
 One file per job: ``manager`` (what to save and load, as ``train.py`` drives it),
 ``lifecycle`` (write, finalize, finish a killed save), ``timeline`` (what to resume
 from, what to keep), ``integrity`` (digests, verification, format), ``compat`` (does
-a checkpoint fit this run), ``stateful`` (the components' adapters), ``changes``
-(config and data diffs) and ``folder`` (names and manifests on disk). None of them
-imports ``manager``, and none imports the Hugging Face interop.
+a checkpoint fit this run), ``stateful`` (the components' adapters), ``entries``
+(the project's entries as tensors; DCP reads that execute nothing), ``lease`` (one job
+per folder), ``changes`` (config and data diffs) and ``folder`` (names and manifests
+on disk). None of them imports ``manager``, and none imports the Hugging Face interop.
 """
 
 from torchtitan.checkpoint.changes import config_diff, fingerprint_diff

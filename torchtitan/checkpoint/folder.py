@@ -1,7 +1,8 @@
 """The checkpoint folder on disk: step folder names, manifests, listing, durability.
 
 Owns: what a name in ``<dump_folder>/<checkpoint.folder>`` means (``step-N`` complete,
-``step-N.partial`` being written, ``step-N.abandoned[-k]`` set aside), reading and
+``step-N.partial`` being written, ``step-N.abandoned[-k]`` set aside; ``lease.json`` is
+lease.py's), reading and
 durably writing the JSON manifests, and the start-up probe that the folder is writable.
 
 Never: decide which checkpoint to use (timeline.py) or touch tensors.
@@ -15,7 +16,10 @@ import re
 import socket
 import uuid
 
-FORMAT_VERSION = 2
+# 3: the loader, RNG and train-state entries are tensors (JSON in uint8 for the loader
+# and the Python/numpy RNGs); 2 held them as pickles. Model weights are the same in both.
+FORMAT_VERSION = 3
+WEIGHTS_FORMATS = (2, 3)
 MANIFEST = "manifest.json"
 PENDING = "manifest.pending.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

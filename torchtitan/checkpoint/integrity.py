@@ -19,7 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.checkpoint.folder import FORMAT_VERSION, MANIFEST, PENDING, read_manifest
+from torchtitan.checkpoint.folder import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PENDING,
+    WEIGHTS_FORMATS,
+    read_manifest,
+)
 
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
@@ -108,12 +114,23 @@ def verify_checkpoint(path: str) -> str | None:
     return verify_share(path, 0, 1)
 
 
-def format_problem(path: str, manifest: dict | None = None) -> str | None:
-    """Why this version cannot read the checkpoint at ``path`` (its format), or None."""
+def format_problem(
+    path: str, manifest: dict | None = None, weights_only: bool = False
+) -> str | None:
+    """Why this version cannot read the checkpoint at ``path`` (its format), or None.
+
+    ``weights_only``: only the model's tensors are read (initial weights), which every
+    format in ``WEIGHTS_FORMATS`` stores alike.
+    """
     version = (manifest if manifest is not None else read_manifest(path)).get("format_version")
-    if version != FORMAT_VERSION:
-        return f"has format {version}, this version reads {FORMAT_VERSION}"
-    return None
+    if version == FORMAT_VERSION or (weights_only and version in WEIGHTS_FORMATS):
+        return None
+    if version == 2:
+        return (
+            "has format 2, this version reads 3 (format 2 stores the loader and RNG entries "
+            "as pickles, which this version never executes)"
+        )
+    return f"has format {version}, this version reads {FORMAT_VERSION}"
 
 
 def dcp_data_complete(path: str) -> bool:

@@ -3,7 +3,8 @@
 Owns: writing a state with DCP (sync, or async on the checkpoint's own gloo group with
 one persistent stager), the finalizer (every rank checksums and fsyncs the files it
 wrote, rank 0 gathers the digests, writes ``manifest.json``, renames the folder and
-purges), and finishing a ``.partial`` that a killed job left behind.
+purges), finishing a ``.partial`` that a killed job left behind, and saying (once, on
+rank 0, with the figures) when a save has to wait for the previous one's write.
 
 An async save is finalized in a background thread the moment DCP's write completes,
 so it is durable without waiting for the next save. A folder named ``step-N`` is
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -60,10 +62,14 @@ class Saver:
         self._staging: Future | None = None  # the in-memory copy of an async save
         self._pending: Future | None = None  # its write and finalization
         self._pending_step = -1
+        self._pending_began = 0.0  # when that save was called (perf_counter)
+        self._said_overlap = False  # a save waited for the previous one: said once
         self._stager = None
         self._finalizer = None  # one background thread: finalizes async saves in order
         # This rank's share of the last finalization: checksumming and fsyncing its files.
         self.last_checksum_s = self.last_fsync_s = 0.0
+        # The last async save from its call to the end of its finalization.
+        self.last_write_s = 0.0
 
     @property
     def _no_dist(self) -> bool:
@@ -96,8 +102,8 @@ class Saver:
             if self._finalizer is None:
                 self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finalize")
             written = response.upload_completion
-            self._pending = self._finalizer.submit(lambda: (written.result(), self.finalize(step)))
-            self._pending_step = step
+            self._pending = self._finalizer.submit(self._write_and_finalize, written, step, begin)
+            self._pending_step, self._pending_began = step, begin
             logger.info(
                 "checkpoint step-%d handed off in %.2fs, staging and writing in the background",
                 step,
@@ -109,6 +115,36 @@ class Saver:
                          no_dist=self._no_dist)  # fmt: skip
                 self.finalize(step)
             logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)
+
+    def _write_and_finalize(self, written: Future, step: int, began: float):
+        try:
+            written.result()
+            self.finalize(step)
+        finally:
+            self.last_write_s = time.perf_counter() - began
+
+    def wait_for_previous(self, step: int):
+        """``wait()`` before saving ``step``. When the previous async save is still being
+        written, the loop waits here: said once per run, with the figures, since every
+        later save at this interval waits the same way."""
+        pending = self._pending
+        if pending is None or pending.done():
+            return self.wait()
+        begin = time.perf_counter()
+        previous, previous_began = self._pending_step, self._pending_began
+        self.wait()
+        waited = time.perf_counter() - begin
+        if self._said_overlap or not self.dims.is_main:  # every rank waits alike
+            return
+        self._said_overlap = True
+        steps, interval_s = step - previous, begin - previous_began
+        write_s = self.last_write_s
+        enough = max(steps + 1, math.ceil(steps * write_s / max(interval_s, 1e-9)))
+        logger.warning(
+            "checkpoint interval %d steps (%.2f s) is shorter than a save's write (%.2f s); "
+            "the loop waited %.2f s (said once; --checkpoint.interval %d or more hides the write)",
+            steps, interval_s, write_s, waited, enough,
+        )  # fmt: skip
 
     def _async_stager(self):
         # One stager for the whole run: it keeps its CPU copy buffers between saves,

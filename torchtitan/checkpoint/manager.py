@@ -8,6 +8,13 @@ stream once per data-parallel rank, Python's and numpy's per rank). It composes 
 ``lifecycle`` writes and finalizes, ``timeline`` chooses and keeps, ``integrity``
 verifies, ``compat`` refuses a checkpoint that does not fit, ``stateful`` adapts.
 
+One job per folder: rank 0 holds the folder's lease (``lease``) from construction to
+``close()``; a second job waits for it, then stops in one line naming the holder.
+
+Loading executes nothing from the checkpoint: the project's own entries are tensors
+(``entries``), every other non-tensor entry is read with torch's weights-only
+unpickler, and a checkpoint of format 2 (pickled loader and RNG entries) is refused.
+
 A start: rank 0 surveys the folder and plans (O(checkpoints) manifest reads), every
 rank finishes or removes ``.partial`` folders and verifies the chosen checkpoint's
 files by shares (O(total / ranks) each), then loads its own shard.
@@ -26,11 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan import parallel
 from torchtitan.checkpoint import compat, integrity, timeline
 from torchtitan.checkpoint.changes import config_diff, fingerprint_diff
+from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
     CheckpointError,
@@ -39,11 +48,14 @@ from torchtitan.checkpoint.folder import (
     read_manifest,
     step_folder,
 )
+from torchtitan.checkpoint.lease import Lease
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
 from torchtitan.checkpoint.stateful import DataLoaderState, ModelState, OptimizerState, RNGState
 
 logger = logging.getLogger("torchtitan")
 
+# The entries the project writes itself: tensors only (stateful.py), never a pickle.
+_OWN_ENTRIES = ("dataloader", "rng", "train_state")
 # Config sections a resume may change; the log lists what did change.
 _RESUMABLE_CHANGES = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
 
@@ -80,8 +92,23 @@ class CheckpointManager:
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
         self.loaded_from: str | None = None
+        self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
         if self.enabled:
             check_writable(self.folder)
+            self._take_lease()
+
+    def _take_lease(self):
+        """Rank 0 takes the folder's lease (waiting for a live holder); every rank gets
+        the same outcome, so a refused job stops on every rank with the same line."""
+        problem = None
+        if self.dims.is_main:
+            try:
+                self.lease.acquire()
+            except CheckpointError as e:
+                problem = str(e)
+        problem = parallel.broadcast_from_main(self.dims, problem)
+        if problem:
+            raise CheckpointError(problem)
 
     # ---- saving ---------------------------------------------------------------------
     def should_save(self, step: int, stop_at: int = -1) -> bool:
@@ -97,7 +124,10 @@ class CheckpointManager:
 
     def save(self, step: int, *, model_only: bool = False):
         """Write ``step-N`` (see ``Saver.save`` for what blocks the caller)."""
-        self.saver.wait()  # the previous save's state_dict views must not be reused
+        self.lease.check()
+        # The previous save's state_dict views must not be reused: wait for it (and say
+        # so, once, when that makes the loop wait).
+        self.saver.wait_for_previous(step)
         if model_only or (self.model_weights_only and step == self.last_step):
             names = ["model"]
         else:
@@ -122,7 +152,15 @@ class CheckpointManager:
         self.saver.wait()
 
     def close(self):
-        self.saver.close()
+        """Finish the pending save, then release the folder's lease (idempotent)."""
+        try:
+            self.saver.close()
+        finally:
+            self.lease.release()
+
+    def release_lease(self):
+        """Release the folder's lease without waiting for a save (a job that failed)."""
+        self.lease.release()
 
     # ---- loading --------------------------------------------------------------------
     def load(self) -> int:
@@ -205,9 +243,18 @@ class CheckpointManager:
         problem = integrity.format_problem(path, manifest)
         if problem:
             raise CheckpointError(
-                f"checkpoint {path} {problem}; resume it with the version that wrote it"
+                f"checkpoint {path} {problem}; resume it with the version that wrote it, or "
+                f"start from its weights with --checkpoint.initial_load_path {path}"
             )
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        pickled = [k for k, md in saved.items()
+                   if k.split(".", 1)[0] in _OWN_ENTRIES and not isinstance(md, TensorStorageMetadata)]  # fmt: skip
+        if pickled:
+            raise CheckpointError(
+                f"checkpoint {path}: entry {pickled[0]} is a pickle, not a tensor; this version "
+                "writes its own entries as data and never unpickles them: restore the folder "
+                "from a trusted copy"
+            )
         present = {k.split(".", 1)[0] for k in saved}
         if "dataloader" in present:  # a weights-only or seed checkpoint has no data position
             self._check_fingerprint(manifest.get("data_fingerprint") or {}, path, exclude)
@@ -221,27 +268,29 @@ class CheckpointManager:
         for name in names:
             if name == "dataloader":
                 # One entry: every rank's holds the same global position.
-                entries = [k.split(".", 1)[1] for k in saved if k.startswith("dataloader.")]
-                state[name] = {self.states[name].loader.entry_to_load(entries): b""}
+                state[name] = self.states[name].targets(saved)
             elif name == "rng":
-                keys = [k for k in self.states["rng"].keys() if f"rng.{k}" in saved]
-                missing = [k for k in self.states["rng"].keys() if k not in keys]
+                targets, missing = self.states["rng"].targets(saved)
                 if missing:
                     logger.warning(
                         "checkpoint has no RNG entry %s (written at another layout): this "
                         "rank keeps its seeded generators for it",
                         ", ".join(missing),
                     )
-                if not keys:
+                if not targets:
                     continue
-                state[name] = {k: b"" for k in keys}
+                state[name] = targets
             else:
                 state[name] = self.states[name].state_dict()
                 self._check_fits(path, manifest, saved, name, state[name])
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
-                     no_dist=not dist.is_initialized())  # fmt: skip
+                     planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
+            refused = [f[0] for f in getattr(e, "failures", {}).values()
+                       if isinstance(f[0], CheckpointError)]  # fmt: skip
+            if refused:  # a planted pickle (entries.DataOnlyLoadPlanner): nothing ran
+                raise CheckpointError(f"checkpoint {path}: {refused[0]}") from None
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded into this run: {root_cause(e)}; "
                 "resume with the settings of the run that wrote it, or leave the component "

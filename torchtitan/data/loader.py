@@ -2,8 +2,8 @@
 
 Owns: the global batch of every step (``BatchSchedule``: ``training.global_batch_size``,
 or ``training.batch_size_schedule``), which windows of a step each data-parallel rank
-reads and how they split into its micro-batches, the worker processes that read them,
-and the loader state as checkpointed.
+reads and how they split into its micro-batches, the worker processes that read them
+(each ends with its rank, however the rank dies), and the loader state as checkpointed.
 
 A step takes the next ``G`` windows of the global order (order.py). Rank ``r`` of ``R``
 reads a contiguous slice of them, ``G // R`` windows, one more for the first ``G % R``
@@ -32,8 +32,12 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import pickle
+import multiprocessing
+import os
+import select
 import signal
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -41,6 +45,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data.dataset import Position, TokenStream, as_tensors, collate
 from torchtitan.data.spec import DataError
 
@@ -209,13 +214,48 @@ class WorkerBatches(IterableDataset):
 # Signals that ask a job to stop (schedulers send SIGTERM or SIGUSR1 to the whole
 # process group, workers included). The rank decides when to stop and shuts its
 # workers down; a worker killed by one would instead break the rank's next batch and
-# the save it was about to make. Workers still exit with their parent.
+# the save it was about to make.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+WORKER_STOP_S = 5.0  # how long a closing loader waits for its workers before killing them
 
 
-def _leave_stop_signals_to_the_rank(worker_id: int):
+def _leave_stop_signals_to_the_rank(rank_pid: int, worker_id: int):
+    """A worker's start (it runs in the worker): stop signals are the rank's to act on,
+    and the worker ends the moment its rank does (``_exit_with``)."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _exit_with(rank_pid)
+
+
+def _exit_with(rank_pid: int):
+    """End this worker as soon as process ``rank_pid`` is gone, however it died.
+
+    Ignoring the stop signals, an orphaned worker would otherwise live on for good
+    (torch's own check runs only while it waits for work, and its exit then waits on a
+    pipe nobody reads), holding the rank's memory and the sockets it inherited at fork:
+    the other ranks' collectives would not see the rank go. A daemon thread waits on a
+    pidfd of the rank (readable when it exits; Linux 5.3+), else polls the parent pid
+    twice a second. Cost: one idle thread per worker; no work per batch.
+    """
+    try:
+        pidfd = os.pidfd_open(rank_pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        pidfd = None
+    if os.getppid() != rank_pid:  # the rank died before the pidfd was opened
+        os._exit(0)
+    threading.Thread(target=_wait_for_exit, args=(rank_pid, pidfd), daemon=True,
+                     name="exit-with-rank").start()  # fmt: skip
+
+
+def _wait_for_exit(rank_pid: int, pidfd: int | None):
+    if pidfd is not None:
+        select.select([pidfd], [], [])
+    else:
+        while os.getppid() == rank_pid:
+            time.sleep(0.5)
+    os._exit(0)  # not sys.exit: nothing of an orphan's exit may wait on the rank
 
 
 def _as_is(group: list[dict]) -> list[dict]:
@@ -256,6 +296,7 @@ class ParallelDataLoader(Stateful):
         self._i = 0  # micro-batches of self._plan handed out
         self._loader: DataLoader | None = None
         self._iter = None
+        self._workers: list = []  # this loader's worker processes (multiprocessing's)
         self._held: list[list[dict]] = []
         self._slot = 0
         self._m = 0
@@ -278,16 +319,34 @@ class ParallelDataLoader(Stateful):
                 collate_fn=_as_is,
                 prefetch_factor=2,  # runs of at least MIN_GROUP micro-batches each
                 persistent_workers=True,
-                worker_init_fn=_leave_stop_signals_to_the_rank,
+                worker_init_fn=functools.partial(_leave_stop_signals_to_the_rank, os.getpid()),
                 generator=generator,
             )
-            self._iter = iter(self._loader)
+            before = set(multiprocessing.active_children())
+            self._iter = iter(self._loader)  # starts the workers
+            self._workers = [p for p in multiprocessing.active_children() if p not in before]
             self._held, self._slot = [[] for _ in range(self.num_workers)], 0
             _RUNNING.add(self)
 
     def _restart(self):
         self._plans = self._loader = self._iter = None  # the iterator stops its workers
         self._plan, self._i = None, 0
+        self._end_workers()
+
+    def _end_workers(self):
+        """Make sure this loader's workers are gone. The iterator asks them to stop and
+        joins them; one still alive after ``WORKER_STOP_S`` (busy in an endless loop, or
+        its iterator kept alive by a traceback) is killed: it ignores SIGTERM, so
+        multiprocessing's own stop at exit (SIGTERM, then a join without a timeout) would
+        wait for it forever."""
+        workers, self._workers = self._workers, []
+        deadline = time.monotonic() + WORKER_STOP_S
+        for worker in workers:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                logger.warning("loader worker %d did not stop: killed", worker.pid)
+                worker.kill()
+                worker.join()
 
     def close(self):
         """Stop the workers (if any run); a later batch starts them again."""
@@ -365,7 +424,8 @@ class ParallelDataLoader(Stateful):
 
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's entry (every rank's is the same). Cost: O(sources)."""
+        """This rank's entry (every rank's is the same), JSON in a uint8 tensor: a
+        checkpoint holds data, never a pickle (checkpoint/entries.py). Cost: O(sources)."""
         if self._plan is not None:
             raise RuntimeError("the loader state is taken between steps, not inside one")
         entry = {
@@ -376,7 +436,7 @@ class ParallelDataLoader(Stateful):
             "seq_len": self.stream.seq_len,
             "step": self.step,
         }
-        return {f"{KEY_PREFIX}{self.dp_rank}": pickle.dumps(entry)}
+        return {f"{KEY_PREFIX}{self.dp_rank}": to_tensor(entry)}
 
     def entry_to_load(self, saved: list[str]) -> str:
         """The one entry this rank reads: its own, else the first (all hold the same
@@ -390,12 +450,12 @@ class ParallelDataLoader(Stateful):
         return entries[0]
 
     def load_state_dict(self, state_dict: dict):
-        """Seek to the saved position. Cost: unpickling one entry; the documents are read
-        when their windows are."""
-        entries = [v for k, v in sorted(state_dict.items()) if k.startswith(KEY_PREFIX) and v]
+        """Seek to the saved position. Cost: decoding one entry's JSON; the documents are
+        read when their windows are."""
+        entries = [v for k, v in sorted(state_dict.items()) if k.startswith(KEY_PREFIX)]
         if not entries:
             raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
-        entry = pickle.loads(entries[0])
+        entry = from_tensor(entries[0])
         if entry.get("version") != STATE_VERSION:
             raise DataError(
                 f"the checkpoint's dataloader state has format {entry.get('version')}, this "
