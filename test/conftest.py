@@ -72,19 +72,24 @@ def _carries_token(environ: bytes) -> bool:
 
 def session_processes() -> list[tuple[int, str]]:
     """(pid, command line) of every live process this session started, however deep
-    or re-parented: those whose environment carries this session's token. Linux
-    (/proc); elsewhere none are found. Cost: one small read per process of this user."""
+    or re-parented: this process's children, and those whose environment carries this
+    session's token. Linux (/proc); elsewhere none are found. Cost: two small reads per
+    process of this user."""
     found = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue  # exited, waiting to be reaped: holds nothing
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if not _carries_token(f.read()):
-                    continue
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            if state == b"Z":
+                continue  # exited, waiting to be reaped: holds nothing
+            # A process forked from this one (a loader worker) shows the environment this
+            # one was started with, without the token: it is found as a child.
+            if int(ppid) != os.getpid():
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if not _carries_token(f.read()):
+                        continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
         except OSError:  # gone meanwhile, or another user's
