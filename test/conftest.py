@@ -3,6 +3,16 @@
 Training runs either in-process (``train_here``: one rank, ``train.main(argv)``, no
 interpreter start-up) or as real multi-process jobs (``torchrun``). Metrics and
 provenance are read back strictly (a duplicated step fails the read).
+
+Two guards hold for every test:
+- **A time limit.** A test may compute for ``UNIT_LIMIT_S`` in this process (a hang
+  becomes one failure naming the test, and the session goes on); while a process it
+  started still runs, the limit is ``LAUNCH_LIMIT_S`` (the launch's own timeout is the
+  tighter bound). ``@pytest.mark.time_limit(seconds)`` sets another own-work limit.
+- **No process left behind.** Every process this session starts carries
+  ``SESSION_ENV`` in its environment, wherever it is re-parented; a test after which one
+  is still alive (``LEFTOVER_GRACE_S`` after it ends) fails, naming them, and they are
+  killed so that the next test starts clean.
 """
 
 from __future__ import annotations
@@ -10,7 +20,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import signal
 import subprocess
+import time
+import uuid
 from functools import cache
 from pathlib import Path
 
@@ -27,6 +41,117 @@ from torchtitan.runs import torchrun as _torchrun
 
 REPO = REPO_ROOT
 CONFIG = ["--job.config_file", DEBUG_CONFIG]
+
+
+# ---- guards: a time limit per test, and no process left behind --------------------------
+UNIT_LIMIT_S = 60  # ~10x the longest in-process test on 2 cores
+LAUNCH_LIMIT_S = 900  # a launch's own subprocess timeout is normally the bound
+SLOW_UNIT_LIMIT_S = 600  # the slow tier's in-process scenarios
+# An orphaned loader worker notices within a few seconds (the guard's own test sets less).
+LEFTOVER_GRACE_S = float(os.environ.get("TORCHTITAN_TEST_LEFTOVER_GRACE_S", "10"))
+SESSION_ENV = "TORCHTITAN_TEST_SESSIONS"
+# This session's token, after those of the sessions that launched it (a pytest run by a
+# test): every process started from here on carries it, and the enclosing sessions' too.
+TOKEN = uuid.uuid4().hex
+os.environ[SESSION_ENV] = ":".join(filter(None, [os.environ.get(SESSION_ENV), TOKEN]))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "time_limit(seconds): the test's own-work limit, in place of UNIT_LIMIT_S"
+    )
+
+
+def _carries_token(environ: bytes) -> bool:
+    prefix = f"{SESSION_ENV}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return TOKEN.encode() in entry[len(prefix) :].split(b":")
+    return False
+
+
+def session_processes() -> list[tuple[int, str]]:
+    """(pid, command line) of every live process this session started, however deep
+    or re-parented: this process's children, and those whose environment carries this
+    session's token. Linux (/proc); elsewhere none are found. Cost: two small reads per
+    process of this user."""
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            if state == b"Z":
+                continue  # exited, waiting to be reaped: holds nothing
+            # A process forked from this one (a loader worker) shows the environment this
+            # one was started with, without the token: it is found as a child.
+            if int(ppid) != os.getpid():
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if not _carries_token(f.read()):
+                        continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+class TimeLimitExceeded(Exception):
+    pass
+
+
+def _limit_of(item) -> float:
+    marker = item.get_closest_marker("time_limit")
+    if marker is not None:
+        return float(marker.args[0])
+    return SLOW_UNIT_LIMIT_S if "slow" in item.keywords else UNIT_LIMIT_S
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Arm the test's time limit (SIGALRM: the main thread is interrupted wherever it
+    is, so an endless Python loop fails its test), and after it check for processes
+    left behind."""
+    if not hasattr(signal, "setitimer"):
+        return (yield)
+    limit, begin = _limit_of(item), time.monotonic()
+
+    def on_alarm(signum, frame):
+        elapsed = time.monotonic() - begin
+        if elapsed < LAUNCH_LIMIT_S and session_processes():
+            signal.setitimer(signal.ITIMER_REAL, 5.0)  # a launch runs: look again soon
+            return
+        signal.setitimer(signal.ITIMER_REAL, 5.0)  # again, should this one be swallowed
+        raise TimeLimitExceeded(
+            f"{item.nodeid} ran {elapsed:.0f} s, over its limit of {limit:.0f} s "
+            f"(conftest.UNIT_LIMIT_S, or its time_limit mark)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(request):
+    """Fail the test after which a process this session started is still alive."""
+    yield
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := session_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid, _ in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, (
+        f"{request.node.nodeid} left {len(left)} process(es) alive "
+        f"{LEFTOVER_GRACE_S} s after it ended (killed now): "
+        + "; ".join(f"pid {pid}: {cmd[:160]}" for pid, cmd in left)
+    )
 
 
 def pytest_collection_modifyitems(config, items):

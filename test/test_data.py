@@ -361,6 +361,22 @@ def test_mix_shares_match_the_weights_within_1_percent():
     assert abs(plain[0] - 0.9) > 0.3
 
 
+def test_two_seeds_mix_the_sources_in_two_orders(tiny_corpus, second_corpus, tokenizer):
+    """The seed sets which source each window reads, not only each source's own order:
+    the first 48 sequences of an even mix, read by the loader, come from the sources in
+    another order at seed 8 than at seed 7 (and in the same one when the seed is the
+    same: the negative control)."""
+    mix = f"{tiny_corpus}:0.5,{second_corpus}:0.5"
+
+    def sources_read(seed: int) -> list[str]:
+        (loader,) = loaders(None, tokenizer, 1, datasets=mix, global_batch_size=8, seed=seed)
+        return [spans[0][0] for _ in range(6) for b in loader.next_step() for spans in b["spans"]]
+
+    at_7 = sources_read(7)
+    assert len(set(at_7)) == 2 and at_7 == sources_read(7)
+    assert sources_read(8) != at_7
+
+
 def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer):
     """A large source at 0.9 and a 3-document one at 0.1: the small one is read pass after
     pass, the large one once through with nothing left out, and the tokens each source
@@ -514,12 +530,12 @@ def test_the_order_locates_tokens_and_counts_skipped_documents_inside_units():
     assert skipped == [0, 0, 1, 2, 2, 3]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, workers):
+@pytest.mark.parametrize("workers,delta", [(0, 1), (0, -1), (2, 1)])
+def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, workers, delta):
     """A document whose token count is not the index's (the data or tokenizer changed
-    behind the cache) is a DataError naming the cache, not a silently shifted order; from
-    a loader worker too, as one line (not the worker's traceback). A damaged cache file
-    is measured again."""
+    behind the cache), whether the entry is one token too long or one too short, is a
+    DataError naming the cache, not a silently shifted order; from a loader worker too,
+    as one line (not the worker's traceback). A damaged cache file is measured again."""
     from torchtitan.data import index as length_index
 
     (tmp_path / "d.jsonl").write_text("".join(
@@ -532,7 +548,7 @@ def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, wo
     (path,) = cache.glob("*.npz")
     with np.load(path) as z:
         lengths = z["lengths"].copy()
-    lengths[0] += 1
+    lengths[0] += delta
     np.savez(path, lengths=lengths)
     stale = build_dataloader(c, tokenizer, 0, 1)
     with pytest.raises(DataError, match="length index") as raised:

@@ -179,6 +179,22 @@ def test_a_batch_size_schedule_sets_each_steps_batch_and_a_bad_one_is_one_line(t
     )
 
 
+def test_a_data_restart_under_a_schedule_takes_each_steps_batch(tmp_path):
+    """Resumed at step 2 with ``--checkpoint.exclude_from_loading dataloader`` (the data
+    starts over, so the loader's own step is not restored) under the schedule 0:4,2:8:
+    train.py hands the loader the resumed step, and steps 3-4 take 8 sequences each, as
+    ``tokens_seen`` counts (step 0's batch would count 4)."""
+    args = ["--training.steps", 4, "--metrics.log_freq", 1, "--training.batch_size_schedule",
+            "0:4,2:8", "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]  # fmt: skip
+    train_here(tmp_path / "run", *args, "--training.stop_at_step", 2)
+    _, log = train_here(tmp_path / "run", *args, "--checkpoint.exclude_from_loading",
+                        "dataloader")  # fmt: skip
+    (loaded,) = [line for line in log.splitlines() if "loaded checkpoint" in line]
+    assert "dataloader" not in loaded
+    seen = [r["tokens_seen"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert seen == [4 * 128, 8 * 128, 16 * 128, 24 * 128]
+
+
 # ---- activation checkpointing and mixed precision --------------------------------------
 
 

@@ -54,6 +54,27 @@ def steps_of(items: list, per_step: int, steps: range, first_step: int = 1) -> l
     return [x for s in steps for x in items[(s - first_step) * per_step : (s - first_step + 1) * per_step]]  # fmt: skip
 
 
+# ---- the loss over ranks ----------------------------------------------------------------
+
+
+def test_masked_boundaries_on_4_ranks_give_the_one_rank_gradient(layouts):
+    """Under mask_document_boundaries, ranks holding different numbers of labels that
+    count (FSDP 4) apply the gradient of the mean over every counted label of the global
+    batch: the one-rank gradient, to float rounding (the reduction sums in another
+    order). Negative control: each rank normalizing by its own count (times the ranks)
+    gives another gradient."""
+    saved = torch.load(layouts.out / "masked.pt")
+    assert len(set(saved["counted"])) == 4, saved["counted"]
+    reference = saved["one_rank"]
+    assert saved["fsdp"].keys() == reference.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(saved["fsdp"][name], grad, rtol=1e-4, atol=1e-7)
+    assert any(
+        not torch.allclose(saved["own_counts"][n], g, rtol=1e-3, atol=1e-7)
+        for n, g in reference.items()
+    )
+
+
 # ---- initialization ---------------------------------------------------------------------
 
 

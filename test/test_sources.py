@@ -354,6 +354,31 @@ def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_p
     assert any(changed in d for d in diffs), diffs
 
 
+def test_a_file_edited_in_place_is_refused_on_resume(tmp_path, small_corpus):
+    """Through train.py's plan, whose ranks sign their shares of the files: a corpus file
+    edited in place between a save and a resume (its size unchanged, so only its bytes'
+    CRC tells) stops the resume with one line naming the file and the way on;
+    ``--checkpoint.accept_data_change`` resumes on the edited data. Negative control:
+    the unedited corpus resumes."""
+    corpus = shutil.copytree(small_corpus, tmp_path / "corpus")
+    dump = tmp_path / "run"
+    args = ["--training.dataset_path", corpus, "--checkpoint.enable_checkpoint",
+            "--training.seq_len", 32, "--training.batch_size", 2]  # fmt: skip
+    train_here(dump, *args, "--training.steps", 3, "--training.stop_at_step", 2)
+    shutil.copytree(dump, tmp_path / "unedited")
+    train_here(tmp_path / "unedited", *args, "--training.steps", 3)
+
+    edited = corpus / "part-001.jsonl"
+    text = edited.read_text()
+    assert " the " in text
+    edited.write_text(text.replace(" the ", " thy ", 1))  # same size, other bytes
+    status, log = train_here(dump, *args, "--training.steps", 3, expect_ok=False)
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1, log[-2000:]
+    assert "file part-001.jsonl changed" in errors[0] and "accept_data_change" in errors[0]
+    train_here(dump, *args, "--training.steps", 3, "--checkpoint.accept_data_change")
+
+
 # ---- plain folders with another tool's files ---------------------------------------------
 
 STRAYS = {  # what other tools leave in a data folder, under the names the kinds look for

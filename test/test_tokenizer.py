@@ -12,7 +12,7 @@ import datasets
 import pytest
 import tokenizers
 import torch
-from conftest import bundled_documents, losses, train_here, write_jsonl
+from conftest import CONFIG, bundled_documents, losses, train_here, write_jsonl
 from test_data import test_restore_at_every_step as restore_at_every_step
 from test_data import (
     test_workers_give_the_batches_of_the_main_process as workers_give_the_main_batches,
@@ -20,6 +20,7 @@ from test_data import (
 
 from torchtitan.checkpoint import read_manifest
 from torchtitan.config import parse_args
+from torchtitan.data import local_plan
 from torchtitan.data.packing import LONG_DOCUMENT_CHARS, encode_document
 from torchtitan.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
@@ -325,6 +326,29 @@ def six_documents(tmp_path_factory) -> Path:
     steps of 6 x 32 tokens, which tiny_corpus (1,367 tokens in this vocabulary) misses."""
     folder = tmp_path_factory.mktemp("six") / "shakespeare"
     return write_jsonl(folder, bundled_documents("shakespeare", 6, 300))
+
+
+def test_one_corpus_measured_with_two_tokenizers_keeps_two_indexes(
+    six_documents, tokenizer, hf_tokenizer, tmp_path
+):
+    """The length index's cache key holds the tokenizer: one corpus measured with two
+    tokenizers into one cache folder gives two index files, and each later start finds
+    the counts of its own tokenizer (a reused one would hold the other's)."""
+    import datasets
+
+    training = parse_args([*CONFIG, "--training.dataset_path", str(six_documents),
+                           "--training.length_index_dir", str(tmp_path / "cache")]).training  # fmt: skip
+    files = sorted(str(p) for p in six_documents.glob("*.jsonl"))
+    texts = datasets.load_dataset("json", data_files=files, split="train")["text"]
+    for tok in (tokenizer, hf_tokenizer):
+        local_plan(training, tok)
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+    counts = {}
+    for tok in (tokenizer, hf_tokenizer):
+        (index,) = local_plan(training, tok).indexes  # from the cache now
+        counts[tok.sha256()] = index.lengths.tolist()
+        assert counts[tok.sha256()] == [len(tok.encode(t, bos=True, eos=True)) for t in texts]
+    assert len(set(map(tuple, counts.values()))) == 2
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])

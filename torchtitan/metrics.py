@@ -161,6 +161,12 @@ class MetricLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+            import wandb
+
+            # Its service process would otherwise outlive training until the interpreter
+            # exits (train.main run in-process: a notebook, the tests); a later run
+            # starts a new one.
+            wandb.teardown()
 
 
 def _start_wandb(cfg):

@@ -18,6 +18,10 @@ is written under OUT; test_parallel.py asserts on it:
   checkpoint; then ``dropout/`` goes on at FSDP 4 (step 4) and on 1 DP x 2 TP (5-6,
   ranks 2-3 of a 2-rank world), where the TP group must get one dropout stream from
   two ranks that had their own.
+- ``masked.pt`` (rank 0): one ``TrainStep`` under ``mask_document_boundaries`` on FSDP 4,
+  each rank's batch holding another number of labels that count: the gradient it
+  applies (read just before the update), the whole global batch's on one rank, and, as
+  a negative control, FSDP 4's with each rank normalizing by its own count.
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
   rank's input tokens and of each block's residual-dropout mask; ``sp_masks``: the
   same masks under sequence parallel (one forward); ``initial_loads``: whether the
@@ -45,6 +49,7 @@ from torchtitan.hf import export, read_dcp_model
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.models import build_model
 from torchtitan.runs import free_port
+from torchtitan.step import BatchLoss, TrainStep
 
 CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 RECORDS: dict[str, list] = {}  # scenario -> [[what, digest], ...] in call order
@@ -179,6 +184,57 @@ def initial_loads(out: str, step: str, dims):
         RECORDS.setdefault("initial_loads", []).append([fmt, same, fresh_same])
 
 
+def masked_batch(rank: int | None) -> dict:
+    """Rank ``rank``'s 2 sequences of a global batch of 8 (all 8 for None), documents of
+    4 + 5 x rank tokens: each rank holds another number of labels that count."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 4096, (8, 33), generator=g)
+    docs = torch.stack([torch.arange(33) // (4 + 5 * (row // 2)) for row in range(8)])
+    rows = slice(None) if rank is None else slice(2 * rank, 2 * rank + 2)
+    tokens, docs = tokens[rows], docs[rows]
+    return {"input": tokens[:, :-1], "label": tokens[:, 1:], "document_ids": docs[:, :-1],
+            "label_document_ids": docs[:, 1:]}  # fmt: skip
+
+
+def masked_gradient(cfg, model, dims, batch: dict) -> tuple[dict, int]:
+    """The gradient one TrainStep applies for ``batch`` (full tensors), and the batch's
+    labels that count."""
+    seen = {}
+
+    def capture():
+        seen.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters()})  # fmt: skip
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loss = BatchLoss(cfg, model, dims)
+    TrainStep(cfg, model, optimizer, scheduler, loss, capture)([batch])
+    return seen, loss.counted(batch)
+
+
+def masked_gradients(out: str, dims):
+    """FSDP 4 against one rank under mask_document_boundaries (see ``masked.pt``)."""
+    argv = ["--training.mask_document_boundaries", "--training.max_norm", 1e9]
+    model, cfg, layout = parallel_model(dims, *argv)
+    fsdp, counted = masked_gradient(cfg, model, layout, masked_batch(dims.rank))
+    counts = parallel.all_gather_objects(dims, counted)
+    sum_over_ranks = parallel.sum_over_ranks
+    try:
+        parallel.sum_over_ranks = lambda value: value * dims.world_size  # each rank its own
+        model, cfg, layout = parallel_model(dims, *argv)
+        own = masked_gradient(cfg, model, layout, masked_batch(dims.rank))[0]
+        # One rank (each computes it: no collective), the whole global batch.
+        parallel.sum_over_ranks = lambda value: value
+        one = parallel.ParallelDims(0, 1, 0, dims.device, dims.backend)
+        plain = build_model("debugmodel", 4096, device=dims.device, seed=42)
+        reference = masked_gradient(cfg, plain, one, masked_batch(None))[0]
+    finally:
+        parallel.sum_over_ranks = sum_over_ranks
+    if dims.is_main:
+        torch.save({"fsdp": fsdp, "one_rank": reference, "own_counts": own, "counted": counts},
+                   os.path.join(out, "masked.pt"))  # fmt: skip
+
+
 def split_world(dims):
     """Two 2-rank worlds, ranks 0-1 and 2-3, each a job of its own (its own store)."""
     port = free_port() if dims.rank in (0, 2) else None
@@ -208,6 +264,7 @@ def main():
     rank = dims.rank
     sharded_init(out, dims)
     sequence_parallel_masks(dims)
+    masked_gradients(out, dims)
 
     data = ["--training.dataset_path", corpus,
             "--training.seq_len", 32, "--training.batch_size", 3,

@@ -1,0 +1,61 @@
+"""The suite's own guards (conftest.py): a hang is one failure naming its test, a launch
+may outlast the unit limit while its process runs, and a process left alive fails the
+test that left it. Checked on a planted session: pytest run on planted tests, with this
+suite's conftest as its plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+from torchtitan.runs import run_env
+
+PLANTED = """
+import subprocess, sys, time
+import pytest
+
+@pytest.mark.time_limit(1)
+def test_endless():
+    while True:
+        pass
+
+@pytest.mark.time_limit(0.5)
+def test_launch_outlasting_the_limit():
+    assert subprocess.run([sys.executable, "-c", "import time; time.sleep(2)"]).returncode == 0
+
+def test_leaves_a_process():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+def test_after_them():
+    pass
+"""
+
+
+def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_it(tmp_path):
+    """An endless loop fails its own test at its limit and the session goes on; a test
+    whose launched process runs past the unit limit passes; a test that leaves a
+    process alive errors at teardown, naming it, and the process is killed. Negative
+    controls: the planted passing tests pass."""
+    (tmp_path / "test_planted.py").write_text(PLANTED)
+    env = {**run_env(), "PYTHONPATH": f"{REPO}:{REPO / 'test'}",
+           "TORCHTITAN_TEST_LEFTOVER_GRACE_S": "0.5"}  # fmt: skip
+    begin = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
+         "-rA", str(tmp_path / "test_planted.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - begin
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    assert "FAILED test_planted.py::test_endless" in out and "over its limit of 1 s" in out
+    assert "PASSED test_planted.py::test_launch_outlasting_the_limit" in out
+    assert "ERROR test_planted.py::test_leaves_a_process" in out
+    assert "test_planted.py::test_leaves_a_process left 1 process(es) alive" in out
+    assert "PASSED test_planted.py::test_after_them" in out
+    assert took < 60, took
+    left = subprocess.run(["pgrep", "-f", "import time; time.sleep(120)"], capture_output=True)
+    assert left.returncode == 1, "the leftover process was not killed"
