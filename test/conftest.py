@@ -70,11 +70,12 @@ def _carries_token(environ: bytes) -> bool:
     return False
 
 
-def session_processes() -> list[tuple[int, str]]:
+def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
     """(pid, command line) of every live process this session started, however deep
     or re-parented: this process's children, and those whose environment carries this
-    session's token. Linux (/proc); elsewhere none are found. Cost: two small reads per
-    process of this user."""
+    session's token (with ``launched_only``, only those: processes started with their
+    own command, not forked from this one). Linux (/proc); elsewhere none are found.
+    Cost: two small reads per process of this user."""
     found = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not name.isdigit() or int(name) == os.getpid():
@@ -86,7 +87,7 @@ def session_processes() -> list[tuple[int, str]]:
                 continue  # exited, waiting to be reaped: holds nothing
             # A process forked from this one (a loader worker) shows the environment this
             # one was started with, without the token: it is found as a child.
-            if int(ppid) != os.getpid():
+            if launched_only or int(ppid) != os.getpid():
                 with open(f"/proc/{name}/environ", "rb") as f:
                     if not _carries_token(f.read()):
                         continue
@@ -110,17 +111,18 @@ def _limit_of(item) -> float:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Arm the test's time limit (SIGALRM: the main thread is interrupted wherever it
-    is, so an endless Python loop fails its test), and after it check for processes
-    left behind."""
+    """Arm the test's time limit around its setup, call and teardown (SIGALRM: the main
+    thread is interrupted wherever it is, so an endless Python loop fails its test)."""
     if not hasattr(signal, "setitimer"):
         return (yield)
     limit, begin = _limit_of(item), time.monotonic()
 
     def on_alarm(signum, frame):
         elapsed = time.monotonic() - begin
-        if elapsed < LAUNCH_LIMIT_S and session_processes():
-            signal.setitimer(signal.ITIMER_REAL, 5.0)  # a launch runs: look again soon
+        # A launched job (not a loader worker forked from here: that is this test's own
+        # work) runs: look again soon.
+        if elapsed < LAUNCH_LIMIT_S and session_processes(launched_only=True):
+            signal.setitimer(signal.ITIMER_REAL, 5.0)
             return
         signal.setitimer(signal.ITIMER_REAL, 5.0)  # again, should this one be swallowed
         raise TimeLimitExceeded(

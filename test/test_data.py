@@ -448,6 +448,58 @@ def test_workers_give_the_batches_of_the_main_process(
             assert x["loss_weight"] == y["loss_weight"]
 
 
+@pytest.mark.time_limit(20)  # the bug it guards against hangs the close
+def test_closing_a_loader_kills_a_worker_that_does_not_stop(tiny_corpus, tokenizer, monkeypatch):
+    """A worker that does not stop when its loader closes (busy in an endless loop, its
+    iterator held by a thread still waiting in it, as a failed test's traceback holds
+    one) is killed: it ignores SIGTERM, so multiprocessing's stop at exit (SIGTERM, then
+    a join without a timeout) would wait for it forever, and pytest hung at exit.
+    Negative control: without the kill, the workers are alive after the close."""
+    import contextlib
+    import multiprocessing
+    import os
+    import threading
+
+    import torchtitan.data.loader as loader_module
+    from torchtitan.data.dataset import DocumentReader
+
+    main, read = os.getpid(), DocumentReader.document
+
+    def endless(self, *args):
+        while os.getpid() != main:  # in the workers only
+            pass
+        return read(self, *args)
+
+    def wait_in(loader):
+        with contextlib.suppress(Exception):  # the workers it waits on are killed
+            next(loader)
+
+    def busy_workers() -> tuple:
+        before = set(multiprocessing.active_children())
+        loader = build_dataloader(cfg(tiny_corpus, num_workers=2), tokenizer, 0, 1)
+        waiting = threading.Thread(target=wait_in, args=(loader,), daemon=True)
+        waiting.start()
+        while len(workers := [p for p in multiprocessing.active_children() if p not in before]) < 2:
+            assert waiting.is_alive()
+            waiting.join(0.05)
+        return loader, workers, waiting
+
+    monkeypatch.setattr(DocumentReader, "document", endless)
+    monkeypatch.setattr(loader_module, "WORKER_STOP_S", 0.5)
+    loader, workers, waiting = busy_workers()
+    loader.close()
+    assert not [p.pid for p in workers if p.is_alive()]
+
+    monkeypatch.setattr(loader_module.ParallelDataLoader, "_end_workers", lambda self: None)
+    loader, workers, waiting = busy_workers()
+    loader.close()
+    alive = [p for p in workers if p.is_alive()]
+    for p in workers:
+        p.kill()
+        p.join()
+    assert len(alive) == 2
+
+
 def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     """Workers ignore SIGTERM (a scheduler's is for the rank to handle), and at exit
     multiprocessing stops daemon children with SIGTERM and joins them: a loader still

@@ -1,7 +1,8 @@
 """The suite's own guards (conftest.py): a hang is one failure naming its test, a launch
 may outlast the unit limit while its process runs, and a process left alive fails the
 test that left it. Checked on a planted session: pytest run on planted tests, with this
-suite's conftest as its plugin."""
+suite's conftest as its plugin. In the slow tier: the guards act on every test of the
+fast one, and a second pytest session costs what a torchrun launch does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO
 
 from torchtitan.runs import run_env
@@ -34,6 +36,7 @@ def test_after_them():
 """
 
 
+@pytest.mark.slow
 def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_it(tmp_path):
     """An endless loop fails its own test at its limit and the session goes on; a test
     whose launched process runs past the unit limit passes; a test that leaves a
