@@ -65,7 +65,8 @@ def test_masked_boundaries_on_4_ranks_give_the_one_rank_gradient(layouts):
     gives another gradient."""
     saved = torch.load(layouts.out / "masked.pt")
     assert len(set(saved["counted"])) == 4, saved["counted"]
-    reference = saved["one_rank"]
+    # Rank 0's shard: the first rows of each parameter (FSDP2 splits dim 0 in chunks).
+    reference = {n: g[: len(saved["fsdp"][n])] for n, g in saved["one_rank"].items()}
     assert saved["fsdp"].keys() == reference.keys()
     for name, grad in reference.items():
         torch.testing.assert_close(saved["fsdp"][name], grad, rtol=1e-4, atol=1e-7)

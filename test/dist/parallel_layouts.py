@@ -19,9 +19,9 @@ is written under OUT; test_parallel.py asserts on it:
   ranks 2-3 of a 2-rank world), where the TP group must get one dropout stream from
   two ranks that had their own.
 - ``masked.pt`` (rank 0): one ``TrainStep`` under ``mask_document_boundaries`` on FSDP 4,
-  each rank's batch holding another number of labels that count: the gradient it
-  applies (read just before the update), the whole global batch's on one rank, and, as
-  a negative control, FSDP 4's with each rank normalizing by its own count.
+  each rank's batch holding another number of labels that count: rank 0's shard of the
+  gradient it applies (read just before the update), the whole global batch's on one
+  rank, and, as a negative control, FSDP 4's with each rank normalizing by its own count.
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
   rank's input tokens and of each block's residual-dropout mask; ``sp_masks``: the
   same masks under sequence parallel (one forward); ``initial_loads``: whether the
@@ -197,12 +197,13 @@ def masked_batch(rank: int | None) -> dict:
 
 
 def masked_gradient(cfg, model, dims, batch: dict) -> tuple[dict, int]:
-    """The gradient one TrainStep applies for ``batch`` (full tensors), and the batch's
-    labels that count."""
+    """The gradient one TrainStep applies for ``batch`` (this rank's shard of it under
+    FSDP: rows ``[0, n)`` of each parameter on rank 0), and the batch's labels that
+    count. The learning rate is 0: the model is unchanged for the next call."""
     seen = {}
 
     def capture():
-        seen.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        seen.update({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                      for n, p in model.named_parameters()})  # fmt: skip
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -214,14 +215,13 @@ def masked_gradient(cfg, model, dims, batch: dict) -> tuple[dict, int]:
 
 def masked_gradients(out: str, dims):
     """FSDP 4 against one rank under mask_document_boundaries (see ``masked.pt``)."""
-    argv = ["--training.mask_document_boundaries", "--training.max_norm", 1e9]
-    model, cfg, layout = parallel_model(dims, *argv)
+    model, cfg, layout = parallel_model(dims, "--training.mask_document_boundaries",
+                                        "--training.max_norm", 1e9)  # fmt: skip
     fsdp, counted = masked_gradient(cfg, model, layout, masked_batch(dims.rank))
     counts = parallel.all_gather_objects(dims, counted)
     sum_over_ranks = parallel.sum_over_ranks
     try:
         parallel.sum_over_ranks = lambda value: value * dims.world_size  # each rank its own
-        model, cfg, layout = parallel_model(dims, *argv)
         own = masked_gradient(cfg, model, layout, masked_batch(dims.rank))[0]
         # One rank (each computes it: no collective), the whole global batch.
         parallel.sum_over_ranks = lambda value: value
