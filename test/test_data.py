@@ -500,6 +500,9 @@ def test_closing_a_loader_kills_a_worker_that_does_not_stop(tiny_corpus, tokeniz
     assert len(alive) == 2
 
 
+# Slow tier: two interpreter launches and a wait for a hang (12 s); the kill at close
+# is checked in-process above.
+@pytest.mark.slow
 def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     """Workers ignore SIGTERM (a scheduler's is for the rank to handle), and at exit
     multiprocessing stops daemon children with SIGTERM and joins them: a loader still

@@ -292,6 +292,9 @@ def test_two_fsdp_ranks_start_from_a_hf_folder_read_by_rank_0(exported, tmp_path
     assert first_losses(tmp_path / "two")[0] == pytest.approx(first_losses(tmp_path / "one")[0])
 
 
+# Slow tier, beside the 2-rank start from an HF folder: a 2-rank launch whose rank 0
+# sleeps 5 s (13 s).
+@pytest.mark.slow
 def test_the_wait_for_rank_0_is_sized_from_the_folder_and_says_when_storage_is_slow(
     exported, tmp_path
 ):
