@@ -98,8 +98,8 @@ def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
     return found
 
 
-class TimeLimitExceeded(Exception):
-    pass
+class TimeLimitExceeded(BaseException):
+    """A BaseException: a test's own ``except Exception`` (train.main's) cannot swallow it."""
 
 
 def _limit_of(item) -> float:
@@ -124,7 +124,8 @@ def pytest_runtest_protocol(item, nextitem):
         if elapsed < LAUNCH_LIMIT_S and session_processes(launched_only=True):
             signal.setitimer(signal.ITIMER_REAL, 5.0)
             return
-        signal.setitimer(signal.ITIMER_REAL, 5.0)  # again, should this one be swallowed
+        # Once: a second alarm could land in the teardown (before it kills what the test
+        # left) or in pytest's own hooks.
         raise TimeLimitExceeded(
             f"{item.nodeid} ran {elapsed:.0f} s, over its limit of {limit:.0f} s "
             f"(conftest.UNIT_LIMIT_S, or its time_limit mark)"

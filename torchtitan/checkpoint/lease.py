@@ -158,9 +158,12 @@ class Lease:
             return False
         os.close(fd)
         try:
-            now, _ = self._read()
+            now, age = self._read()
             if now is None or now.get("token") != holder.get("token"):
                 return False  # released or taken meanwhile: start over
+            if self._gone(now, age) is None:
+                return False  # its holder renewed it meanwhile: it is live
+
             tmp = f"{self.path}.{self.token}"
             with open(tmp, "w") as f:
                 json.dump(self._record(), f)
@@ -176,8 +179,17 @@ class Lease:
         return True
 
     def _beat(self):
+        renewed = time.monotonic()
         while not self._stop.wait(self.heartbeat_s):
-            holder, _ = self._read()
+            try:
+                holder, _ = self._read()
+            except OSError as e:  # a network filesystem's hiccup (ESTALE, EIO): try again
+                if time.monotonic() - renewed > self.timeout_s:
+                    self.lost = {}
+                    logger.error("the lease on %s could not be renewed for %gs (%s): this "
+                                 "job stops at its next save", self.folder, self.timeout_s, e)  # fmt: skip
+                    return
+                continue
             if holder == {}:  # being written this instant (a takeover): look next beat
                 continue
             if holder is None or holder.get("token") != self.token:
@@ -190,6 +202,7 @@ class Lease:
                 return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+                renewed = time.monotonic()
 
     def check(self):
         """Raise if the lease was lost (taken over after a stall longer than the timeout)."""

@@ -167,6 +167,15 @@ class Saver:
             self._staging.result()
             self._staging = None
 
+    def after_write(self, callback):
+        """Call ``callback()`` once a pending async save is written and finalized (or has
+        failed), from its thread; now if none is pending."""
+        pending = self._pending
+        if pending is None:
+            callback()
+        else:
+            pending.add_done_callback(lambda _: callback())  # runs now if already done
+
     def wait(self):
         """Block until a pending async save is written and finalized (or raise its error)."""
         self.wait_for_staging()

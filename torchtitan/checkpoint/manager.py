@@ -106,7 +106,13 @@ class CheckpointManager:
                 self.lease.acquire()
             except CheckpointError as e:
                 problem = str(e)
-        problem = parallel.broadcast_from_main(self.dims, problem)
+            except OSError as e:
+                problem = f"cannot take the lease on checkpoint folder {self.folder}: {e}"
+        try:
+            problem = parallel.broadcast_from_main(self.dims, problem)
+        except BaseException:
+            self.lease.release()  # no manager is returned to release it later
+            raise
         if problem:
             raise CheckpointError(problem)
 
@@ -159,8 +165,10 @@ class CheckpointManager:
             self.lease.release()
 
     def release_lease(self):
-        """Release the folder's lease without waiting for a save (a job that failed)."""
-        self.lease.release()
+        """Release the folder's lease without waiting for a save (a job that failed): now,
+        or, while an async save is still being written, when it ends, so that the next
+        job never tidies ``.partial`` folders under a write in flight."""
+        self.saver.after_write(self.lease.release)
 
     # ---- loading --------------------------------------------------------------------
     def load(self) -> int:

@@ -219,23 +219,27 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 WORKER_STOP_S = 5.0  # how long a closing loader waits for its workers before killing them
 
 
-def _leave_stop_signals_to_the_rank(rank_pid: int, worker_id: int):
+def _leave_stop_signals_to_the_rank(rank_pid: int, stop_fd: int, worker_id: int):
     """A worker's start (it runs in the worker): stop signals are the rank's to act on,
-    and the worker ends the moment its rank does (``_exit_with``)."""
+    and the worker ends the moment its rank does, or its loader tells it to through
+    ``stop_fd`` (``_exit_with``)."""
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    _exit_with(rank_pid)
+    _exit_with(rank_pid, stop_fd)
 
 
-def _exit_with(rank_pid: int):
-    """End this worker as soon as process ``rank_pid`` is gone, however it died.
+def _exit_with(rank_pid: int, stop_fd: int):
+    """End this worker as soon as process ``rank_pid`` is gone, however it died, or as
+    soon as ``stop_fd`` (the read end of its loader's pipe) is readable.
 
     Ignoring the stop signals, an orphaned worker would otherwise live on for good
     (torch's own check runs only while it waits for work, and its exit then waits on a
     pipe nobody reads), holding the rank's memory and the sockets it inherited at fork:
     the other ranks' collectives would not see the rank go. A daemon thread waits on a
     pidfd of the rank (readable when it exits; Linux 5.3+), else polls the parent pid
-    twice a second. Cost: one idle thread per worker; no work per batch.
+    twice a second. It exits with status 0: torch's SIGCHLD handler in the rank raises
+    for a worker killed by a signal, not for one that exited. Cost: one idle thread per
+    worker; no work per batch.
     """
     try:
         pidfd = os.pidfd_open(rank_pid)
@@ -245,16 +249,19 @@ def _exit_with(rank_pid: int):
         pidfd = None
     if os.getppid() != rank_pid:  # the rank died before the pidfd was opened
         os._exit(0)
-    threading.Thread(target=_wait_for_exit, args=(rank_pid, pidfd), daemon=True,
+    threading.Thread(target=_wait_for_exit, args=(rank_pid, pidfd, stop_fd), daemon=True,
                      name="exit-with-rank").start()  # fmt: skip
 
 
-def _wait_for_exit(rank_pid: int, pidfd: int | None):
+def _wait_for_exit(rank_pid: int, pidfd: int | None, stop_fd: int):
+    waiter = select.poll()  # not select(): the fds may be above 1023
+    waiter.register(stop_fd, select.POLLIN)
     if pidfd is not None:
-        select.select([pidfd], [], [])
+        waiter.register(pidfd, select.POLLIN)
+        waiter.poll()
     else:
-        while os.getppid() == rank_pid:
-            time.sleep(0.5)
+        while os.getppid() == rank_pid and not waiter.poll(500):
+            pass
     os._exit(0)  # not sys.exit: nothing of an orphan's exit may wait on the rank
 
 
@@ -297,6 +304,7 @@ class ParallelDataLoader(Stateful):
         self._loader: DataLoader | None = None
         self._iter = None
         self._workers: list = []  # this loader's worker processes (multiprocessing's)
+        self._stop_pipe: tuple[int, int] | None = None  # written to end stuck workers
         self._held: list[list[dict]] = []
         self._slot = 0
         self._m = 0
@@ -312,6 +320,7 @@ class ParallelDataLoader(Stateful):
             # The loader's own generator: the iterator draws a base seed when it starts,
             # and from the global RNG that draw would shift dropout masks after a resume.
             generator = torch.Generator().manual_seed(self.stream.seed + self.dp_rank)
+            self._stop_pipe = os.pipe()
             self._loader = DataLoader(
                 WorkerBatches(self, self.step, self.position.copy()),
                 batch_size=None,
@@ -319,7 +328,9 @@ class ParallelDataLoader(Stateful):
                 collate_fn=_as_is,
                 prefetch_factor=2,  # runs of at least MIN_GROUP micro-batches each
                 persistent_workers=True,
-                worker_init_fn=functools.partial(_leave_stop_signals_to_the_rank, os.getpid()),
+                worker_init_fn=functools.partial(
+                    _leave_stop_signals_to_the_rank, os.getpid(), self._stop_pipe[0]
+                ),
                 generator=generator,
             )
             before = set(multiprocessing.active_children())
@@ -335,18 +346,27 @@ class ParallelDataLoader(Stateful):
 
     def _end_workers(self):
         """Make sure this loader's workers are gone. The iterator asks them to stop and
-        joins them; one still alive after ``WORKER_STOP_S`` (busy in an endless loop, or
-        its iterator kept alive by a traceback) is killed: it ignores SIGTERM, so
-        multiprocessing's own stop at exit (SIGTERM, then a join without a timeout) would
-        wait for it forever."""
+        joins them; those still alive after ``WORKER_STOP_S`` (busy in an endless loop, or
+        their iterator kept alive by a traceback) are told to exit through the stop pipe,
+        and killed if even that fails: they ignore SIGTERM, so multiprocessing's own stop
+        at exit (SIGTERM, then a join without a timeout) would wait for them forever."""
         workers, self._workers = self._workers, []
+        pipe, self._stop_pipe = self._stop_pipe, None
         deadline = time.monotonic() + WORKER_STOP_S
         for worker in workers:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
-                logger.warning("loader worker %d did not stop: killed", worker.pid)
+        stuck = [w for w in workers if w.is_alive()]
+        if stuck:
+            logger.warning("loader workers %s did not stop: ending them",
+                           [w.pid for w in stuck])  # fmt: skip
+            os.write(pipe[1], b"x")  # each one's exit-with-rank thread reads it: status 0
+        for worker in stuck:
+            worker.join(timeout=5.0)  # its thread takes the GIL from a busy main thread
+            if worker.is_alive():  # it never did (stuck in C code): the last resort
                 worker.kill()
                 worker.join()
+        for fd in pipe or ():
+            os.close(fd)
 
     def close(self):
         """Stop the workers (if any run); a later batch starts them again."""
