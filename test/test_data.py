@@ -476,13 +476,15 @@ def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenize
             next(loader)
 
     def busy_workers() -> tuple:
-        before = set(multiprocessing.active_children())
         loader = build_dataloader(cfg(tiny_corpus, num_workers=2), tokenizer, 0, 1)
         waiting = threading.Thread(target=wait_in, args=(loader,), daemon=True)
         waiting.start()
-        while len(workers := [p for p in multiprocessing.active_children() if p not in before]) < 2:
+        # The loader's own record of its workers, set by the waiting thread once they
+        # run: a close before that (seeing the processes alone) would have none to end.
+        while len(workers := list(loader._workers)) < 2:
             assert waiting.is_alive()
             waiting.join(0.05)
+        assert all(p in multiprocessing.active_children() for p in workers)
         return loader, workers, waiting
 
     monkeypatch.setattr(DocumentReader, "document", endless)
