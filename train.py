@@ -11,17 +11,19 @@ import os
 import random
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, attention_backend, load_config_or_exit
 from torchtitan.data import (
     DataError,
     DataPlan,
+    ParallelDataLoader,
     build_dataloader,
     combine,
     inspect_share,
@@ -152,16 +154,9 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
         device=dims.device,
         seed=cfg.training.seed,
     )
-    manager = CheckpointManager(
-        cfg,
-        dims,
-        model=model,
-        optimizer=build_optimizer(model, cfg),
-        lr_scheduler=None,
-        dataloader=None,
-        train_state=TrainState(),
-        fingerprint={},
-    )
+    components = training_components(cfg, dims, model=model, optimizer=build_optimizer(model, cfg),
+                                     train_state=TrainState(), fingerprint={})  # fmt: skip
+    manager = CheckpointManager(cfg, dims, components, fingerprint={})
     try:
         manager.save(0, model_only=True)
     finally:
@@ -169,14 +164,27 @@ def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer
     logger.info("wrote seed checkpoint %s/step-0", manager.folder)
 
 
-def train(cfg: JobConfig, dims: parallel.ParallelDims):
-    t = cfg.training
-    dims = parallel.apply_layout(dims, cfg)
-    seed_everything(t.seed, t.deterministic)
-    tokenizer = build_tokenizer(cfg.model)
-    if cfg.checkpoint.create_seed_checkpoint:
-        return write_seed_checkpoint(cfg, dims, tokenizer)
+@dataclass
+class Run:
+    """The parts of one training run, built once (``build_run``) and driven by ``train_loop``."""
 
+    cfg: JobConfig
+    dims: parallel.ParallelDims
+    tokenizer: Tokenizer
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataloader: ParallelDataLoader
+    train_state: TrainState
+    checkpoint: CheckpointManager
+
+    @property
+    def last_step(self) -> int:
+        t = self.cfg.training
+        return t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
+
+
+def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer) -> Run:
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
@@ -186,61 +194,78 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
     train_state = TrainState()
     # Dropout streams differ between data-parallel ranks and are shared by TP peers, which
     # hold the same activations (tensor_parallel.py); the checkpoint restores them.
-    torch.manual_seed(t.seed + dims.dp_rank)
-    checkpoint = CheckpointManager(
-        cfg,
-        dims,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        dataloader=dataloader,
-        train_state=train_state,
-        fingerprint=plan.fingerprint,
-    )
+    torch.manual_seed(cfg.training.seed + dims.dp_rank)
+    components = training_components(
+        cfg, dims, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        dataloader=dataloader, train_state=train_state, fingerprint=plan.fingerprint,
+    )  # fmt: skip
+    checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
+    return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
+               checkpoint)  # fmt: skip
+
+
+def train(cfg: JobConfig, dims: parallel.ParallelDims):
+    dims = parallel.apply_layout(dims, cfg)
+    seed_everything(cfg.training.seed, cfg.training.deterministic)
+    tokenizer = build_tokenizer(cfg.model)
+    if cfg.checkpoint.create_seed_checkpoint:
+        return write_seed_checkpoint(cfg, dims, tokenizer)
+    run = build_run(cfg, dims, tokenizer)
     try:
         # Handlers go up before the load: a signal from here on stops the job at a step boundary.
-        preemption = Preemption(dims, cfg.checkpoint.save_on_signal if checkpoint.enabled else [])
+        stop = cfg.checkpoint.save_on_signal if run.checkpoint.enabled else []
+        preemption = Preemption(dims, stop)
         try:
-            run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
-                checkpoint, preemption)  # fmt: skip
+            resume(run)
+            train_loop(run, preemption)
         finally:  # handlers go, even when a step fails
             preemption.close()
     finally:  # the folder's lease goes with the job, however it ends (close() released it too)
-        checkpoint.release_lease()
+        run.checkpoint.release_lease()
 
 
-def run(cfg, dims, model, optimizer, scheduler, dataloader, tokenizer, train_state,
-        checkpoint, preemption):  # fmt: skip
-    """Resume, then train to the last step (or the preemption), then close."""
-    train_state.step = checkpoint.load()
-    dataloader.set_step(train_state.step)  # the batch-size schedule is by training step
-    if checkpoint.loaded_from is None:
-        load_initial_weights(cfg, model, dims)
-    batch_loss = BatchLoss(cfg, model, dims)
-    step = TrainStep(cfg, model, optimizer, scheduler, batch_loss, checkpoint.wait_for_staging)
-    validator = Validator(cfg, tokenizer, dims, batch_loss) if cfg.validation.enable else None
-    metrics = StepMetrics(cfg, dims, model, validator, preemption, dataloader, train_state.step)
+def resume(run: Run):
+    """The timeline's checkpoint, loaded into every component, or this run's initial weights."""
+    run.checkpoint.load()  # the train state holds step 0 unless it was loaded
+    run.dataloader.set_step(run.train_state.step)  # the batch-size schedule is by training step
+    if run.checkpoint.loaded_from is None:
+        load_initial_weights(run.cfg, run.model, run.dims)
+
+
+def train_loop(run: Run, preemption: Preemption):
+    """Train to the last step (or the preemption), then close."""
+    cfg, dims, state, last_step = run.cfg, run.dims, run.train_state, run.last_step
+    batch_loss = BatchLoss(cfg, run.model, dims)
+    step = TrainStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
+                     run.checkpoint.wait_for_staging)  # fmt: skip
+    validator = Validator(cfg, run.tokenizer, dims, batch_loss) if cfg.validation.enable else None
+    metrics = StepMetrics(cfg, dims, run.model, preemption, run.dataloader, state.step, last_step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
-    model.train()
-    first_step = train_state.step + 1
+    run.model.train()
+    first_step = state.step + 1
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
-        while train_state.step < metrics.last_step:
-            metrics.start_step()
-            batches, data_wait_s = next_batches(dataloader)
-            train_state.step += 1
-            train_state.tokens_seen += metrics.step_tokens(dataloader)
+        while state.step < last_step:
+            begin = time.perf_counter()
+            batches, data_wait_s = next_batches(run.dataloader)
+            state.step += 1
+            step_tokens = run.dataloader.last_global_batch * cfg.training.seq_len
+            state.tokens_seen += step_tokens
             loss, grad_norm, lr = step(batches)
-            if train_state.step == first_step:  # start-up and the first compile are behind
+            step_s = time.perf_counter() - begin  # throughput excludes validation
+            if state.step == first_step:  # start-up and the first compile are behind
                 parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
-            metrics.end_step(train_state.step, train_state.tokens_seen, batches, data_wait_s,
-                             loss, grad_norm, lr)  # fmt: skip
-            saved = checkpoint.save_if_due(train_state.step, stop_at=cfg.training.stop_at_step)
-            if preemption.stop_after(train_state.step, checkpoint, saved):
+            validation_loss = None
+            if validator is not None and validator.due(state.step, last_step):
+                validation_loss = validator.run(run.model)
+            metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
+                           data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
+            saved = run.checkpoint.save_if_due(state.step, stop_at=cfg.training.stop_at_step)
+            if preemption.stop_after(state.step, run.checkpoint, saved):
                 break
-            profiler.step(train_state.step)
-    checkpoint.close()
+            profiler.step(state.step)
+    run.checkpoint.close()
     metrics.close()
-    logger.info("done: %d steps, %d tokens", train_state.step, train_state.tokens_seen)
+    logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
 
 
 def next_batches(dataloader) -> tuple[list[dict], float]:

@@ -51,6 +51,7 @@ def rank_main(args) -> dict:
 
     from torchtitan import parallel
     from torchtitan.checkpoint import CheckpointManager, TrainState
+    from torchtitan.checkpoint.stateful import training_components
     from torchtitan.config import parse_args
     from torchtitan.models import build_model, count_parameters
     from torchtitan.optim import build_lr_scheduler, build_optimizer
@@ -81,9 +82,10 @@ def rank_main(args) -> dict:
         optimizer = build_optimizer(model, cfg)
         scheduler = build_lr_scheduler(optimizer, cfg)
         state = TrainState()
-        manager = CheckpointManager(cfg, dims, model=model, optimizer=optimizer,
-                                    lr_scheduler=scheduler, dataloader=None, train_state=state,
-                                    fingerprint={})  # fmt: skip
+        components = training_components(cfg, dims, model=model, optimizer=optimizer,
+                                         lr_scheduler=scheduler, train_state=state,
+                                         fingerprint={})  # fmt: skip
+        manager = CheckpointManager(cfg, dims, components, fingerprint={})
         blocked, saves, integrity, fsync, step_s = 0.0, [], [], [], []
         tokens = torch.randint(
             0, vocab, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(0)

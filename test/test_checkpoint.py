@@ -153,16 +153,19 @@ def test_an_async_save_is_durable_without_a_later_save(tmp_path):
     import torch
 
     from torchtitan.checkpoint import CheckpointManager, TrainState
+    from torchtitan.checkpoint.stateful import training_components
     from torchtitan.config import parse_args
     from torchtitan.models import build_model
     from torchtitan.parallel import init_distributed
 
     cfg = parse_args(["--job.dump_folder", str(tmp_path), *CK, "--checkpoint.async_mode", "async"])
     model = build_model("debugmodel", 4096, device="cpu")
-    manager = CheckpointManager(
-        cfg, init_distributed(), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-        lr_scheduler=None, dataloader=None, train_state=TrainState(step=3), fingerprint={},
+    dims = init_distributed()
+    components = training_components(
+        cfg, dims, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        train_state=TrainState(step=3), fingerprint={},
     )  # fmt: skip
+    manager = CheckpointManager(cfg, dims, components, fingerprint={})
     manager.save(3)
     deadline = time.monotonic() + 60
     while complete_steps(str(tmp_path / "checkpoint")) != [3] and time.monotonic() < deadline:

@@ -67,7 +67,8 @@ def _load_dcp(model: torch.nn.Module, path: str, dims):
         )
     state = {"model": get_model_state_dict(model)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    problem = compat.model_mismatch(state["model"], saved)
+    model_entries = {k.split(".", 1)[1]: md for k, md in saved.items() if k.startswith("model.")}
+    problem = compat.model_mismatch(state["model"], model_entries)
     if problem:
         raise CheckpointError(
             f"{what}: {problem}; use the model.flavor and tokenizer of the job that wrote it"

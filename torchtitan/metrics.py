@@ -3,8 +3,8 @@ the data provenance.
 
 Owns: the per-step values (``StepMetrics``: loss over ranks, grad norm, LR,
 throughput, MFU, data wait, memory; from the data position, which every rank shares,
-skipped documents, tokens per source and passes begun; the held-out loss on its
-steps), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
+skipped documents, tokens per source and passes begun; the held-out loss the loop
+measured), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
 events; the first rank of each tensor-parallel group writes the provenance of its
 data-parallel rank (TP peers train on the same data). On resume, lines of steps after
 the resumed step (left by the interrupted run) are dropped, so the files always
@@ -13,7 +13,8 @@ describe the run as it finally counts.
 Cost: on a log step, one small gather to rank 0 (``across_ranks``); nothing on other
 steps but the provenance line.
 
-Never: compute losses, pull batches or decide when to stop.
+Never: compute losses, pull batches, run validation, count the tokens seen or decide
+when to stop (the loop in ``train.py`` does).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import logging
 import os
 import resource
-import time
 
 import torch
 
@@ -240,21 +240,20 @@ class ProvenanceWriter:
 
 
 class StepMetrics:
-    """Times each step and reports it: every ``metrics.log_freq`` steps (and at the first
-    and last, and where a validation runs) the console line, JSONL and TensorBoard;
-    every step, the provenance line."""
+    """Reports each step the loop took: every ``metrics.log_freq`` steps (and at the first
+    and last, and where a validation ran) the console line, JSONL and TensorBoard; every
+    step, the provenance line. The loop owns the step, its bound, the token count and
+    validation; this only reports them."""
 
-    def __init__(self, cfg, dims, model, validator, preemption, loader, start_step: int):
+    def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int):
         t = cfg.training
-        self.dims, self.model, self.validator = dims, model, validator
+        self.dims = dims
         self.preemption = preemption
         self.loader = loader
-        self.last_step = t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
-        self.seq_len = t.seq_len
+        self.last_step = last_step
         schedule = loader.schedule
         global_batch = schedule.global_batch(start_step)
         accumulation = schedule.accumulation(global_batch)
-        self.tokens_per_step = global_batch * t.seq_len
         self.flops_per_token = llama.flops_per_token(
             getattr(model, "module", model).args, t.seq_len
         )
@@ -265,36 +264,26 @@ class StepMetrics:
             folder = os.path.join(cfg.job.dump_folder, "provenance")
             self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main)
         self.epoch_starts: list[list] = []  # [step, source, pass] since the last line
-        self._start = 0.0
         logger.info(
             "training steps %d..%d, %d tokens per step (%d sequences: %d micro-batches of at "
             "most %d x %d per data-parallel rank; %s)%s",
-            start_step + 1, self.last_step, self.tokens_per_step, global_batch, accumulation,
+            start_step + 1, last_step, global_batch * t.seq_len, global_batch, accumulation,
             schedule.largest_micro(global_batch), t.seq_len, parallel.describe_layout(dims),
             f"; global batch by step {t.batch_size_schedule}" if t.batch_size_schedule else "",
         )  # fmt: skip
 
-    def step_tokens(self, loader) -> int:
-        """Tokens of the step just taken over all ranks (the schedule's global batch)."""
-        self.tokens_per_step = loader.last_global_batch * self.seq_len
-        return self.tokens_per_step
-
-    def start_step(self):
-        self._start = time.perf_counter()
-
-    def end_step(self, step: int, tokens_seen: int, batches: list[dict], data_wait_s: float,
-                 loss: torch.Tensor, grad_norm: torch.Tensor, lr: float):  # fmt: skip
-        """Record the step just taken."""
-        step_s = time.perf_counter() - self._start  # throughput excludes validation
+    def report(self, step: int, tokens_seen: int, step_tokens: int, batches: list[dict],
+               step_s: float, data_wait_s: float, loss: torch.Tensor, grad_norm: torch.Tensor,
+               lr: float, validation_loss: float | None = None):  # fmt: skip
+        """The step just taken: ``step_tokens`` over all ranks in ``step_s`` seconds (the
+        validation excluded), ``data_wait_s`` of them waiting for ``batches``."""
         if self.provenance is not None:
             self.provenance.write(step, [s for b in batches for s in b["spans"]])
         self.epoch_starts += [[step, *e] for e in self.loader.take_epoch_starts()]
-        validation = {}
-        if self.validator is not None and self.validator.due(step, self.last_step):
-            validation["validation_loss"] = self.validator.run(self.model)
+        validation = {} if validation_loss is None else {"validation_loss": validation_loss}
         if not validation and not self.logger.should_log(step, self.last_step):
             return
-        per_rank = self.tokens_per_step / self.dims.world_size / step_s
+        per_rank = step_tokens / self.dims.world_size / step_s
         peak, per_token = self.peak, self.flops_per_token
         mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
         ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s)

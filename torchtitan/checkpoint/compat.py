@@ -16,10 +16,11 @@ from __future__ import annotations
 def model_mismatch(model_state: dict, saved: dict) -> str | None:
     """The first model weight whose shape differs from the checkpoint's (or is absent).
 
-    ``model_state``: this run's model state dict; ``saved``: DCP's ``state_dict_metadata``.
+    ``model_state``: this run's model state dict; ``saved``: DCP's metadata of the
+    checkpoint's model entries, keyed as ``model_state`` is.
     """
     for name, value in model_state.items():
-        have = getattr(saved.get(f"model.{name}"), "size", None)
+        have = getattr(saved.get(name), "size", None)
         if have is None or tuple(have) != tuple(value.shape):
             return (
                 f"model weight {name} is {'absent' if have is None else tuple(have)} there, "
@@ -35,7 +36,7 @@ def optimizer_mismatch(optimizer_state: dict, saved: dict, saved_config: dict) -
     are not SGD's ``momentum_buffer``); an optimizer with the same kinds (AdamW after
     Adam) loads, and the config's hyperparameters win.
     """
-    have = {key.rsplit(".", 1)[1] for key in saved if key.startswith("optimizer.state.")}
+    have = {key.rsplit(".", 1)[1] for key in saved if key.startswith("state.")}
     want = {kind for per_param in optimizer_state.get("state", {}).values() for kind in per_param}
     if have == want:
         return None

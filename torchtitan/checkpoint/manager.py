@@ -1,12 +1,11 @@
 """CheckpointManager: save and load the whole training state with torch.distributed.checkpoint.
 
-Owns: when to save, what a checkpoint holds, and loading the timeline's resume point
-into every component. Every component follows torch's ``Stateful`` protocol: ``model``,
-``optimizer``, ``lr_scheduler``, ``dataloader`` (one entry per data-parallel rank,
-written by the first rank of its TP group), ``train_state`` and ``rng`` (the dropout
-stream once per data-parallel rank, Python's and numpy's per rank). It composes the package's parts:
-``lifecycle`` writes and finalizes, ``timeline`` chooses and keeps, ``integrity``
-verifies, ``compat`` refuses a checkpoint that does not fit, ``stateful`` adapts.
+Owns: when to save, the manifest, and loading the timeline's resume point into every
+component. The components come as adapters (``stateful.Adapter``: what each saves,
+which entries it expects from a given checkpoint, how it loads), all handled alike:
+the manager names none of them. It composes the package's parts: ``lifecycle`` writes
+and finalizes, ``timeline`` chooses and keeps, ``integrity`` verifies, ``stateful``
+adapts (and, through ``compat``, refuses what does not fit).
 
 One job per folder: rank 0 holds the folder's lease (``lease``) from construction to
 ``close()``; a second job waits for it, then stops in one line naming the holder.
@@ -34,11 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan import parallel
-from torchtitan.checkpoint import compat, integrity, timeline
-from torchtitan.checkpoint.changes import config_diff, fingerprint_diff
+from torchtitan.checkpoint import integrity, timeline
+from torchtitan.checkpoint.changes import config_diff
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
@@ -50,12 +48,10 @@ from torchtitan.checkpoint.folder import (
 )
 from torchtitan.checkpoint.lease import Lease
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
-from torchtitan.checkpoint.stateful import DataLoaderState, ModelState, OptimizerState, RNGState
+from torchtitan.checkpoint.stateful import Adapter, Saved
 
 logger = logging.getLogger("torchtitan")
 
-# The entries the project writes itself: tensors only (stateful.py), never a pickle.
-_OWN_ENTRIES = ("dataloader", "rng", "train_state")
 # Config sections a resume may change; the log lists what did change.
 _RESUMABLE_CHANGES = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
 
@@ -63,9 +59,9 @@ _RESUMABLE_CHANGES = ("optimizer", "lr_scheduler", "training.steps", "training.s
 class CheckpointManager:
     """Saves every ``interval`` steps and at the last step; loads the timeline's resume point."""
 
-    def __init__(
-        self, cfg, dims, *, model, optimizer, lr_scheduler, dataloader, train_state, fingerprint
-    ):
+    def __init__(self, cfg, dims, components: dict[str, Adapter], fingerprint: dict):
+        """``components``: name -> adapter, in load order (``stateful.training_components``);
+        ``fingerprint``: the data this run trains on, recorded in each manifest."""
         ck = cfg.checkpoint
         self.enabled = ck.enable_checkpoint
         self.folder = os.path.join(cfg.job.dump_folder, ck.folder)
@@ -73,21 +69,11 @@ class CheckpointManager:
         self.options = timeline.recovery_options(ck.load_step, list(ck.exclude_from_loading))
         self.model_weights_only = ck.model_weights_only
         self.fallback_on_corruption = ck.fallback_on_corruption
-        self.accept_data_change = ck.accept_data_change
         self.last_step = cfg.training.steps
         self.dims = dims
         self.fingerprint = fingerprint
         self.config_dict = cfg.to_dict()
-        self.states: dict[str, Stateful] = {
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizer),
-            "lr_scheduler": lr_scheduler,
-            "dataloader": None
-            if dataloader is None
-            else DataLoaderState(dataloader, dims.tp_rank == 0),
-            "train_state": train_state,
-            "rng": RNGState(dims.rank, dims.dp_rank, dims.tp_rank),
-        }
+        self.states = dict(components)
         self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k)
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
@@ -134,10 +120,8 @@ class CheckpointManager:
         # The previous save's state_dict views must not be reused: wait for it (and say
         # so, once, when that makes the loop wait).
         self.saver.wait_for_previous(step)
-        if model_only or (self.model_weights_only and step == self.last_step):
-            names = ["model"]
-        else:
-            names = [n for n, s in self.states.items() if s is not None]
+        weights_only = model_only or (self.model_weights_only and step == self.last_step)
+        names = [n for n, s in self.states.items() if s.weights or not weights_only]
         state = {name: self.states[name].state_dict() for name in names}
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -171,16 +155,18 @@ class CheckpointManager:
         self.saver.after_write(self.lease.release)
 
     # ---- loading --------------------------------------------------------------------
-    def load(self) -> int:
-        """Load the timeline's resume point into every component; return its step (0 if none)."""
+    def load(self) -> list[str]:
+        """Load the timeline's resume point into every component; the names of those
+        loaded (none without a checkpoint). A run whose train state is not among them
+        (a seed or weights-only checkpoint, or it was excluded) counts from step 0."""
         if not self.enabled:
-            return 0
+            return []
         for step in parallel.broadcast_from_main(self.dims, partial_steps(self.folder)):
             self.saver.finish_partial(step)
         path, exclude = self._choose()
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch", self.folder)
-            return 0
+            return []
         begin = time.perf_counter()
         loaded = self._load_from(path, exclude)
         self.loaded_from = path
@@ -190,9 +176,7 @@ class CheckpointManager:
             ", ".join(loaded),
             time.perf_counter() - begin,
         )
-        # Without a train state (a seed or weights-only checkpoint, or train_state
-        # excluded) the run counts its steps from 0.
-        return self.states["train_state"].step if "train_state" in loaded else 0
+        return loaded
 
     def _choose(self) -> tuple[str | None, list[str]]:
         """Rank 0 plans (timeline.plan_resume); every rank verifies; rank 0 sets newer
@@ -254,43 +238,33 @@ class CheckpointManager:
                 f"checkpoint {path} {problem}; resume it with the version that wrote it, or "
                 f"start from its weights with --checkpoint.initial_load_path {path}"
             )
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        pickled = [k for k, md in saved.items()
-                   if k.split(".", 1)[0] in _OWN_ENTRIES and not isinstance(md, TensorStorageMetadata)]  # fmt: skip
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved: dict[str, Saved] = {}
+        for key, md in metadata.items():
+            name, entry = key.split(".", 1)
+            saved.setdefault(name, Saved(path, manifest)).entries[entry] = md
+        mine = [n for n in self.states if n in saved]
+        pickled = [f"{n}.{k}" for n in mine if self.states[n].data_only
+                   for k, md in saved[n].entries.items() if not isinstance(md, TensorStorageMetadata)]  # fmt: skip
         if pickled:
             raise CheckpointError(
                 f"checkpoint {path}: entry {pickled[0]} is a pickle, not a tensor; this version "
                 "writes its own entries as data and never unpickles them: restore the folder "
                 "from a trusted copy"
             )
-        present = {k.split(".", 1)[0] for k in saved}
-        if "dataloader" in present:  # a weights-only or seed checkpoint has no data position
-            self._check_fingerprint(manifest.get("data_fingerprint") or {}, path, exclude)
-        if "train_state" in present:
-            self._log_config_changes(manifest.get("config") or {}, path)
-        names = [n for n in self.states if n in present and n not in exclude]
-        skipped = [n for n in self.states if n in exclude and n in present]
+        names = [n for n in mine if n not in exclude]
+        skipped = [n for n in mine if n in exclude]
         if skipped:
             logger.info("not loading %s (checkpoint.exclude_from_loading)", ", ".join(skipped))
+        for name in skipped:
+            self.states[name].not_loaded(saved[name])
+        if any(self.states[n].resumes for n in names):
+            self._log_config_changes(manifest.get("config") or {}, path)
         state = {}
         for name in names:
-            if name == "dataloader":
-                # One entry: every rank's holds the same global position.
-                state[name] = self.states[name].targets(saved)
-            elif name == "rng":
-                targets, missing = self.states["rng"].targets(saved)
-                if missing:
-                    logger.warning(
-                        "checkpoint has no RNG entry %s (written at another layout): this "
-                        "rank keeps its seeded generators for it",
-                        ", ".join(missing),
-                    )
-                if not targets:
-                    continue
+            targets = self.states[name].load_targets(saved[name])
+            if targets is not None:
                 state[name] = targets
-            else:
-                state[name] = self.states[name].state_dict()
-                self._check_fits(path, manifest, saved, name, state[name])
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
                      planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
@@ -308,28 +282,6 @@ class CheckpointManager:
             self.states[name].load_state_dict(value)
         return list(state)
 
-    def _check_fits(self, path: str, manifest: dict, saved: dict, name: str, state: dict):
-        """Refuse, in one line, a checkpoint whose model or optimizer is not this run's
-        (checked as each state is built: a model that does not fit stops the load before
-        the optimizer's state is)."""
-        if name == "model":
-            problem = compat.model_mismatch(state, saved)
-            if problem:
-                config = (manifest.get("config") or {}).get("model") or {}
-                raise CheckpointError(
-                    f"checkpoint {path} does not fit this model: {problem}; resume with the "
-                    f"model.flavor ({config.get('flavor')!r}) and tokenizer of the run that wrote it"
-                )
-        if name == "optimizer":
-            config = manifest.get("config") or {}
-            problem = compat.optimizer_mismatch(state, saved, config)
-            if problem:
-                old = (config.get("optimizer") or {}).get("name", "of the run that wrote it")
-                raise CheckpointError(
-                    f"checkpoint {path}: {problem}; resume with --optimizer.name {old}, or start "
-                    "the new optimizer's state afresh with --checkpoint.exclude_from_loading optimizer"
-                )
-
     def _log_config_changes(self, saved: dict, path: str):
         def resumable(diff: str) -> bool:
             key = diff.split(":")[0]
@@ -338,25 +290,3 @@ class CheckpointManager:
         changes = [d for d in config_diff(saved, self.config_dict) if resumable(d)]
         if changes:
             logger.info("config changed since %s, the config wins: %s", path, "; ".join(changes))
-
-    def _check_fingerprint(self, saved: dict, path: str, exclude: list[str]):
-        diffs = fingerprint_diff(saved, self.fingerprint)
-        if not diffs:
-            return
-        if "dataloader" in exclude:
-            logger.warning(
-                "data changed since %s, data state not loaded: %s", path, "; ".join(diffs)
-            )
-        elif self.accept_data_change:
-            logger.warning(
-                "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
-                "positions are applied to the new data as they are",
-                path,
-                "; ".join(diffs),
-            )
-        else:
-            raise CheckpointError(
-                f"the data stream differs from checkpoint {path}: {'; '.join(diffs)}. Resume with "
-                "the original data settings, or pass --checkpoint.accept_data_change (keep the data "
-                "positions) or --checkpoint.exclude_from_loading dataloader (restart the data)"
-            )

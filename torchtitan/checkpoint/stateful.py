@@ -1,21 +1,32 @@
-"""The ``Stateful`` adapters: what each checkpointed component saves and restores.
+"""The checkpoint adapters: what each checkpointed component saves, which entries it
+expects from a given checkpoint, and how it loads them.
 
-Owns: the model and optimizer through torch's distributed state-dict API (DTensors
-under FSDP, HSDP and TP, so each rank saves and loads its own shard and DCP reshards
-across layouts), the train state, which rank writes the loader's entry, and every RNG
-a rank draws from.
+Owns: one ``Adapter`` per component, all with the same interface, and the list of what
+a training checkpoint holds (``training_components``): the model and optimizer through
+torch's distributed state-dict API (DTensors under FSDP, HSDP and TP, so each rank
+saves and loads its own shard and DCP reshards across layouts), the LR schedule, the
+train state, the loader's position (one entry per data-parallel rank, with the data
+fingerprint it belongs to) and every RNG a rank draws from.
 
-Every entry of the project's own is a tensor: the train state's counters, the torch
-generators' states (uint8 tensors already), and JSON in a uint8 tensor for the loader
-position and the Python and numpy RNG states (entries.py). Nothing here pickles.
+Adding a component is writing an adapter and listing it in ``training_components``;
+the manager handles every adapter alike and names none.
+
+Every entry of the project's own (``data_only``) is a tensor: the train state's
+counters, the torch generators' states (uint8 tensors already), and JSON in a uint8
+tensor for the loader position and the Python and numpy RNG states (entries.py).
+Nothing here pickles.
+
+Cost: building the load targets reads DCP's metadata only (O(entries)); the model's and
+optimizer's are this rank's shard.
 
 Never: choose, write or verify checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,13 +38,76 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.checkpoint.changes import fingerprint_diff
+from torchtitan.checkpoint.compat import model_mismatch, optimizer_mismatch
 from torchtitan.checkpoint.entries import empty_like_saved, from_tensor, to_tensor
+from torchtitan.checkpoint.folder import CheckpointError
+
+logger = logging.getLogger("torchtitan")
 
 
 @dataclass
-class TrainState(Stateful):
+class Saved:
+    """What a checkpoint holds for one component, as its adapter sees it before loading:
+    ``entries`` maps the component's keys (its name's prefix taken off) to DCP's metadata
+    for them; ``manifest`` is the checkpoint's manifest."""
+
+    path: str
+    manifest: dict
+    entries: dict = field(default_factory=dict)
+
+    @property
+    def config(self) -> dict:
+        return self.manifest.get("config") or {}
+
+
+class Adapter(Stateful):
+    """A checkpointed component.
+
+    - ``state_dict()``: what it saves (tensors, or DTensors of this rank's shard);
+    - ``load_targets(saved)``: what it expects from the checkpoint ``saved`` describes,
+      as the tensors for DCP to fill (keys as in ``state_dict``), or None to load
+      nothing; it raises a one-line ``CheckpointError`` where the checkpoint does not
+      fit this run;
+    - ``load_state_dict(state)``: apply what DCP filled in;
+    - ``not_loaded(saved)``: the checkpoint holds it but the user left it out.
+
+    ``weights``: part of a weights-only checkpoint. ``data_only``: its entries are the
+    project's own tensors, so one that is not a tensor is refused unread. ``resumes``:
+    loading it continues a run, so the config's changes since are logged.
+    """
+
+    weights = False
+    data_only = False
+    resumes = False
+
+    def load_targets(self, saved: Saved) -> dict | None:
+        return self.state_dict()
+
+    def not_loaded(self, saved: Saved):
+        pass
+
+
+class StatefulAdapter(Adapter):
+    """Any object with torch's ``Stateful`` protocol (an LR scheduler), loaded as saved."""
+
+    def __init__(self, component):
+        self.component = component
+
+    def state_dict(self) -> dict:
+        return self.component.state_dict()
+
+    def load_state_dict(self, state_dict: dict):
+        self.component.load_state_dict(state_dict)
+
+
+@dataclass
+class TrainState(Adapter):
     step: int = 0
     tokens_seen: int = 0
+
+    data_only = True
+    resumes = True
 
     def state_dict(self) -> dict:
         # Tensors, not Python ints: DCP would pickle an int (torch.save).
@@ -44,18 +118,34 @@ class TrainState(Stateful):
         self.tokens_seen = int(state_dict["tokens_seen"])
 
 
-class ModelState(Stateful):
+class ModelState(Adapter):
+    """This rank's shard of the weights, refused in one line where a weight's shape
+    differs from the checkpoint's (before any tensor is read)."""
+
+    weights = True
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
     def state_dict(self) -> dict:
         return get_model_state_dict(self.model)
 
+    def load_targets(self, saved: Saved) -> dict:
+        state = self.state_dict()
+        problem = model_mismatch(state, saved.entries)
+        if problem:
+            flavor = (saved.config.get("model") or {}).get("flavor")
+            raise CheckpointError(
+                f"checkpoint {saved.path} does not fit this model: {problem}; resume with the "
+                f"model.flavor ({flavor!r}) and tokenizer of the run that wrote it"
+            )
+        return state
+
     def load_state_dict(self, state_dict: dict):
         set_model_state_dict(self.model, state_dict)
 
 
-class OptimizerState(Stateful):
+class OptimizerState(Adapter):
     """The optimizer's moments come from the checkpoint; its hyperparameters (lr, betas,
     weight decay, eps) stay those of the config this run was built from."""
 
@@ -64,6 +154,17 @@ class OptimizerState(Stateful):
 
     def state_dict(self) -> dict:
         return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_targets(self, saved: Saved) -> dict:
+        state = self.state_dict()
+        problem = optimizer_mismatch(state, saved.entries, saved.config)
+        if problem:
+            old = (saved.config.get("optimizer") or {}).get("name", "of the run that wrote it")
+            raise CheckpointError(
+                f"checkpoint {saved.path}: {problem}; resume with --optimizer.name {old}, or start "
+                "the new optimizer's state afresh with --checkpoint.exclude_from_loading optimizer"
+            )
+        return state
 
     def load_state_dict(self, state_dict: dict):
         configured = [
@@ -74,34 +175,64 @@ class OptimizerState(Stateful):
             group.update(hyper)
 
 
-class DataLoaderState(Stateful):
-    """The loader's ``dp_rank_<d>`` entry, written by the first rank of its TP group only.
+class DataLoaderState(Adapter):
+    """The loader's ``dp_rank_<d>`` entry, written by the first rank of its TP group only,
+    and the data it is a position in.
 
     TP peers build the same loader and consume the same batches (test_parallel checks a
     digest of them), so one writer per data-parallel rank keeps the checkpoint at one
     entry per DP rank without leaning on DCP's merging of equal keys. Every entry holds
     the same global position, so a rank loads one (``entry_to_load``), whatever the
     layout that wrote them. The entry is JSON in a uint8 tensor (the loader's own).
+
+    A position is only meaningful in the data it was saved in: where the manifest's data
+    fingerprint differs from this run's (``fingerprint``), the load is refused in one
+    line, unless ``accept_data_change`` keeps the position anyway.
     """
 
-    def __init__(self, loader, writes: bool):
+    data_only = True
+
+    def __init__(self, loader, writes: bool, fingerprint: dict, accept_data_change: bool):
         self.loader, self.writes = loader, writes
+        self.fingerprint, self.accept_data_change = fingerprint, accept_data_change
 
     def state_dict(self) -> dict:
         return self.loader.state_dict() if self.writes else {}
 
-    def targets(self, saved: dict) -> dict:
-        """The one entry this rank loads, as an empty tensor of the saved size for DCP to
-        fill (``saved``: DCP's ``state_dict_metadata``)."""
-        entries = [k.split(".", 1)[1] for k in saved if k.startswith("dataloader.")]
-        key = self.loader.entry_to_load(entries)
-        return {key: empty_like_saved(saved[f"dataloader.{key}"])}
+    def load_targets(self, saved: Saved) -> dict:
+        """The one entry this rank loads, as an empty tensor of the saved size for DCP to fill."""
+        diffs = self._data_changes(saved)
+        if diffs and not self.accept_data_change:
+            raise CheckpointError(
+                f"the data stream differs from checkpoint {saved.path}: {'; '.join(diffs)}. "
+                "Resume with the original data settings, or pass "
+                "--checkpoint.accept_data_change (keep the data positions) or "
+                "--checkpoint.exclude_from_loading dataloader (restart the data)"
+            )
+        if diffs:
+            logger.warning(
+                "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
+                "positions are applied to the new data as they are",
+                saved.path, "; ".join(diffs),
+            )  # fmt: skip
+        key = self.loader.entry_to_load(list(saved.entries))
+        return {key: empty_like_saved(saved.entries[key])}
+
+    def not_loaded(self, saved: Saved):
+        diffs = self._data_changes(saved)
+        if diffs:
+            logger.warning(
+                "data changed since %s, data state not loaded: %s", saved.path, "; ".join(diffs)
+            )
+
+    def _data_changes(self, saved: Saved) -> list[str]:
+        return fingerprint_diff(saved.manifest.get("data_fingerprint") or {}, self.fingerprint)
 
     def load_state_dict(self, state_dict: dict):
         self.loader.load_state_dict(state_dict)
 
 
-class RNGState(Stateful):
+class RNGState(Adapter):
     """Every RNG a rank draws from, under keys that say whose (DCP would merge equal keys
     across ranks).
 
@@ -115,20 +246,29 @@ class RNGState(Stateful):
     index after a restart still continues its own stream.
     """
 
+    data_only = True
+
     def __init__(self, rank: int, dp_rank: int, tp_rank: int):
         self.rank_key = f"rank_{rank}"
         self.shared_key = f"dp_rank_{dp_rank}"
         self.cuda_key = f"cuda_dp_rank_{dp_rank}"
         self.writes_shared = tp_rank == 0
 
-    def targets(self, saved: dict) -> tuple[dict, list[str]]:
-        """Empty tensors of the saved sizes for the entries this rank loads, and those of
-        them the checkpoint lacks (``saved``: DCP's ``state_dict_metadata``)."""
+    def load_targets(self, saved: Saved) -> dict | None:
+        """Empty tensors of the saved sizes for the entries this rank loads; those the
+        checkpoint lacks (written at another layout) keep their seeded generators."""
         wanted = [self.shared_key, self.rank_key]
         if torch.cuda.is_available():
             wanted.append(self.cuda_key)
-        found = {k: empty_like_saved(saved[f"rng.{k}"]) for k in wanted if f"rng.{k}" in saved}
-        return found, [k for k in wanted[:2] if k not in found]
+        found = {k: empty_like_saved(saved.entries[k]) for k in wanted if k in saved.entries}
+        missing = [k for k in wanted[:2] if k not in found]
+        if missing:
+            logger.warning(
+                "checkpoint has no RNG entry %s (written at another layout): this rank keeps "
+                "its seeded generators for it",
+                ", ".join(missing),
+            )
+        return found or None
 
     def state_dict(self) -> dict:
         py_version, py_state, py_gauss = random.getstate()
@@ -153,3 +293,23 @@ class RNGState(Stateful):
             random.setstate((py_version, tuple(py_state), py_gauss))
             name, keys, pos, has_gauss, cached = own["numpy"]
             np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def training_components(cfg, dims, *, model, optimizer, lr_scheduler=None, dataloader=None,
+                        train_state: TrainState, fingerprint: dict) -> dict[str, Adapter]:  # fmt: skip
+    """What a training checkpoint holds, in load order (the model is checked against
+    the checkpoint before the optimizer's state is built), each under its adapter.
+    ``lr_scheduler`` and ``dataloader`` may be None (a seed checkpoint, a benchmark)."""
+    components: dict[str, Adapter] = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+    }
+    if lr_scheduler is not None:
+        components["lr_scheduler"] = StatefulAdapter(lr_scheduler)
+    if dataloader is not None:
+        components["dataloader"] = DataLoaderState(
+            dataloader, dims.tp_rank == 0, fingerprint, cfg.checkpoint.accept_data_change
+        )
+    components["train_state"] = train_state
+    components["rng"] = RNGState(dims.rank, dims.dp_rank, dims.tp_rank)
+    return components
