@@ -2,12 +2,12 @@
 
     python scripts/check_provenance.py <dump_folder>/provenance [--job.config_file X.toml --section.key value ...]
 
-See ``torchtitan/provenance_check.py``. Exit status 1 on any failure.
+See ``torchtitan/tools/check_provenance.py``. Exit status 1 on any failure.
 """
 
 import sys
 
-from torchtitan.provenance_check import main
+from torchtitan.tools.check_provenance import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@
    resumes from its latest complete checkpoint.
 3. The trial's final per-step losses (``metrics.jsonl``, which a resume trims to the
    resumed step) must equal the reference's exactly, and its data provenance must pass
-   the checker: every token once, nothing skipped (``torchtitan/provenance_check.py``).
+   the checker: every token once, nothing skipped (``torchtitan/tools/check_provenance.py``).
 
 Prints trials, kills, kills during a save, resumes and mismatches; exits 1 on any
 mismatch or failed launch. Extra ``--section.key value`` arguments go to every run.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.provenance_check import main as check_provenance
+from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.runs import DEBUG_CONFIG, losses, run_env
 
 

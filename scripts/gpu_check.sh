@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh [--budget-s 480] [--json out.json] [--work DIR]
 #   scripts/gpu_check.sh --cpu-smoke      # the same plan with tiny shapes on CPU
 #
-# The plan is torchtitan/gpu_check.py; this script only sets the stage: the repository
+# The plan is torchtitan/tools/gpu_check.py; this script only sets the stage: the repository
 # root as the working directory, and no visible GPU for --cpu-smoke.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,4 +15,4 @@ for arg in "$@"; do
         export CUDA_VISIBLE_DEVICES=""
     fi
 done
-exec "${PYTHON:-python}" -m torchtitan.gpu_check "$@"
+exec "${PYTHON:-python}" -m torchtitan.tools.gpu_check "$@"

@@ -7,10 +7,10 @@ On one CUDA GPU, in this order (the budget stops the plan between checks, and th
 not reached are listed as not run):
 
 1. the seed plan: a fresh run with ``training.deterministic`` restarted at every
-   checkpoint equals one uninterrupted run, step for step (``resume_check
+   checkpoint equals one uninterrupted run, step for step (``deterministic_resume
    --resume-every``, 1 rank);
 2. resume of bf16 + ``training.compile`` + flex ``block_causal``: steps after the
-   resume point bit-equal (``resume_check``, 1 rank);
+   resume point bit-equal (``deterministic_resume``, 1 rank);
 3. async checkpointing through ``CheckpointManager`` (staging in pinned memory on
    CUDA): loop time blocked by async saves against sync saves (bench_checkpoint.py,
    125M, 1 rank);
@@ -26,7 +26,7 @@ resume rows take the CPU's backend. It exists so that this module cannot rot uns
 
 Owns: the plan, its budget, reading each check's own verdict, and the tables. Never:
 train, compare losses or time steps itself; each check is the product path (train.py,
-resume_check, CheckpointManager through bench_checkpoint.py, pytest).
+deterministic_resume, CheckpointManager through bench_checkpoint.py, pytest).
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ def _timed(check: Check, deadline: float, run):
 
 
 def _resume_check(argv: list[str], log: Path) -> tuple[int, str]:
-    """resume_check (the acceptance test) with its own torchrun launches; its printout
+    """deterministic_resume (the acceptance test) with its own torchrun launches; its printout
     goes to ``log``."""
-    from torchtitan.resume_check import main as resume_check
+    from torchtitan.tools.deterministic_resume import main as resume_check
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -264,10 +264,6 @@ def _throughput_plan(smoke: bool) -> list[Row]:
 def _throughput(row: Row, work: Path, smoke: bool):
     """One row: train.py's own metrics (tokens/s per rank, MFU, peak memory) over the steps
     after the first ``warmup`` (compilation, allocator growth)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    import train  # train.py, the product path, in this process: start-up paid once
-
     steps, warmup = (4, 2) if smoke else ((8, 3) if row.compile else (6, 2))
     name = f"{row.flavor}-{row.seq_len}-{row.mask}-{row.backend}{'-compiled' * row.compile}"
     dump = work / "throughput" / name
@@ -277,25 +273,18 @@ def _throughput(row: Row, work: Path, smoke: bool):
             "--metrics.log_freq", 1, "--lr_scheduler.warmup_steps", 2]  # fmt: skip
     if row.compile:
         argv.append("--training.compile")
-    torch._dynamo.reset()  # every row compiles afresh, under dynamo's recompile limit
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    # train.py as a user launches it, one process per row: every row compiles afresh and
+    # starts with an empty allocator; the start-up is outside the steps measured.
+    cmd = [sys.executable, str(REPO_ROOT / "train.py"), *map(str, argv)]
     begin = time.monotonic()
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(log):
-            status = train.main([str(a) for a in argv])
-    except SystemExit as e:  # a config error exits 2 before anything is built
-        status = e.code
-    except Exception as e:  # out of memory, a kernel that is missing: this row fails
-        status, log = 1, io.StringIO(f"{type(e).__name__}: {e}")
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env(), capture_output=True, text=True)
+    status, log = proc.returncode, proc.stdout + proc.stderr
     row.seconds = time.monotonic() - begin
     (work / "throughput" / f"{name}.log").parent.mkdir(parents=True, exist_ok=True)
-    (work / "throughput" / f"{name}.log").write_text(log.getvalue())
+    (work / "throughput" / f"{name}.log").write_text(log)
     if status != 0:
-        errors = [ln for ln in log.getvalue().splitlines() if "error" in ln.lower()]
-        row.note = f"FAILED: {(errors or log.getvalue().splitlines() or ['?'])[-1][-160:]}"
+        errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
+        row.note = f"FAILED: {(errors or log.splitlines() or ['?'])[-1][-160:]}"
         return
     records = read_records(dump / "metrics.jsonl")[warmup:]
     row.tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
