@@ -1,7 +1,8 @@
 """Device and process-group setup, the layout of the ranks, and wrapping a model in it.
 
-Owns: choosing the device and backend from what is present (CUDA + NCCL, else CPU +
-gloo), initializing and tearing down the default process group and two gloo groups
+Owns: choosing the device and backend from what is present (``device_type``: CUDA +
+NCCL, else CPU + gloo), the parallel settings' own rules for a config (``check_config``,
+run by torchtitan.config.validate before anything is built), initializing and tearing down the default process group and two gloo groups
 for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
 layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
 ``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
@@ -24,7 +25,8 @@ few seconds for the others to say so too; those that do not are named. Cost: not
 per step; O(ranks) store look-ups once, after a failure.
 
 Never: define or build the model (it arrives on the meta device), hold training state,
-or read the config beyond the parallelism, precision, recompute and comm settings.
+or read the config beyond the parallelism, precision, recompute and comm settings
+(and, to refuse it with tensor parallelism, training.mask_document_boundaries).
 """
 
 from __future__ import annotations
