@@ -2,8 +2,8 @@
 
 Owns: choosing the device and backend from what is present (``device_type``: CUDA +
 NCCL, else CPU + gloo), the parallel settings' own rules for a config (``check_config``,
-run by torchtitan.config.validate before anything is built), initializing and tearing down the default process group and two gloo groups
-for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
+run by torchtitan.config.validate before anything is built), initializing and
+tearing down the default process group and two gloo groups for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
 layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
 ``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
 collectives the trainer needs (a barrier, the mean of a scalar over ranks, a flag
