@@ -2,18 +2,19 @@
 
 Owns: choosing the device and backend from what is present (``device_type``: CUDA +
 NCCL, else CPU + gloo), the parallel settings' own rules for a config (``check_config``,
-run by torchtitan.config.validate before anything is built), initializing and
-tearing down the default process group and two gloo groups for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
-layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
-``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
-collectives the trainer needs (a barrier, the mean of a scalar over ranks, a flag
-raised on any rank), the timeout of every process group (``comm.init_timeout_seconds``
-until the first step is done, then ``comm.train_timeout_seconds``), telling the other
-ranks which rank failed and why (one key in the job's c10d store), naming the ranks
-that stopped answering when a collective breaks, and applying parallelism and its
-companions to a model: tensor parallel (``tensor_parallel.py`` holds the plan), FSDP2
-or HSDP with mixed precision, or DDP, gradient sync during accumulation, activation
-checkpointing and per-block compilation.
+run by torchtitan.config.validate before anything is built), initializing and tearing
+down the default process group and two gloo groups for CPU-side work (checkpoint
+traffic; control: the per-step stop agreement), the layout (``parallelism.*``:
+data-parallel replicas x shards x tensor-parallel ranks, one ``DeviceMesh``; which
+data-parallel and tensor-parallel rank this rank is), the small collectives the trainer
+needs (a barrier, the mean of a scalar over ranks, a flag raised on any rank), the
+timeout of every process group (``comm.init_timeout_seconds`` until the first step is
+done, then ``comm.train_timeout_seconds``), telling the other ranks which rank failed
+and why (one key in the job's c10d store), naming the ranks that stopped answering when
+a collective breaks, and applying parallelism and its companions to a model: tensor
+parallel (``tensor_parallel.py`` holds the plan), FSDP2 or HSDP with mixed precision, or
+DDP, gradient sync during accumulation, activation checkpointing and per-block
+compilation.
 
 Rank layout: rank = (replica x shard_degree + shard) x tp_degree + tp_rank. Tensor
 parallel is innermost, so a TP group is adjacent ranks (one node's fast links), and
