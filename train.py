@@ -19,7 +19,7 @@ import torch
 from torchtitan import parallel, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.checkpoint.stateful import training_components
-from torchtitan.config import ConfigError, JobConfig, attention_backend, load_config_or_exit
+from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import (
     DataError,
     DataPlan,
@@ -34,6 +34,7 @@ from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
+from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler

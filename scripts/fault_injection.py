@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.runs import DEBUG_CONFIG, losses, run_env
+from torchtitan.tools.check_provenance import main as check_provenance
 
 
 @dataclass

@@ -9,16 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan import config
+from torchtitan import parallel
 from torchtitan.config import ConfigError, DatasetSpec, JobConfig, parse_args, resolve_path
+from torchtitan.data import checks as data_checks
+from torchtitan.models import attention
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def fixed_registry(monkeypatch):
-    """Pin the dataset registry so these tests do not depend on torchtitan.data.sources."""
-    monkeypatch.setattr(config, "_dataset_names", lambda: ["bundled", "kjv", "shakespeare"])
+    """Pin the dataset registry so these tests do not depend on its contents."""
+    monkeypatch.setattr(data_checks, "dataset_names", lambda: ["bundled", "kjv", "shakespeare"])
 
 
 def write_toml(tmp_path, text: str) -> str:
@@ -364,15 +366,13 @@ def test_tensorboard_missing_is_one_error_line_before_anything_is_built(tmp_path
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    monkeypatch.setattr(config, "device_type", lambda: "cpu")
+    monkeypatch.setattr(parallel, "device_type", lambda: "cpu")
 
 
 @pytest.fixture
 def on_gpu(monkeypatch):
     """Validate as on a machine with CUDA and torch's varlen kernel."""
-    from torchtitan.models import attention
-
-    monkeypatch.setattr(config, "device_type", lambda: "cuda")
+    monkeypatch.setattr(parallel, "device_type", lambda: "cuda")
     monkeypatch.setattr(attention, "varlen_available", lambda: True)
 
 
@@ -419,11 +419,9 @@ def test_attention_that_can_train_passes(on_gpu):
 
 
 def test_auto_backend_is_sdpa_on_cpu_and_the_fastest_present_on_a_gpu(monkeypatch):
-    from torchtitan.models import attention
-
     def chosen(*argv, device="cuda", varlen=True):
         monkeypatch.setattr(attention, "varlen_available", lambda: varlen)
-        return config.attention_backend(parse_args(list(argv)), device)
+        return attention.attention_backend(parse_args(list(argv)), device)
 
     block = ["--model.attention_mask", "block_causal"]
     assert chosen(*block, device="cpu") == "sdpa"
@@ -435,4 +433,4 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_fastest_present_on_a_gpu(monkeypatc
     # Asked for (set after parsing: on this CPU machine the parser refuses flex training).
     asked = parse_args(block)
     asked.model.attention_backend = "flex"
-    assert config.attention_backend(asked, "cuda") == "flex"
+    assert attention.attention_backend(asked, "cuda") == "flex"

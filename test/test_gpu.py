@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from conftest import losses, train_here
 from test_model import many_documents
 
-from torchtitan import config
 from torchtitan.config import parse_args
 from torchtitan.models import build_model
-from torchtitan.models.attention import varlen_available
+from torchtitan.models.attention import attention_backend, varlen_available
 
 pytestmark = pytest.mark.cuda
 
@@ -100,8 +99,8 @@ def test_gpu_document_logits_do_not_depend_on_neighbours(backend):
 
 def test_auto_is_varlen_or_flex_for_documents_on_a_gpu():
     cfg = parse_args(["--model.attention_mask", "block_causal"])
-    assert config.attention_backend(cfg) == ("varlen" if varlen_available() else "flex")
-    assert config.attention_backend(parse_args([])) == "sdpa"
+    assert attention_backend(cfg, "cuda") == ("varlen" if varlen_available() else "flex")
+    assert attention_backend(parse_args([]), "cuda") == "sdpa"
 
 
 @pytest.mark.parametrize("backend,compile", [("flex", True), ("varlen", False)])

@@ -35,9 +35,9 @@ from torchtitan.checkpoint import complete_steps, own_files, read_manifest
 from torchtitan.config import parse_args, resolve_path
 from torchtitan.data import document_lengths
 from torchtitan.provenance import check_complete, read_provenance, sequences_by_step
+from torchtitan.runs import RunRecordError, run_env, torchrun_command
 from torchtitan.tools.check_provenance import main as provenance_check
 from torchtitan.tools.deterministic_resume import main as resume_check
-from torchtitan.runs import RunRecordError, run_env, torchrun_command
 
 
 def in_process(nproc: int, argv: list[str]) -> tuple[int, str]:

@@ -1,18 +1,20 @@
 """Device and process-group setup, the layout of the ranks, and wrapping a model in it.
 
-Owns: choosing the device and backend from what is present (CUDA + NCCL, else CPU +
-gloo), initializing and tearing down the default process group and two gloo groups
-for CPU-side work (checkpoint traffic; control: the per-step stop agreement), the
-layout (``parallelism.*``: data-parallel replicas x shards x tensor-parallel ranks, one
-``DeviceMesh``; which data-parallel and tensor-parallel rank this rank is), the small
-collectives the trainer needs (a barrier, the mean of a scalar over ranks, a flag
-raised on any rank), the timeout of every process group (``comm.init_timeout_seconds``
-until the first step is done, then ``comm.train_timeout_seconds``), telling the other
-ranks which rank failed and why (one key in the job's c10d store), naming the ranks
-that stopped answering when a collective breaks, and applying parallelism and its
-companions to a model: tensor parallel (``tensor_parallel.py`` holds the plan), FSDP2
-or HSDP with mixed precision, or DDP, gradient sync during accumulation, activation
-checkpointing and per-block compilation.
+Owns: choosing the device and backend from what is present (``device_type``: CUDA +
+NCCL, else CPU + gloo), the parallel settings' own rules for a config (``check_config``,
+run by torchtitan.config.validate before anything is built), initializing and tearing
+down the default process group and two gloo groups for CPU-side work (checkpoint
+traffic; control: the per-step stop agreement), the layout (``parallelism.*``:
+data-parallel replicas x shards x tensor-parallel ranks, one ``DeviceMesh``; which
+data-parallel and tensor-parallel rank this rank is), the small collectives the trainer
+needs (a barrier, the mean of a scalar over ranks, a flag raised on any rank), the
+timeout of every process group (``comm.init_timeout_seconds`` until the first step is
+done, then ``comm.train_timeout_seconds``), telling the other ranks which rank failed
+and why (one key in the job's c10d store), naming the ranks that stopped answering when
+a collective breaks, and applying parallelism and its companions to a model: tensor
+parallel (``tensor_parallel.py`` holds the plan), FSDP2 or HSDP with mixed precision, or
+DDP, gradient sync during accumulation, activation checkpointing and per-block
+compilation.
 
 Rank layout: rank = (replica x shard_degree + shard) x tp_degree + tp_rank. Tensor
 parallel is innermost, so a TP group is adjacent ranks (one node's fast links), and
@@ -24,7 +26,8 @@ few seconds for the others to say so too; those that do not are named. Cost: not
 per step; O(ranks) store look-ups once, after a failure.
 
 Never: define or build the model (it arrives on the meta device), hold training state,
-or read the config beyond the parallelism, precision, recompute and comm settings.
+or read the config beyond the parallelism, precision, recompute and comm settings
+(and, to refuse it with tensor parallelism, training.mask_document_boundaries).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         device, backend = torch.device("cuda", local_rank), "nccl"
         torch.cuda.set_device(device)
     else:
@@ -108,6 +111,49 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
         control_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
         store=_job_store(),
     )  # fmt: skip
+
+
+def device_type() -> str:
+    """Where training runs: "cuda" where torch sees a GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_config(cfg) -> None:
+    """The rules between degrees that need no world size (`apply_layout` checks the
+    rest, and tensor_parallel.check_fits the model's sizes), run by
+    torchtitan.config.validate: one ConfigError for the first broken one."""
+    p, data_parallel = cfg.parallelism, cfg.training.data_parallel
+    if cfg.training.compile and p.tensor_parallel_degree > 1:
+        # Measured with torch 2.13 on CPU: compiled TP blocks give another gradient than
+        # eager ones (step-1 grad norm 0.50 against 0.64; FSDP alone agrees bit for bit).
+        raise ConfigError(
+            "training.compile with parallelism.tensor_parallel_degree "
+            f"{p.tensor_parallel_degree}: compiled tensor-parallel blocks do not give the "
+            "eager gradients (torch 2.13); turn off one of them"
+        )
+    if p.data_parallel_shard_degree == 0:
+        raise ConfigError(
+            "parallelism.data_parallel_shard_degree: 0 is out of range; use a positive "
+            "degree, or -1 for the world size divided by the other degrees"
+        )
+    if data_parallel == "ddp" and p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree {p.tensor_parallel_degree} needs FSDP: DDP "
+            "does not take tensor-parallel weights; use --training.data_parallel fsdp"
+        )
+    if data_parallel == "ddp" and p.data_parallel_replicate_degree > 1:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree {p.data_parallel_replicate_degree} "
+            "is HSDP, an FSDP layout (DDP replicates over every rank already); use "
+            "--training.data_parallel fsdp, or leave the replicate degree at 1"
+        )
+    if cfg.training.mask_document_boundaries and p.tensor_parallel_degree > 1:
+        # The label count behind the normalizer is summed over all ranks, and TP peers
+        # hold the same labels: not combined yet.
+        raise ConfigError(
+            "training.mask_document_boundaries with parallelism.tensor_parallel_degree "
+            f"{p.tensor_parallel_degree} is not supported yet; turn one of them off"
+        )
 
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")

@@ -5,7 +5,7 @@ data-parallel rank; ``data_fingerprint`` records what the data stream depends on
 Modules, none importing its caller: sources (files, documents by index), streaming
 (units, blocks), index (token counts), order (the global order, the mix), packing (a
 document's tokens), dataset (windows), loader (steps, ranks, state), plan (one
-resolution per job).
+resolution per job), checks (the config's data rules).
 """
 
 from __future__ import annotations

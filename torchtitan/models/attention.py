@@ -1,7 +1,9 @@
 """Attention kernels for causal and document (block-causal) masks: sdpa, flex, varlen.
 
 Owns: which backends exist and where each can run (`choose_backend`,
-`backend_problem`: the config validates with them before anything is built), the
+`backend_problem`), the job's choice (`attention_backend`: ``auto`` resolved for the
+device) and its check before anything is built (`check_config`, run by
+torchtitan.config.validate: one ConfigError if it cannot train on this machine), the
 per-batch mask each backend reads (`document_mask`, built once per batch from the
 batch's ``document_ids`` and shared by every layer), and the attention call itself
 (`attend`), from queries, keys and values laid out ``[B, T, heads, head_dim]`` to
@@ -20,7 +22,7 @@ batch's ``document_ids`` and shared by every layer), and the attention call itse
   CUDA, bfloat16 or float16 only.
 
 Never: project, rotate or mix heads (the model's Attention module does), read the
-config, or move a batch's tokens (the document ids are read where they are: from the
+config beyond the model's attention settings, dropout and the compute precision, or move a batch's tokens (the document ids are read where they are: from the
 host, the sdpa and varlen layouts need no device sync).
 """
 
@@ -33,6 +35,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from torchtitan import parallel
+from torchtitan.config.errors import ConfigError
 
 BACKENDS = ("sdpa", "flex", "varlen")
 
@@ -117,6 +122,24 @@ def backend_problem(
             "layout; use model.attention_backend flex or varlen, or turn compile off"
         )
     return None
+
+
+def attention_backend(cfg, device_type: str) -> str:
+    """model.attention_backend with ``auto`` resolved for training on ``device_type``."""
+    m = cfg.model
+    dtype = parallel.compute_dtype(cfg, torch.device(device_type))
+    return choose_backend(m.attention_backend, m.attention_mask, device_type, dtype, m.dropout)
+
+
+def check_config(cfg) -> None:
+    """One ConfigError if the attention settings cannot train on this machine's device."""
+    device, m = parallel.device_type(), cfg.model
+    problem = backend_problem(
+        attention_backend(cfg, device), m.attention_mask, device,
+        parallel.compute_dtype(cfg, torch.device(device)), m.dropout, cfg.training.compile,
+    )  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
 
 
 # ---- the mask of one batch ----------------------------------------------------------

@@ -1,0 +1,182 @@
+"""No import cycle in the torchtitan package, counting imports inside functions.
+
+The graph is read from the source with ``ast`` (nothing is imported): every ``import``
+and ``from ... import``, at module level or in a function, relative ones resolved, and
+``from pkg import name`` pointing at the submodule ``pkg.name`` when there is one.
+
+Package ``__init__`` files, counted as Python runs them:
+- An import names its deepest module: ``from torchtitan.data.loader import X`` is an
+  edge to ``torchtitan.data.loader``; ``from torchtitan.data import X`` (X not a
+  submodule) is an edge to ``torchtitan/data/__init__.py``, also from inside the data
+  package, where it closes a cycle if that ``__init__`` imports the importer.
+- Importing a submodule first runs each package above it, so it is also an edge to
+  those packages' ``__init__`` files, except to the importer's own packages: those have
+  started before the importer runs, so they add no dependency. This is why a package's
+  ``__init__`` may re-export its own submodules, while ``torchtitan.models.attention``
+  importing ``torchtitan.config.schema`` depends on ``torchtitan/config/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+from torchtitan import REPO_ROOT
+from torchtitan.config.validate import COMPONENTS
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for the package at ``root`` (a folder with __init__.py)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imported_names(tree: ast.AST, module: str, is_package: bool):
+    """(dotted names, line) for each name an import statement in ``tree`` brings in:
+    the names it could be, the first one that is a module being the one imported."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield [alias.name], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = ".".join(package[: len(package) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:  # a submodule if there is one, else a name in base
+                yield [f"{base}.{alias.name}", base], node.lineno
+
+
+def import_graph(root: Path) -> dict[str, dict[str, str]]:
+    """module -> {imported module: "file:line" of the first import}, within the package."""
+    modules = module_files(root)
+    graph: dict[str, dict[str, str]] = {name: {} for name in modules}
+    for name, path in modules.items():
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
+        tree = ast.parse(path.read_text(), str(path))
+        for candidates, line in _imported_names(tree, name, path.name == "__init__.py"):
+            target = next((c for c in candidates if c in modules), None)
+            if target is None:
+                continue  # another package
+            parents = {".".join(target.split(".")[:i]) for i in range(1, target.count(".") + 1)}
+            for dep in {target} | (parents - own):
+                if dep != name and dep in modules:
+                    graph[name].setdefault(dep, f"{path.relative_to(root.parent)}:{line}")
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan), as a path
+    that starts and ends at the same module."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def connect(v):  # recursion depth is bounded by the package's module count
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_cycle_in(graph, group) for group in groups]
+
+
+def _cycle_in(graph, group: set[str]) -> list[str]:
+    """A shortest path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths, seen = [[start]], set()
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]]):
+            if w == start:
+                return [*path, start]
+            if w in group and w not in seen:
+                seen.add(w)
+                paths.append([*path, w])
+    raise AssertionError(f"no cycle through {start} in {sorted(group)}")
+
+
+def describe(graph, cycle: list[str]) -> str:
+    """The cycle with where each import is: 'a (a.py:3) -> b (b.py:2) -> a'."""
+    steps = [f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join([*steps, cycle[-1]])
+
+
+def test_torchtitan_has_no_import_cycle():
+    graph = import_graph(REPO_ROOT / "torchtitan")
+    assert len(graph) > 40 and graph["torchtitan.data.loader"], "the walk found the package"
+    cycles = [describe(graph, c) for c in find_cycles(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def reachable(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def test_config_names_the_components_it_validates_without_importing_them():
+    """Validation runs each component's check_config, found by module name: the config
+    package reaches none of them in the graph, and importing it loads none of them."""
+    graph = import_graph(REPO_ROOT / "torchtitan")
+    config_deps = set().union(
+        *(reachable(graph, m) for m in graph if m.startswith("torchtitan.config"))
+    )
+    for name in COMPONENTS:
+        assert callable(importlib.import_module(name).check_config), name
+        assert name not in config_deps and "torchtitan.config" in reachable(graph, name)
+    code = "import sys, torchtitan.config; print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO_ROOT, check=True).stdout  # fmt: skip
+    for package in ("torchtitan.data", "torchtitan.models", "torchtitan.parallel", "'torch'"):
+        assert package not in loaded, f"import torchtitan.config loads {package}"
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    """Negative control: two modules importing each other, one of them inside a
+    function; and a package __init__ importing its own submodule is no cycle."""
+    pkg = tmp_path / "planted"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from planted import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import g\n    return g\n")
+    (pkg / "sub" / "__init__.py").write_text("from planted.sub.c import C\n")
+    (pkg / "sub" / "c.py").write_text("from . import d\nC = 1\n")
+    (pkg / "sub" / "d.py").write_text("")
+    graph = import_graph(pkg)
+    assert find_cycles(graph) == [["planted.a", "planted.b", "planted.a"]]
+    assert "planted.a" in describe(graph, find_cycles(graph)[0])
+    # Importing sub.c from outside sub runs sub/__init__.py first: a dependency on it.
+    (pkg / "sub" / "__init__.py").write_text("from . import d\n")
+    (pkg / "sub" / "c.py").write_text("")
+    (pkg / "sub" / "d.py").write_text("def f():\n    from planted import e\n")
+    (pkg / "e.py").write_text("import planted.sub.c\n")
+    cycles = find_cycles(import_graph(pkg))
+    assert ["planted.e", "planted.sub", "planted.sub.d", "planted.e"] in cycles

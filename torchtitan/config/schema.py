@@ -1,0 +1,371 @@
+"""The job configuration's schema: one dataclass per section, with each field's default,
+one-line help, choices and range.
+
+Owns: the sections and fields of JobConfig, their defaults, and the metadata the
+command line (`cli.py`) shows and the validation (`validate.py`) checks: `choices`
+(a fixed list) and `ge`/`gt`/`le`/`lt` bounds, with `range_text` to say them.
+
+Never: import anything from torchtitan (every component may import this module), parse
+text, or check more than a field's own metadata says; lists owned by a component
+(model flavors, dataset names, attention backends) are that component's to check.
+Cost: nothing beyond building the dataclasses.
+"""
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+def _opt(default, help, *, choices=None, ge=None, gt=None, le=None, lt=None, hint=""):
+    """A config field: default, one-line help, and the checks `validate` applies to it
+    (the choices and range that need nothing but the value itself)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    meta["hint"] = hint
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DatasetSpec:
+    """One source in a weighted mix: a registry name, a Hub dataset id (``owner/name``)
+    or a local path, and its weight. ``config`` and ``split`` choose part of a Hub
+    dataset, of a folder laid out like one, or of a ``DatasetDict.save_to_disk`` folder."""
+
+    name: str = ""
+    path: str = ""
+    weight: float = 1.0
+    config: str = ""
+    split: str = "train"
+
+
+@dataclass
+class Job:
+    config_file: str = _opt("", "TOML file to read")
+    dump_folder: str = _opt("./outputs", "folder for checkpoints, metrics, logs")
+    description: str = _opt("", "free text describing the job")
+
+
+@dataclass
+class Model:
+    name: str = _opt("llama", "model architecture", choices=["llama"])
+    flavor: str = _opt(
+        "debugmodel", "model size preset, a name in torchtitan.models.llama.llama_configs"
+    )
+    tokenizer_path: str = _opt(
+        "data/tokenizer/tokenizer.model",
+        "SentencePiece .model, or a tokenizers tokenizer.json (or a folder holding one); "
+        "relative paths are tried in the current directory, then the repo root",
+    )
+    bos_token: str = _opt(
+        "", "text of the token that starts each document; empty: the tokenizer files' own"
+    )
+    eos_token: str = _opt(
+        "", "text of the token that ends each document; empty: the tokenizer files' own"
+    )
+    dropout: float = _opt(0.0, "dropout probability", ge=0.0, lt=1.0)
+    attention_mask: str = _opt(
+        "causal",
+        "causal: every token sees the whole sequence before it; block_causal: only its own "
+        "document, with RoPE positions restarting at each document",
+        choices=["causal", "block_causal"],
+    )
+    attention_backend: str = _opt(
+        "auto",
+        "attention kernel: sdpa (per-document loop; runs everywhere), flex (FlexAttention "
+        "block mask; trains on CUDA only), varlen (FlashAttention varlen; CUDA, bf16/fp16); "
+        "auto: sdpa on CPU and for causal, on CUDA the fastest present for documents",
+        choices=["auto", "sdpa", "flex", "varlen"],
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = _opt("AdamW", "optimizer", choices=["AdamW", "Adam", "SGD"])
+    lr: float = _opt(8e-4, "peak learning rate", gt=0.0)
+    weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0.0)
+    beta1: float = _opt(0.9, "Adam beta1 (SGD momentum)", ge=0.0, lt=1.0)
+    beta2: float = _opt(0.95, "Adam beta2", ge=0.0, lt=1.0)
+    eps: float = _opt(1e-8, "Adam epsilon", gt=0.0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _opt(200, "steps of linear warmup from 0 to optimizer.lr", ge=0)
+    decay_type: str = _opt(
+        "linear", "shape of the decay after warmup", choices=["linear", "cosine", "constant"]
+    )
+    min_lr_ratio: float = _opt(0.1, "final lr as a fraction of optimizer.lr", ge=0.0, le=1.0)
+
+
+@dataclass
+class Training:
+    batch_size: int = _opt(
+        8, "sequences per micro-batch (per forward and backward) on each data-parallel rank", ge=1
+    )
+    seq_len: int = _opt(2048, "tokens per sequence", ge=2)
+    steps: int = _opt(10000, "number of optimizer steps to train", ge=1)
+    max_norm: float = _opt(1.0, "gradient clipping norm", gt=0.0)
+    dataset: str = _opt(
+        "bundled", "dataset registry name, or a Hugging Face Hub dataset id (owner/name)"
+    )
+    dataset_path: str = _opt(
+        "",
+        "local file, folder or glob, a folder laid out like a Hub dataset (README.md with "
+        "configs), a save_to_disk folder or a pretokenized folder; overrides training.dataset",
+    )
+    dataset_config: str = _opt(
+        "", "config of a Hub dataset or Hub-style folder (empty: its default config)"
+    )
+    dataset_split: str = _opt(
+        "train", "split of a Hub dataset, Hub-style folder or DatasetDict save_to_disk folder"
+    )
+    datasets: list[DatasetSpec] = _opt(
+        [],
+        "weighted mix as name_or_path:weight,... (a Hub id as hub:owner/name[/config[/split]]); "
+        "replaces training.dataset",
+    )
+    streaming: bool = _opt(
+        False,
+        "read sources by units (files, parquet row groups, JSON-lines byte ranges) without "
+        "loading them; a resume seeks to its unit",
+    )
+    shuffle: bool = _opt(True, "shuffle the document order")
+    text_field: str = _opt("text", "column holding the document text")
+    id_field: str = _opt("id", "column holding the document id")
+    num_workers: int = _opt(0, "dataloader worker processes per rank", ge=0)
+    length_index_dir: str = _opt(
+        "",
+        "where each corpus's token counts are cached (measured on its first start; empty: "
+        "$TORCHTITAN_CACHE/length_index or ~/.cache/torchtitan/length_index)",
+    )
+    stop_at_step: int = _opt(
+        -1,
+        "stop after this step as if preempted (-1: run to training.steps); the LR schedule still spans training.steps",
+        ge=-1,
+    )
+    seed: int = _opt(42, "seed for model init, data order and dropout")
+    deterministic: bool = _opt(False, "use deterministic torch algorithms")
+    data_parallel: str = _opt("fsdp", "data-parallel wrapper", choices=["fsdp", "ddp"])
+    global_batch_size: int = _opt(
+        0,
+        "sequences per optimizer step over all ranks, split as evenly as they go over the "
+        "data-parallel ranks and into micro-batches of at most batch_size (0: batch_size x ranks)",
+        ge=0,
+    )
+    batch_size_schedule: str = _opt(
+        "",
+        "global batch by step, as step:sequences,... from step 0 (e.g. 0:256,2000:512); "
+        "overrides global_batch_size",
+    )
+    mixed_precision_param: str = _opt(
+        "auto",
+        "dtype of the forward and backward compute; parameters and optimizer state stay "
+        "float32 (auto: bfloat16 on GPU, float32 on CPU)",
+        choices=["auto", "bfloat16", "float32"],
+    )
+    mixed_precision_reduce: str = _opt(
+        "float32", "dtype of the gradient reduction across ranks (FSDP)",
+        choices=["float32", "bfloat16"],
+    )  # fmt: skip
+    compile: bool = _opt(False, "torch.compile each transformer block and the loss")
+    mask_document_boundaries: bool = _opt(
+        False,
+        "ignore in the loss the label that crosses from one document into the next (a "
+        "document's EOS predicting the next one's BOS); the loss is the mean over the "
+        "labels that count, over all micro-batches and ranks",
+    )
+    bad_data: str = _opt(
+        "skip",
+        "policy for empty, non-string or undecodable documents",
+        choices=["skip", "error"],
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _opt(
+        1,
+        "data-parallel replicas (HSDP with training.data_parallel fsdp: each replica shards "
+        "the model over data_parallel_shard_degree ranks)",
+        ge=1,
+    )
+    data_parallel_shard_degree: int = _opt(
+        -1,
+        "ranks each data-parallel replica shards the model over (FSDP); -1: the world size "
+        "divided by the other degrees",
+        ge=-1,
+    )
+    tensor_parallel_degree: int = _opt(
+        1,
+        "ranks each layer's matrices are split over (tensor parallel, innermost: adjacent "
+        "ranks); they train on the same batches",
+        ge=1,
+    )
+    sequence_parallel: bool = _opt(
+        True, "with tensor parallelism, shard the norms' and residuals' activations by sequence"
+    )
+    loss_parallel: bool = _opt(
+        True, "with tensor parallelism, compute the loss on vocabulary-sharded logits"
+    )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _opt(
+        "none",
+        "recompute transformer blocks' activations in the backward pass: none, full (every "
+        "block) or selective (every selective_every-th block)",
+        choices=["none", "full", "selective"],
+    )
+    selective_every: int = _opt(2, "with mode selective, recompute every k-th block", ge=1)
+
+
+@dataclass
+class Validation:
+    enable: bool = _opt(False, "log a held-out loss every validation.freq steps")
+    dataset: str = _opt(
+        "bundled", "dataset registry name or Hub dataset id (owner/name) of the held-out data"
+    )
+    dataset_path: str = _opt(
+        "",
+        "local path of the held-out data (as training.dataset_path); overrides validation.dataset",
+    )
+    dataset_config: str = _opt("", "config of the held-out data (as training.dataset_config)")
+    dataset_split: str = _opt(
+        "train", "split of the held-out data (as training.dataset_split), e.g. validation"
+    )
+    freq: int = _opt(100, "steps between validations (and at the last step)", ge=1)
+    steps: int = _opt(10, "batches per validation, per rank, from the start of the data", ge=1)
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = _opt(False, "save and resume checkpoints")
+    folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval: int = _opt(
+        500,
+        "steps between checkpoints",
+        ge=1,
+        hint="to disable checkpointing set checkpoint.enable_checkpoint false",
+    )
+    keep_latest_k: int = _opt(0, "checkpoints to keep; 0 keeps all", ge=0)
+    load_step: int = _opt(-1, "step to resume from; -1 = latest", ge=-1)
+    async_mode: str = _opt("disabled", "checkpoint saving mode", choices=["disabled", "async"])
+    exclude_from_loading: list[str] = _opt(
+        [],
+        "state to skip when resuming",
+        choices=["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"],
+    )
+    model_weights_only: bool = _opt(False, "save only model weights at the final step")
+    create_seed_checkpoint: bool = _opt(False, "write the step-0 checkpoint and exit")
+    fallback_on_corruption: bool = _opt(False, "resume from an older checkpoint if one is corrupt")
+    accept_data_change: bool = _opt(False, "resume even if the data fingerprint changed")
+    initial_load_path: str = _opt(
+        "",
+        "weights to start from when the run has no checkpoint of its own: another job's "
+        "step-N folder (dcp) or a Hugging Face model folder (hf)",
+    )
+    initial_load_format: str = _opt(
+        "dcp", "format of checkpoint.initial_load_path", choices=["dcp", "hf"]
+    )
+    save_on_signal: list[str] = _opt(
+        ["SIGTERM", "SIGUSR1"],
+        "signals on which every rank saves the current step and exits (empty: none)",
+        choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"],
+    )
+    lease_wait_seconds: float = _opt(
+        60.0,
+        "how long a job waits for a live job holding the checkpoint folder's lease to exit "
+        "(a requeue's predecessor still saving) before it stops",
+        ge=0,
+    )
+    lease_timeout_seconds: float = _opt(
+        60.0,
+        "a lease whose heartbeat is older than this is a killed job's and is taken over",
+        ge=1,
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _opt(10, "steps between metric logs", ge=1)
+    enable_tensorboard: bool = _opt(False, "write TensorBoard events")
+    tensorboard_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder")
+    jsonl_file: str = _opt("", "metrics JSONL file; empty means <dump_folder>/metrics.jsonl")
+    data_provenance: bool = _opt(False, "log which documents each step consumed")
+    peak_tflops: float = _opt(
+        0.0,
+        "peak dense bf16 TFLOP/s of one accelerator, for MFU (0: known GPUs by name; "
+        "MFU is not logged on an unknown device)",
+        ge=0.0,
+    )
+    enable_wandb: bool = _opt(
+        False,
+        "log to Weights & Biases (rank 0; project from WANDB_PROJECT, offline with "
+        "WANDB_MODE=offline; needs pip install wandb)",
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _opt(False, "torch profiler traces on rank 0 and the last rank")
+    profile_freq: int = _opt(10, "steps between profiled steps", ge=1)
+    save_traces_folder: str = _opt(
+        "profile_traces", "trace folder, relative to job.dump_folder (iteration_<step>/)"
+    )
+    enable_memory_snapshot: bool = _opt(
+        False,
+        "with the traces, the CUDA allocator's memory snapshot (on CPU: a memory summary)",
+    )
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _opt(
+        300,
+        "seconds a collective may wait until the first step is done (start-up, resume, "
+        "the first step's compile), on every process group",
+        ge=1,
+    )
+    train_timeout_seconds: int = _opt(
+        300,
+        "seconds a collective may wait after the first step, on every process group: a "
+        "stopped or hung rank ends the job this long after it stopped answering (keep it "
+        "above the longest gap between two collectives, e.g. the slowest rank's save)",
+        ge=1,
+    )
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    validation: Validation = field(default_factory=Validation)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def jsonl_path(self) -> str:
+        return self.metrics.jsonl_file or str(Path(self.job.dump_folder) / "metrics.jsonl")
+
+
+def range_text(meta) -> str:
+    """The allowed range as '>= 1', '> 0.0' or 'in [0.0, 1.0)'; empty when unbounded."""
+    ge, gt, le, lt = (meta.get(k) for k in ("ge", "gt", "le", "lt"))
+    lo, hi = (ge if ge is not None else gt), (le if le is not None else lt)
+    if lo is not None and hi is not None:
+        return f"in {'[' if ge is not None else '('}{lo}, {hi}{']' if le is not None else ')'}"
+    if lo is not None:
+        return f"{'>=' if ge is not None else '>'} {lo}"
+    if hi is not None:
+        return f"{'<=' if le is not None else '<'} {hi}"
+    return ""
