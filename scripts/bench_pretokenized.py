@@ -26,7 +26,7 @@ import torch
 
 from torchtitan.config import parse_args
 from torchtitan.data import ParallelDataLoader, build_dataloader
-from torchtitan.data.pretokenize import available_cores, pretokenize
+from torchtitan.data.pretokenized_write import available_cores, pretokenize
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 

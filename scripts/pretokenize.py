@@ -7,7 +7,7 @@
 --source is what training takes: a registry name, a Hub dataset id (owner/name, with
 --config/--split), or a local file, folder or glob (a Hub-style or save_to_disk folder
 with --config/--split). The output (parquet token shards and manifest.json, see
-torchtitan/data/pretokenize.py) is the same whatever --workers is, and training on it
+torchtitan/data/pretokenized_write.py) is the same whatever --workers is, and training on it
 yields the same batches as training on the source with the same tokenizer.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from torchtitan.data.pretokenize import pretokenize
+from torchtitan.data.pretokenized_write import pretokenize
 from torchtitan.data.sources import DataError, resolve_any
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 

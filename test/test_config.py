@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan import parallel
-from torchtitan.config import ConfigError, DatasetSpec, JobConfig, parse_args, resolve_path
+from torchtitan.config import ConfigError, DatasetEntry, JobConfig, parse_args, resolve_path
 from torchtitan.data import checks as data_checks
 from torchtitan.models import attention
 
@@ -148,18 +148,18 @@ weight = 1
     )
     cfg = parse_args(["--job.config_file", path])
     assert cfg.training.datasets == [
-        DatasetSpec(name="shakespeare", weight=0.7),
-        DatasetSpec(path="data/corpus.jsonl", weight=1.0),
+        DatasetEntry(name="shakespeare", weight=0.7),
+        DatasetEntry(path="data/corpus.jsonl", weight=1.0),
     ]
 
 
 def test_datasets_cli_form():
     cfg = parse_args(["--training.datasets", "shakespeare:0.7,kjv:0.3,dump.parquet:2,a/b:1"])
     assert cfg.training.datasets == [
-        DatasetSpec(name="shakespeare", weight=0.7),
-        DatasetSpec(name="kjv", weight=0.3),
-        DatasetSpec(path="dump.parquet", weight=2.0),
-        DatasetSpec(path="a/b", weight=1.0),
+        DatasetEntry(name="shakespeare", weight=0.7),
+        DatasetEntry(name="kjv", weight=0.3),
+        DatasetEntry(path="dump.parquet", weight=2.0),
+        DatasetEntry(path="a/b", weight=1.0),
     ]
 
 

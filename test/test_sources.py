@@ -29,9 +29,9 @@ from conftest import (
 from test_data import assert_restores_at_every_step, cfg, global_steps, loaders
 
 from torchtitan.checkpoint import fingerprint_diff
-from torchtitan.config import ConfigError, DatasetSpec, parse_args
+from torchtitan.config import ConfigError, DatasetEntry, parse_args
 from torchtitan.data import document_lengths, source_specs
-from torchtitan.data.pretokenize import pretokenize
+from torchtitan.data.pretokenized_write import pretokenize
 from torchtitan.data.sources import DataError, open_source, resolve_source
 
 README = """---
@@ -284,8 +284,8 @@ def test_unreachable_hub_id_is_one_line(tmp_path, monkeypatch):
 def test_mix_entries_take_hub_ids_configs_and_splits(tmp_path, hub_repo):
     cfg = parse_args([*CONFIG, "--training.datasets", "hub:allenai/c4/en:0.3,shakespeare:0.7"])
     assert cfg.training.datasets == [
-        DatasetSpec(name="allenai/c4", config="en", weight=0.3),
-        DatasetSpec(name="shakespeare", weight=0.7),
+        DatasetEntry(name="allenai/c4", config="en", weight=0.3),
+        DatasetEntry(name="shakespeare", weight=0.7),
     ]
     assert (
         parse_args([*CONFIG, "--training.dataset", "allenai/c4"]).training.dataset == "allenai/c4"

@@ -216,7 +216,7 @@ def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
 
 
 class ProvenanceWriter:
-    """Per rank, one JSON line per step: for each sequence, its spans [source, doc_id, start, end)."""
+    """Per rank, one JSON line per step: for each sequence, its spans ``[source, doc_id, start, end, epoch, unit]`` (provenance.py reads them)."""
 
     def __init__(self, folder: str, rank: int, start_step: int, is_main: bool):
         self.path = os.path.join(folder, f"rank{rank}.jsonl")

@@ -5,7 +5,7 @@ recorded spans cover every document they touch exactly once and without holes
 (``check_exactly_once``), and that nothing was skipped (``check_complete``: every
 document of a finished pass read whole, at most one partly read document per source
 at the stop). Written by ``metrics.ProvenanceWriter``; each line is
-``{"step": N, "sequences": [[[source, doc_id, start, end, epoch, shard], ...], ...]}``
+``{"step": N, "sequences": [[[source, doc_id, start, end, epoch, unit], ...], ...]}``
 with token offsets into the document as tokenized with its BOS/EOS, end exclusive, the
 epoch in which the document was read (a document is read once per epoch) and the
 unit (of the source's shuffle) that holds it.

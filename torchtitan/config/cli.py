@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.schema import DatasetSpec, JobConfig, range_text
+from torchtitan.config.schema import DatasetEntry, JobConfig, range_text
 from torchtitan.config.validate import validate
 
 try:
@@ -50,7 +50,7 @@ def resolve_path(p: str) -> str:
 
 
 def _type_name(tp) -> str:
-    if tp == list[DatasetSpec]:
+    if tp == list[DatasetEntry]:
         return "list[name_or_path:weight]"
     return tp.__name__ if isinstance(tp, type) else str(tp)
 
@@ -73,7 +73,7 @@ def _lookup(section: str, key: str, where: str):
     return by_name[key]
 
 
-def _parse_dataset_item(key: str, item: str) -> DatasetSpec:
+def _parse_dataset_item(key: str, item: str) -> DatasetEntry:
     hub = item.strip().startswith(_HUB_PREFIX)
     source, weight = item.strip().removeprefix(_HUB_PREFIX), 1.0
     if ":" in source:
@@ -92,16 +92,16 @@ def _parse_dataset_item(key: str, item: str) -> DatasetSpec:
                 f"{key}: {item!r} is not a Hub dataset; write hub:owner/name[/config[/split]]:weight"
             )
         config, split = (parts + ["", "train"][len(parts) - 2 :])[2:4]
-        return DatasetSpec(name="/".join(parts[:2]), config=config, split=split, weight=weight)
+        return DatasetEntry(name="/".join(parts[:2]), config=config, split=split, weight=weight)
     if "/" in source or source.endswith(_PATH_SUFFIXES):
-        return DatasetSpec(path=source, weight=weight)
-    return DatasetSpec(name=source, weight=weight)
+        return DatasetEntry(path=source, weight=weight)
+    return DatasetEntry(name=source, weight=weight)
 
 
 def _from_text(key: str, tp, text: str):
     """Convert one command-line string to the field's type."""
     items = [s.strip() for s in text.split(",") if s.strip()]
-    if tp == list[DatasetSpec]:
+    if tp == list[DatasetEntry]:
         return [_parse_dataset_item(key, item) for item in items]
     if tp == list[str]:
         return items
@@ -120,18 +120,18 @@ def _from_text(key: str, tp, text: str):
 
 def _from_toml(key: str, tp, value):
     """Check and convert one TOML value to the field's type."""
-    if tp == list[DatasetSpec]:
+    if tp == list[DatasetEntry]:
         if isinstance(value, str):
             return _from_text(key, tp, value)
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
             raise ConfigError(f"{key}: expected an array of tables [[{key}]], got {value!r}")
-        types = {f.name: f.type for f in fields(DatasetSpec)}
+        types = {f.name: f.type for f in fields(DatasetEntry)}
         specs = []
         for i, table in enumerate(value):
             for name in set(table) - set(types):
                 raise ConfigError(f"unknown key {key}[{i}].{name}; valid keys: {', '.join(types)}")
             spec = {n: _from_toml(f"{key}[{i}].{n}", types[n], v) for n, v in table.items()}
-            specs.append(DatasetSpec(**spec))
+            specs.append(DatasetEntry(**spec))
         return specs
     if tp == list[str]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -226,7 +226,7 @@ def help_text() -> str:
         lines.append(f"[{section.name}]")
         for f in fields(section.type):
             default = f.default if f.default_factory is MISSING else f.default_factory()
-            default = [asdict(d) for d in default] if f.type == list[DatasetSpec] else default
+            default = [asdict(d) for d in default] if f.type == list[DatasetEntry] else default
             choices, limits = f.metadata.get("choices"), range_text(f.metadata)
             extra = f" (choices: {', '.join(choices)})" if choices else ""
             extra += f" (range: {limits})" if limits else ""

@@ -26,10 +26,12 @@ def _opt(default, help, *, choices=None, ge=None, gt=None, le=None, lt=None, hin
 
 
 @dataclass
-class DatasetSpec:
-    """One source in a weighted mix: a registry name, a Hub dataset id (``owner/name``)
-    or a local path, and its weight. ``config`` and ``split`` choose part of a Hub
-    dataset, of a folder laid out like one, or of a ``DatasetDict.save_to_disk`` folder."""
+class DatasetEntry:
+    """One entry of ``training.datasets`` as the config says it: a registry name, a Hub
+    dataset id (``owner/name``) or a local path, and its weight. ``config`` and ``split``
+    choose part of a Hub dataset, of a folder laid out like one, or of a
+    ``DatasetDict.save_to_disk`` folder. The data package resolves it to a
+    ``data.spec.SourceSpec`` (its files, identity and kind)."""
 
     name: str = ""
     path: str = ""
@@ -119,7 +121,7 @@ class Training:
     dataset_split: str = _opt(
         "train", "split of a Hub dataset, Hub-style folder or DatasetDict save_to_disk folder"
     )
-    datasets: list[DatasetSpec] = _opt(
+    datasets: list[DatasetEntry] = _opt(
         [],
         "weighted mix as name_or_path:weight,... (a Hub id as hub:owner/name[/config[/split]]); "
         "replaces training.dataset",

@@ -23,7 +23,7 @@ import math
 from dataclasses import fields
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.schema import DatasetSpec, JobConfig, range_text
+from torchtitan.config.schema import DatasetEntry, JobConfig, range_text
 
 # Modules exporting check_config(cfg), run in this order after the rules below.
 COMPONENTS = ("torchtitan.data.checks", "torchtitan.parallel", "torchtitan.models")
@@ -90,7 +90,7 @@ def check_rules(cfg: JobConfig) -> None:
         _check_importable("wandb", "metrics.enable_wandb", "wandb")
 
 
-def _check_dataset_spec(key: str, spec: DatasetSpec) -> None:
+def _check_dataset_spec(key: str, spec: DatasetEntry) -> None:
     """One entry of a mix; whether its name is a known dataset is the data's check."""
     if bool(spec.name) == bool(spec.path):
         raise ConfigError(

@@ -14,7 +14,7 @@ from torchtitan.data.dataset import Position, TokenStream
 from torchtitan.data.loader import BatchSchedule, ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
 from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
-from torchtitan.data.pretokenized import check_tokenizer, stored_lengths
+from torchtitan.data.pretokenized_read import check_tokenizer, stored_lengths
 from torchtitan.data.sources import DataError, SourceSpec, open_source
 
 __all__ = [

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.data import index as length_index
-from torchtitan.data.pretokenized import check_tokenizer
+from torchtitan.data.pretokenized_read import check_tokenizer
 from torchtitan.data.sources import DataError, SourceSpec, is_remote, open_source, resolve_source
 
 

@@ -2,7 +2,7 @@
 
 Owns: resolving a registry name, file, folder or glob to a list of files (a Hub
 dataset id, a Hub-style or ``save_to_disk`` folder through hub.py, a pretokenized
-folder through pretokenized.py); opening them with ``datasets.load_dataset`` or
+folder through pretokenized_read.py); opening them with ``datasets.load_dataset`` or
 ``load_from_disk`` (map-style) and reading documents by index. Streaming sources are
 streaming.py's; ``open_source`` chooses between the two. The types every kind shares
 are spec.py's (re-exported here: callers outside the package import them from here).
@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 
 from torchtitan import REPO_ROOT
-from torchtitan.data import hub, pretokenized
+from torchtitan.data import hub, pretokenized_read
 from torchtitan.data.spec import (
     _FORMATS,
     DEFAULT_SPLIT,
@@ -160,9 +160,9 @@ def resolve_source(
     """
     if path:
         folder = local_path(path)
-        if pretokenized.is_pretokenized(folder):
+        if pretokenized_read.is_pretokenized(folder):
             _check_no_parts(path, config, split)
-            return pretokenized.pretokenized_source(folder, name, weight, location=path)
+            return pretokenized_read.pretokenized_source(folder, name, weight, location=path)
         if hub.is_saved(folder):
             return hub.saved_source(folder, config, split, weight, location=path)
         if hub.is_hub_folder(folder):

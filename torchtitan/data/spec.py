@@ -3,7 +3,7 @@
 Owns: ``SourceSpec`` (a source's name, files, weight and identity, and the data's
 fingerprint), ``DataError`` and ``BadText``, the seeded per-pass permutation every
 order is built from (``epoch_order``), reading Arrow token columns, and the column
-check. sources.py resolves and opens sources; streaming.py, hub.py and pretokenized.py
+check. sources.py resolves and opens sources; streaming.py, hub.py and pretokenized_read.py
 each handle a kind; all of them build on this module, which imports none of them (so
 the data package has no import circle).
 

@@ -11,7 +11,7 @@ exactly as to encoded text (packing.py), and a null row is skipped as unusable t
 
 Owns: recognizing such a folder (``pretokenized_source``), refusing another tokenizer
 (``check_tokenizer``), and the stored document lengths (``stored_lengths``, for the
-provenance check). Writing one is pretokenize.py's.
+provenance check). Writing one is pretokenized_write.py's.
 
 Never: add BOS/EOS to what it stores, or drop a document (a dropped row would shift
 every index, and with them the order).

@@ -1,4 +1,4 @@
-"""Writing a pretokenized corpus (see pretokenized.py for the format and reading it).
+"""Writing a pretokenized corpus (see pretokenized_read.py for the format and reading it).
 
 Owns: ``pretokenize``: a map-style source tokenized in parallel over fixed chunks of
 rows, so the bytes written do not depend on the number of workers, with the manifest
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan.data.packing import LONG_DOCUMENT_CHARS, document_problem, encode_document
-from torchtitan.data.pretokenized import (
+from torchtitan.data.pretokenized_read import (
     CHUNK_DOCUMENTS,
     FILE_TOKENS,
     FORMAT,
