@@ -22,14 +22,10 @@ from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import (
     DataError,
-    DataPlan,
     ParallelDataLoader,
     build_dataloader,
-    combine,
-    inspect_share,
-    list_sources,
 )
-from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
+from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.metrics import StepMetrics
@@ -103,46 +99,6 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
     return parallel.parallelize(model, cfg, dims)
 
 
-def resolve_data(cfg: JobConfig, tokenizer: Tokenizer, dims: parallel.ParallelDims) -> DataPlan:
-    """One resolution of the data per job (torchtitan/data/plan.py): rank 0 lists the
-    sources, every rank inspects its share of the files, rank 0 combines the shares; then
-    the length index, measured in shares where it is not cached yet. O(files / ranks) file
-    reads per rank (O(documents / ranks) tokenized on a corpus's first start); a DataError
-    anywhere stops every rank with it."""
-    t = cfg.training
-    specs = parallel.on_main(dims, list_sources, t)
-    try:
-        share = inspect_share(specs, t, tokenizer, dims.rank, dims.world_size)
-    except DataError as e:
-        share = e  # rank 0 raises it for every rank
-    plan = parallel.on_main(dims, _on_shares(combine, specs, parallel.gather_objects(dims, share)),
-                            t, tokenizer)  # fmt: skip
-    found = parallel.on_main(dims, cached_indexes, plan, t)
-    if any(index is None for index in found):
-        try:
-            share = measure_share(plan, found, t, tokenizer, dims.rank, dims.world_size)
-        except DataError as e:
-            share = e
-        complete = _on_shares(complete_indexes, plan, found, parallel.gather_objects(dims, share))
-        found = parallel.on_main(dims, complete, t)
-    plan.indexes = found
-    return plan
-
-
-def _on_shares(combine_shares, *args):
-    """``combine_shares(*args, shares, ...)`` that raises the first rank's DataError a
-    share holds instead (so rank 0 raises it for every rank)."""
-    *head, shares = args
-
-    def combined(*rest):
-        for share in shares:
-            if isinstance(share, Exception):
-                raise share
-        return combine_shares(*head, shares, *rest)
-
-    return combined
-
-
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
     if dims.world_size != 1:
         raise ConfigError(
@@ -189,7 +145,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     model = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    plan = resolve_data(cfg, tokenizer, dims)
+    plan = resolve_plan(cfg.training, tokenizer, parallel.JobRanks(dims))
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
     train_state = TrainState()

@@ -4,7 +4,7 @@
 
 One process simulates rank r of R (r = R // 2; R = 1, 64, 1,024) over a streaming
 parquet corpus of --files tiny files (4 documents each, generated under the temporary
-folder), through the path train.py runs (``resolve_data``): rank 0 lists the sources
+folder), through the path train.py runs (``data.plan.resolve_plan``): rank 0 lists the sources
 once (``list_sources``), every rank inspects its share of the files
 (``inspect_share``), rank 0 combines them (``combine``) and looks for the corpus's
 length index in the cache (``cached_indexes``); where there is none (a corpus's first

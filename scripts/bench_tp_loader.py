@@ -4,7 +4,7 @@
 
 A torchrun job of 4 CPU ranks (gloo) laid out as 2 DP x 2 TP. For each batch shape
 (micro-batch x seq_len), on the bundled corpus, through the project's own data path as
-train.py runs it (``resolve_data``: the job's data plan and length index, resolved
+train.py runs it (``data.plan.resolve_plan``: the job's data plan and length index, resolved
 once over the ranks; then ``build_dataloader`` for the rank's data-parallel rank):
 
   build      every TP rank builds the DP rank's loader and draws its batches itself
@@ -43,8 +43,8 @@ def rank_main(args) -> list[dict]:
     from torchtitan import parallel
     from torchtitan.config import parse_args
     from torchtitan.data import build_dataloader
+    from torchtitan.data.plan import resolve_plan  # the product path, as train.py runs it
     from torchtitan.data.tokenizer import build_tokenizer
-    from train import resolve_data  # the product path (the repository root is on the path)
 
     dims = parallel.init_distributed()
     rows = []
@@ -56,7 +56,7 @@ def rank_main(args) -> list[dict]:
         layout = parallel.apply_layout(dims, cfg)
         tp_group = layout.mesh["tp"].get_group()
         tokenizer = build_tokenizer(cfg.model)
-        plan = resolve_data(cfg, tokenizer, layout)  # collective: every rank, as train.py
+        plan = resolve_plan(cfg.training, tokenizer, parallel.JobRanks(layout))  # every rank
         row = {"shape": shape, "batches": args.batches}
         for mode in ("build", "broadcast"):
             dist.barrier()

@@ -446,6 +446,28 @@ def all_gather_objects(dims: ParallelDims, obj) -> list:
     return out
 
 
+@dataclass
+class JobRanks:
+    """The job's ranks as the data plan uses them (``data.plan.Ranks``): rank 0 runs
+    what is done once per job, every rank its share, over the checkpoint group."""
+
+    dims: ParallelDims
+
+    @property
+    def rank(self) -> int:
+        return self.dims.rank
+
+    @property
+    def world(self) -> int:
+        return self.dims.world_size
+
+    def on_main(self, fn, *args):
+        return on_main(self.dims, fn, *args)
+
+    def gather(self, obj) -> list:
+        return gather_objects(self.dims, obj)
+
+
 def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     """Turn a model built on the meta device into the training model on this rank:
     tensor parallel, activation checkpointing, compilation, FSDP2/HSDP (or DDP), then
