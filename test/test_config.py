@@ -346,7 +346,7 @@ def test_tensorboard_missing_is_one_error_line_before_anything_is_built(tmp_path
     line naming the option and the fix, instead of a traceback from the metric logger
     after the model is built. Importing a module whose sys.modules entry is None fails,
     as it does when the package is not installed."""
-    from conftest import error_lines, train_here
+    from helpers import error_lines, train_here
 
     for name in ("tensorboard", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -9,65 +9,29 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG
+from helpers import (
+    CONFIG,
+    SEQ,
+    assert_spans_tile_every_document,
+    assert_two_ranks_restore_at_every_step,
+    assert_workers_give_the_main_batches,
+    cfg,
+    doc_tokens,
+    global_steps,
+    loaders,
+    window_of,
+)
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
-from torchtitan.config import parse_args
-from torchtitan.data import build_dataloader, build_stream, local_plan
+from torchtitan.checkpoint.entries import from_tensor
+from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.dataset import Position
 from torchtitan.data.loader import BatchSchedule, plan_steps
 from torchtitan.data.order import MixSchedule
 from torchtitan.data.sources import DataError, resolve_source
-
-SEQ = 31  # windows of 32 tokens: documents of a few hundred tokens span many windows
-
-
-def cfg(corpus, *extra, seq=SEQ, batch=4, **kw):
-    argv = [*CONFIG, "--training.seq_len", seq, "--training.batch_size", batch,
-            "--training.seed", 7]  # fmt: skip
-    if corpus is not None:
-        argv += ["--training.dataset_path", str(corpus)]
-    for key, value in kw.items():
-        argv += [f"--training.{key}", value]
-    return parse_args([str(a) for a in [*argv, *extra]])
-
-
-def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
-    c = cfg(corpus, *extra, **kw)
-    plan = local_plan(c.training, tokenizer)
-    return [build_dataloader(c, tokenizer, r, world, plan) for r in range(world)]
-
-
-def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
-    import datasets
-
-    ds = datasets.load_dataset(
-        "json", data_files=sorted(str(p) for p in corpus.glob("*.jsonl")), split="train"
-    )
-    return {row["id"]: tokenizer.encode(row["text"], bos=True, eos=True) for row in ds}
-
-
-def window_of(batch, i) -> list[int]:
-    return torch.cat([batch["input"][i], batch["label"][i, -1:]]).tolist()
-
-
-def global_steps(ranks: list, steps: int) -> list[list]:
-    """Each step's sequences over all ranks, in rank order: (tokens, spans) per sequence."""
-    out = []
-    for _ in range(steps):
-        step = []
-        for loader in ranks:
-            for batch in loader.next_step():
-                step += [
-                    (window_of(batch, i), batch["spans"][i]) for i in range(len(batch["spans"]))
-                ]
-        out.append(step)
-    return out
 
 
 def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
@@ -80,45 +44,6 @@ def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
                 return read / total
             read += end - start
     return 1.0
-
-
-def assert_exactly_once(sequences, lengths: dict[str, int], epochs=(0,)):
-    covered = defaultdict(list)
-    for spans in sequences:
-        for _, doc_id, start, end, epoch, _ in spans:
-            covered[(doc_id, epoch)].append((start, end))
-    for epoch in epochs:
-        assert {d for d, e in covered if e == epoch} == set(lengths), f"pass {epoch} incomplete"
-    for (doc_id, _), spans in covered.items():
-        spans = sorted(spans)
-        assert spans[0][0] == 0, (doc_id, spans)
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (doc_id, spans)
-
-
-def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: int,
-                                  delta: int = 1):  # fmt: skip
-    """``build()`` gives fresh loaders of every rank. Over ``steps`` steps (which must cross
-    more than two passes), the state after each step k in ``ks``, loaded into fresh loaders
-    (each rank its own entry), gives exactly the next ``ahead`` steps. Negative control:
-    the position after step ``control`` moved ``delta`` tokens does not."""
-    ranks = build()
-    reference, states = [], []
-    for _ in range(steps):
-        states.append([r.state_dict() for r in ranks])
-        reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
-
-    def same(k, state) -> bool:
-        fresh = build()
-        for r, loader in enumerate(fresh):
-            loader.load_state_dict(state[r])
-        return global_steps(fresh, ahead) == reference[k : k + ahead]
-
-    for k in ks:
-        assert same(k, states[k]), k
-    entry = from_tensor(states[control][0]["dp_rank_0"])
-    entry["offsets"][0] += delta
-    assert not same(control, [{"dp_rank_0": to_tensor(entry)}] * len(ranks))
 
 
 # ---- windows ----------------------------------------------------------------------------
@@ -161,7 +86,7 @@ def test_no_document_repeats_before_the_corpus_is_read_through(heavy_corpus, tok
     per_pass = sum(lengths.values()) // (16 * (SEQ + 1)) + 1
     sequences = [spans for step in global_steps(ranks, per_pass * 2 + 3) for _, spans in step]
     assert coverage_at_first_repeat(sequences, lengths) >= 0.99
-    assert_exactly_once(sequences, lengths, epochs=(0, 1))
+    assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1))
     early = sequences[:10] + [[["heavy", "h0001", 0, 5, 1, 0]]] + sequences[10:]
     assert coverage_at_first_repeat(early, lengths) < 0.01
 
@@ -237,11 +162,7 @@ def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers):
     """The state after k steps, loaded into fresh loaders, gives exactly the rest: 2
     ranks, tiny documents, so steps cross document and pass boundaries. Negative
     control: a position one token off does not reproduce the reference."""
-    extra = dict(streaming=streaming, num_workers=workers, global_batch_size=6)
-    assert_restores_at_every_step(
-        lambda: loaders(tiny_corpus, tokenizer, 2, **extra), steps=14, ahead=3,
-        ks=range(0, 11, 1 if workers == 0 else 5), control=4,
-    )  # fmt: skip
+    assert_two_ranks_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers)
 
 
 def test_the_state_is_a_position_of_a_few_bytes(heavy_corpus, tokenizer):
@@ -382,7 +303,7 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
     pass, the large one once through with nothing left out, and the tokens each source
     gave are reported. (Before, shards without a unit of the small source were skipped
     with their share of the large one.)"""
-    from conftest import write_jsonl
+    from helpers import write_jsonl
 
     small = write_jsonl(tmp_path / "few", [{"id": f"f{i}", "text": f"Few {i}. " * 20}
                                            for i in range(3)], 1)  # fmt: skip
@@ -392,7 +313,9 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
     sequences = []
     while loader.position.offsets[0] < sum(big.values()) + 8 * (SEQ + 1):
         sequences += [spans for b in loader.next_step() for spans in b["spans"]]
-    assert_exactly_once([[s for s in sp if s[0] == "shakespeare"] for sp in sequences], big)
+    assert_spans_tile_every_document(
+        [[s for s in sp if s[0] == "shakespeare"] for sp in sequences], big
+    )
     passes = {s[4] for sp in sequences for s in sp if s[0] == "few"}
     assert len(passes) > 2
     by_source = loader.tokens_by_source()
@@ -433,19 +356,7 @@ def test_workers_give_the_batches_of_the_main_process(
 ):
     """Any worker count, with groups of several micro-batches per message, gives the
     micro-batches of the loader without workers, in order, with their weights."""
-    import torchtitan.data.loader as loader_module
-
-    monkeypatch.setattr(loader_module, "GROUP_TOKENS", 3 * 4 * (SEQ + 1))
-    kw = dict(global_batch_size=20, batch_size=3)
-    (plain,) = loaders(heavy_corpus, tokenizer, 1, **kw)
-    (workers_loader,) = loaders(heavy_corpus, tokenizer, 1, num_workers=workers, **kw)
-    assert workers_loader.group == 4
-    for _ in range(6):
-        a, b = plain.next_step(), workers_loader.next_step()
-        assert len(a) == len(b) == 7
-        for x, y in zip(a, b):
-            assert torch.equal(x["input"], y["input"]) and x["spans"] == y["spans"]
-            assert x["loss_weight"] == y["loss_weight"]
+    assert_workers_give_the_main_batches(heavy_corpus, tokenizer, workers, monkeypatch)
 
 
 @pytest.mark.time_limit(20)  # the bug it guards against hangs the close
@@ -517,7 +428,7 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     script = tmp_path / "exits.py"
     script.write_text(

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     CONFIG,
     REPO,
     bundled_documents,
     error_lines,
+    loaders,
     losses,
     read_jsonl,
     run_main,
     torchrun,
     train_here,
 )
-from test_data import loaders
 
 from torchtitan.data.sources import DataError, resolve_source
 from torchtitan.runs import run_env, torchrun_command

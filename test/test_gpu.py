@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import losses, train_here
-from test_model import many_documents
+from helpers import losses, many_documents, train_here
 
 from torchtitan import config
 from torchtitan.config import parse_args

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import CONFIG, REPO, error_lines
+from helpers import CONFIG, REPO, error_lines
 
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.checkpoint.lease import LEASE, Lease

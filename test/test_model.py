@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import many_documents
 
 from torchtitan.models import (
     ModelArgs,
@@ -475,21 +476,6 @@ def test_block_causal_logits_of_a_document_do_not_depend_on_its_neighbours(backe
     assert torch.equal(together, model(*alone)[0])
     assert not torch.equal(model(packed, positions)[0, 30:50], together)
     assert not torch.equal(model(packed)[0, 30:50], together)
-
-
-def many_documents(B: int = 3, T: int = 160, seed: int = 4, longest: int = 40):
-    """B rows of T tokens cut into documents of 1 to ``longest`` tokens (a row may start
-    with the tail of a document, whose positions also start at 0): tokens, positions, ids."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 4096, (B, T), generator=g)
-    positions, ids = torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
-    for b in range(B):
-        t, d = 0, 0
-        while t < T:
-            n = min(T - t, int(torch.randint(1, longest + 1, (1,), generator=g)))
-            positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
-            t, d = t + n, d + 1
-    return tokens, positions, ids
 
 
 @torch.no_grad()

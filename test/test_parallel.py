@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import CONFIG, assert_exactly_once, losses, read_jsonl, torchrun
+from helpers import CONFIG, assert_run_read_every_token_once, losses, read_jsonl, torchrun
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError, parse_args
@@ -170,7 +170,7 @@ def test_the_chain_over_layouts_reads_every_token_once_and_keeps_the_global_batc
     global position the one before saved; the global batch stayed 12 sequences (2 DP x 3
     x 2 micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the same records with one
     step's data written twice make the checker count duplicates."""
-    assert_exactly_once(layouts.out / "chain")
+    assert_run_read_every_token_once(layouts.out / "chain")
     config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
     lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
     chain = read_provenance(str(layouts.out / "chain" / "provenance"))

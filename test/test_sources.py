@@ -4,7 +4,7 @@ pretokenized corpora. Each restores at every step, has a fingerprint that follow
 data and not its location, and fails with one line that names the fix; a pretokenized
 corpus yields the batches of tokenizing its original on the fly, and is never tokenized.
 
-Loaders are built as test_data builds them (``loaders``: the config parsed, the data
+Loaders are built as a job builds them (helpers' ``loaders``: the config parsed, the data
 plan and length index made by the real code).
 
 No network here: a Hub id is resolved through a local folder standing in for the Hub.
@@ -17,16 +17,20 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import (
     CONFIG,
+    assert_restores_at_every_step,
     bundled_documents,
+    cfg,
     error_lines,
+    global_steps,
+    loaders,
     losses,
     read_jsonl,
     train_here,
     write_jsonl,
+    write_parquet,
 )
-from test_data import assert_restores_at_every_step, cfg, global_steps, loaders
 
 from torchtitan.checkpoint import fingerprint_diff
 from torchtitan.config import ConfigError, DatasetSpec, parse_args
@@ -50,14 +54,6 @@ configs:
 ---
 # A folder laid out like a Hub dataset repository
 """
-
-
-def write_parquet(path: Path, docs: list[dict]):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(docs), path)
 
 
 def write_hub_repo(folder: Path) -> Path:

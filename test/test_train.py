@@ -18,10 +18,10 @@ import sys
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     CONFIG,
     REPO,
-    assert_exactly_once,
+    assert_run_read_every_token_once,
     error_lines,
     losses,
     read_jsonl,
@@ -190,7 +190,7 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
         train_here(dump, *common)
     assert losses(tmp_path / "a") == losses(tmp_path / "ref")
     assert sorted(losses(tmp_path / "a")) == list(range(1, 7))
-    assert_exactly_once(tmp_path / "a")
+    assert_run_read_every_token_once(tmp_path / "a")
     with pytest.raises(RunRecordError, match="step 4 appears out of order"):
         losses(tmp_path / "b")
 
@@ -216,7 +216,7 @@ def test_elastic_chain_ranks_workers_and_batch_sizes(tmp_path, dozen_corpus):
     assert "10 sequences: 1 micro-batches of at most 4 x 32" in proc.stderr
     assert "the busiest does 1.20 x the mean" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))
-    assert_exactly_once(tmp_path)
+    assert_run_read_every_token_once(tmp_path)
     config = [*CONFIG, *map(str, common)]
     assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
     provenance = read_provenance(str(tmp_path / "provenance"))
