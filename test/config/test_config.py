@@ -8,11 +8,10 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from torchtitan import config
 from torchtitan.config import ConfigError, DatasetSpec, JobConfig, parse_args, resolve_path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -286,7 +285,7 @@ def test_malformed_cli(argv, fragments):
 
 def test_resolve_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert resolve_path("pyproject.toml") == str(REPO_ROOT / "pyproject.toml")
+    assert resolve_path("pyproject.toml") == str(REPO / "pyproject.toml")
     (tmp_path / "pyproject.toml").write_text("")
     assert resolve_path("pyproject.toml") == str(tmp_path / "pyproject.toml")
     assert resolve_path("no/such/file") == "no/such/file"
@@ -307,7 +306,7 @@ def test_real_dataset_registry_knows_the_default():
 
 def run_cli(*args):
     code = "from torchtitan.config import load_config_or_exit; load_config_or_exit()"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
     )
