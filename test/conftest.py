@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
 
+from torchtitan.data.pretokenize import pretokenize
+from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
 # ---- guards: a time limit per test, and no process left behind --------------------------
@@ -217,3 +219,11 @@ def second_corpus(tmp_path_factory) -> Path:
 def heavy_corpus(tmp_path_factory) -> Path:
     """240 documents of heavy-tailed lengths in three jsonl files."""
     return write_jsonl(tmp_path_factory.mktemp("heavy") / "heavy", heavy_tailed_documents(240), 3)
+
+
+@pytest.fixture(scope="session")
+def pretokenized(tmp_path_factory, tiny_corpus, tokenizer) -> Path:
+    """tiny_corpus, pretokenized in this process."""
+    out = tmp_path_factory.mktemp("pretok") / "tok"
+    pretokenize(resolve_source(path=str(tiny_corpus)), tokenizer, str(out), workers=1)
+    return out

@@ -74,6 +74,20 @@ def write_jsonl(folder: Path, docs: list[dict], files: int = 2) -> Path:
     return folder
 
 
+def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | None = None) -> Path:
+    """One file at ``path``: ``rows`` as JSON lines, or the bytes ``raw`` as they are (bad
+    data); returns its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path.parent
+
+
+GOOD_DOCUMENTS = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
+
+
 def write_parquet(path: Path, docs: list[dict], row_group: int | None = None) -> Path:
     """``docs`` as one parquet file at ``path``, in row groups of ``row_group`` rows
     (pyarrow's default where None)."""
@@ -133,6 +147,20 @@ def train_here(dump, *extra, expect_ok=True) -> tuple[int, str]:
     if expect_ok:
         assert status == 0, log[-4000:]
     return status, log
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie waits on whoever adopted it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of a live process's children (Linux: /proc)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
+            for c in (task / "children").read_text().split()]  # fmt: skip
 
 
 # ---- records of a run -------------------------------------------------------------------

@@ -16,7 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import CONFIG, assert_run_read_every_token_once, losses, read_jsonl, torchrun
+from helpers import (
+    CONFIG,
+    assert_run_read_every_token_once,
+    error_lines,
+    losses,
+    read_jsonl,
+    run_main,
+    torchrun,
+)
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError, parse_args
@@ -312,3 +320,73 @@ def _with_vocab(args, vocab: int):
     from dataclasses import replace
 
     return replace(args, vocab_size=vocab)
+
+
+# ---- process groups under faults: timeouts, broken collectives, restarts ------------------
+
+
+def test_comm_timeouts_reach_every_process_group(monkeypatch):
+    """``[comm]``: the init timeout is every group's until the first step, then the train
+    timeout (a one-rank gloo job in this process: the groups are real)."""
+    from torchtitan import parallel
+    from torchtitan.config import parse_args
+    from torchtitan.runs import free_port
+
+    status, log = run_main([*CONFIG, "--comm.train_timeout_seconds", 0])
+    assert status == 2 and "comm.train_timeout_seconds" in log
+    cfg = parse_args([*CONFIG, "--comm.init_timeout_seconds", "7",
+                      "--comm.train_timeout_seconds", "3"])  # fmt: skip
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
+    try:
+
+        def timeouts() -> list[float]:
+            groups = parallel.process_groups(dims)
+            assert len(groups) == 3  # the default, checkpoint and control groups
+            return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for g in groups]  # fmt: skip
+
+        assert timeouts() == [7, 7, 7]
+        dims = parallel.apply_layout(dims, cfg)
+        assert timeouts() == [7, 7, 7]
+        parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
+        assert timeouts() == [3, 3, 3]
+    finally:
+        parallel.destroy_distributed()
+
+
+def test_a_broken_collective_names_the_ranks_that_did_not_answer():
+    """Through a real store: ranks that saw the collective break say so; the silent one is
+    named, and a reported failure is passed on instead."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torchtitan import parallel
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    ranks = [parallel.ParallelDims(r, 3, r, torch.device("cpu"), "gloo", store=store)
+             for r in range(3)]  # fmt: skip
+    timed_out = RuntimeError(
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+        "operation to complete"
+    )
+    assert parallel.collective_broke(timed_out) and not parallel.collective_broke(ValueError())
+    store.set(f"torchtitan/saw_collective_break/0/{2}", "1")  # rank 2 answered
+    line = parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2)
+    assert line.startswith("rank 1 stopped answering: a collective failed (Timed out waiting")
+    store.set(f"torchtitan/saw_collective_break/0/{1}", "1")
+    assert parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2) is None  # all did
+    parallel.report_failure(ranks[2], "disk full")
+    assert parallel.why_collective_broke(ranks[1], timed_out) == "rank 2 failed: disk full"
+
+
+def test_a_torchrun_restart_stops_at_once_with_one_line(monkeypatch):
+    """torchrun's own restarts (--max-restarts) cannot form the process groups again
+    (README): a restarted rank says so in one line instead of failing later."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    status, log = run_main(CONFIG)
+    assert status == 1 and "--max-restarts 0" in error_lines(log)[0]
+    assert "Traceback" not in log

@@ -1,7 +1,7 @@
 """GPU-only checks (marked ``cuda``; skipped with the reason elsewhere): the attention
 kernels that exist only on CUDA (varlen; flex compiled, forward and backward), and the
 backends chosen and trained there. scripts/gpu_check.sh runs them; the CPU half of each
-property (flex's forward, varlen's layout through a stand-in) is in test_model.py.
+property (flex's forward, varlen's layout through a stand-in) is in test_attention.py.
 
 Tolerances compare two implementations in bf16 (eps 7.8e-3): relative errors, stated
 per test, with a negative control that is off by far more.
