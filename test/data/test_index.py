@@ -59,3 +59,48 @@ def test_an_index_of_another_size_than_the_data_is_one_line(tmp_path, tokenizer)
         np.savez(path, lengths=np.concatenate([z["lengths"], [5]]))
     with pytest.raises(DataError, match="holds 7 units, the data 6"):
         build_dataloader(c, tokenizer, 0, 1)
+
+
+# ---- unit tests of the index and its cache -----------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_a_saved_index_loads_back_equal(tmp_path, streaming):
+    """save_cached then load_cached gives the same arrays (streaming: with the units'
+    rows and where each row is), and leaves no temporary file beside it."""
+    measured = {0: (np.array([5, 0, 3]), np.array([0, 40, 90])), 1: (np.array([4]), np.array([0]))}
+    index = length_index.assemble(2, streaming, measured)
+    length_index.save_cached(str(tmp_path), "k", index)
+    back = length_index.load_cached(str(tmp_path), "k")
+    assert [p.name for p in tmp_path.iterdir()] == ["k.npz"]
+    assert back.arrays().keys() == index.arrays().keys()
+    assert all(np.array_equal(back.arrays()[k], v) for k, v in index.arrays().items())
+    assert back.units == (2 if streaming else 4) and back.unit_totals()[0].sum() == 12
+    assert length_index.load_cached(str(tmp_path), "other") is None
+
+
+def test_an_index_missing_a_unit_is_refused():
+    """A unit no rank measured would shift every later count: assemble refuses it,
+    naming the unit."""
+    measured = {0: (np.array([5]), np.array([0])), 2: (np.array([4]), np.array([0]))}
+    with pytest.raises(DataError, match=r"no rank measured units \[1\]: the length index"):
+        length_index.assemble(3, True, measured)
+
+
+def test_the_cache_key_changes_with_what_the_lengths_depend_on(tmp_path):
+    """The key follows the files' signatures, the tokenizer and the settings that change
+    the counts (bad-data policy, streaming units); an unrelated setting keeps it."""
+    from dataclasses import replace
+
+    training = cfg(tmp_path).training
+    fingerprint = {"identity": "path:x", "files": [["a.jsonl", 10, "crc"]]}
+    key = length_index.index_key(fingerprint, "sha-a", training)
+    assert key == length_index.index_key(fingerprint, "sha-a", replace(training, steps=99))
+    changed = [
+        length_index.index_key({**fingerprint, "files": [["a.jsonl", 11, "crc"]]}, "sha-a",
+                               training),
+        length_index.index_key(fingerprint, "sha-b", training),
+        length_index.index_key(fingerprint, "sha-a", replace(training, bad_data="error")),
+        length_index.index_key(fingerprint, "sha-a", replace(training, streaming=True)),
+    ]  # fmt: skip
+    assert len({key, *changed}) == 5

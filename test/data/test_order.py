@@ -72,3 +72,58 @@ def test_two_seeds_mix_the_sources_in_two_orders(tiny_corpus, second_corpus, tok
     at_7 = sources_read(7)
     assert len(set(at_7)) == 2 and at_7 == sources_read(7)
     assert sources_read(8) != at_7
+
+
+# ---- unit tests of SourceOrder over a hand-made index ----------------------------------
+
+
+def index_of(units: int, rows: int = 3) -> SourceIndex:
+    """A streaming-style index of ``units`` units of ``rows`` rows each, row lengths 1-7
+    with an empty (skipped) row now and then."""
+    lengths = np.array([(i * 5) % 8 for i in range(units * rows)], np.int32)
+    return SourceIndex(lengths, np.arange(0, units * rows + 1, rows), np.arange(units * rows))
+
+
+def test_each_pass_orders_every_unit_exactly_once():
+    """Shuffled, every pass is a permutation of all 40 units (none left out or read
+    twice), and passes differ; unshuffled, every pass is the units in index order."""
+    shuffled = SourceOrder(index_of(40), "s", 7, "s", shuffle=True)
+    passes = [shuffled.order(e).tolist() for e in range(4)]
+    assert all(sorted(p) == list(range(40)) for p in passes)
+    assert len({tuple(p) for p in passes}) == 4
+    assert passes[0] != list(range(40)), "a shuffled pass is not the index order"
+    plain = SourceOrder(index_of(40), "s", 7, "s", shuffle=False)
+    assert [plain.order(e).tolist() for e in range(3)] == [list(range(40))] * 3
+
+
+def test_the_order_follows_the_seed_and_the_source_identity_only():
+    """Two orders built alike give the same units in every pass (it is computed, never
+    drawn from a global RNG); another seed, or another source identity (a second source
+    of a mix), gives another order."""
+    built_alike = [SourceOrder(index_of(40), "s", 7, "s", True) for _ in range(2)]
+    same = [[o.order(e).tolist() for e in range(3)] for o in built_alike]
+    assert same[0] == same[1]
+    other_seed = SourceOrder(index_of(40), "s", 8, "s", True).order(0).tolist()
+    other_source = SourceOrder(index_of(40), "s", 7, "t", True).order(0).tolist()
+    assert other_seed != same[0][0] and other_source != same[0][0]
+
+
+def test_locate_walks_every_token_of_a_shuffled_pass_once():
+    """Offsets 0 .. 2 passes, located one by one over a shuffled order: each pass visits
+    the units in that pass's order, every row's tokens 0..length-1 in turn, every
+    non-empty row once, and never an empty one."""
+    index = index_of(12)
+    order = SourceOrder(index, "s", 3, "s", shuffle=True)
+    for epoch in range(2):
+        seen, units = [], []
+        for offset in range(epoch * order.epoch_tokens, (epoch + 1) * order.epoch_tokens):
+            e, k, unit, row, token = order.locate(offset)
+            assert (e, unit) == (epoch, int(order.order(epoch)[k]))
+            lo, hi = index.rows(unit)
+            assert lo <= row < hi and 0 <= token < index.lengths[row]
+            seen.append((row, token))
+            if not units or units[-1] != unit:
+                units.append(unit)
+        assert units == [u for u in order.order(epoch).tolist() if index.unit_totals()[0][u]]
+        expected = {(r, t) for r in range(len(index.lengths)) for t in range(index.lengths[r])}
+        assert len(seen) == len(expected) and set(seen) == expected
