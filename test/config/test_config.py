@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -26,8 +27,9 @@ def write_toml(tmp_path, text: str) -> str:
     return str(path)
 
 
-def raises(argv, *fragments):
-    with pytest.raises(ConfigError) as info:
+def raises(argv, first, *fragments):
+    """parse_args(argv) is one ConfigError line holding ``first`` and every fragment."""
+    with pytest.raises(ConfigError, match=re.escape(first)) as info:
         parse_args(argv)
     message = str(info.value)
     assert "\n" not in message

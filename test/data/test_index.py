@@ -33,7 +33,9 @@ def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, wo
     lengths[0] += delta
     np.savez(path, lengths=lengths)
     stale = build_dataloader(c, tokenizer, 0, 1)
-    with pytest.raises(DataError, match="length index") as raised:
+    with pytest.raises(
+        DataError, match=r"tokens, the length index \d+: the data or the tokenizer changed"
+    ) as raised:
         for _ in range(6):
             next(stale)
     assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)

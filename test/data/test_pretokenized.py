@@ -114,12 +114,12 @@ def test_pretokenized_lengths_are_read_not_tokenized(tmp_path, tiny_corpus, pret
         return document_lengths(parse_args([*CONFIG, "--training.dataset_path", str(path)]), tok)
 
     assert lengths(pretokenized, NoEncoding()) == lengths(tiny_corpus, tokenizer)
-    with pytest.raises(AssertionError, match="tokenized"):
+    with pytest.raises(AssertionError, match="a pretokenized source was tokenized"):
         lengths(tiny_corpus, NoEncoding())
     pre = loaders(pretokenized, NoEncoding(), 1, length_index_dir=tmp_path / "index")
     assert list((tmp_path / "index").glob("*.npz")), "the index was measured here"
     assert global_steps(pre, 4) == global_steps(loaders(tiny_corpus, tokenizer, 1), 4)
-    with pytest.raises(AssertionError, match="tokenized"):
+    with pytest.raises(AssertionError, match="a pretokenized source was tokenized"):
         loaders(tiny_corpus, NoEncoding(), 1, length_index_dir=tmp_path / "index")
 
 

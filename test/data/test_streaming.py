@@ -146,7 +146,7 @@ def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
     assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1))
     unit = sequences[0][0][5]
     left_out = [[sp for sp in seq if (sp[4], sp[5]) != (0, unit)] for seq in sequences]
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="pass 0 incomplete"):
         assert_spans_tile_every_document(left_out, lengths, epochs=(0, 1))
 
 

@@ -4,6 +4,7 @@ trained on, and tokenizer.json files trained here on that corpus, through the wh
 import hashlib
 import json
 import pickle
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -258,7 +259,7 @@ def test_tokenizer_json_bos_eos_from_each_source(hf_dir, gpt2_style, tmp_path):
     swapped = Tokenizer(hf_dir, bos_token=EOS, eos_token=BOS)  # config beats the files
     assert (swapped.bos_id, swapped.eos_id) == (1, 0)
 
-    with pytest.raises(TokenizerError) as err:
+    with pytest.raises(TokenizerError, match=re.escape(str(gpt2_style))) as err:
         Tokenizer(gpt2_style)
     message = str(err.value)
     assert "\n" not in message and str(gpt2_style) in message and "--model.bos_token" in message

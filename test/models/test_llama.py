@@ -323,7 +323,7 @@ def test_sequence_at_max_seq_len_is_accepted():
 
 def test_sequence_longer_than_max_seq_len_raises():
     model = build_model("debugmodel", vocab_size=VOCAB, max_seq_len=16, device="cpu")
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="sequence length 17") as err:
         model(tokens(1, 17))
     msg = str(err.value)
     assert "sequence length 17" in msg
