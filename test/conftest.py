@@ -1,10 +1,14 @@
-"""Shared fixtures: the real tokenizer, small real-text corpora, and ways to run training.
+"""Fixtures (the real tokenizer, small real-text corpora, a length-index cache of the
+session) and the two guards that hold for every test; the helpers tests share are in
+helpers.py.
 
-Training runs either in-process (``train_here``: one rank, ``train.main(argv)``, no
-interpreter start-up) or as real multi-process jobs (``torchrun``). Metrics and
-provenance are read back strictly (a duplicated step fails the read).
+Test files mirror the package (``test/data/`` for ``torchtitan/data/``, ...) and are
+imported in pytest's default ``prepend`` mode, each under its own basename, so a basename
+is unique across the folders (pytest refuses a second one): a loader worker or a pickled
+object finds its test module by that name. ``helpers`` is importable from every folder
+(``pythonpath`` in pyproject.toml).
 
-Two guards hold for every test:
+The guards:
 - **A time limit.** A test may compute for ``UNIT_LIMIT_S`` in this process (a hang
   becomes one failure naming the test, and the session goes on); while a process it
   started still runs, the limit is ``LAUNCH_LIMIT_S`` (the launch's own timeout is the
@@ -18,30 +22,18 @@ Two guards hold for every test:
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
 import signal
-import subprocess
 import time
 import uuid
-from functools import cache
 from pathlib import Path
 
 import pytest
+from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
 
-import train as train_script
-from torchtitan import REPO_ROOT
-from torchtitan.data.sources import open_source, resolve_source
+from torchtitan.data.pretokenized_write import pretokenize
+from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.provenance import check_exactly_once, read_provenance
-from torchtitan.runs import DEBUG_CONFIG, read_records
-from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
-from torchtitan.runs import torchrun as _torchrun
-
-REPO = REPO_ROOT
-CONFIG = ["--job.config_file", DEBUG_CONFIG]
-
 
 # ---- guards: a time limit per test, and no process left behind --------------------------
 UNIT_LIMIT_S = 60  # ~10x the longest in-process test on 2 cores
@@ -174,8 +166,6 @@ def pytest_collection_modifyitems(config, items):
 def length_index_cache(tmp_path_factory):
     """Length indexes go to a folder of this session (jobs it launches inherit it), never
     to the user's cache."""
-    import os
-
     from torchtitan.data.index import CACHE_ENV
 
     folder = tmp_path_factory.mktemp("cache")
@@ -193,28 +183,6 @@ def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
-def bundled_documents(source: str, count: int, max_chars: int = 1200) -> list[dict]:
-    """Real documents from the bundled corpus, shortened so tests cross many boundaries."""
-    import datasets
-
-    files = resolve_source(name=source).files
-    ds = datasets.load_dataset("parquet", data_files=files, split="train")
-    return [
-        {"id": ds[i]["id"], "text": ds[i]["text"][: 200 + (i * 97) % max_chars]}
-        for i in range(count)
-    ]
-
-
-def write_jsonl(folder: Path, docs: list[dict], files: int = 2) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    per_file = (len(docs) + files - 1) // files
-    for f in range(files):
-        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
-            for doc in docs[f * per_file : (f + 1) * per_file]:
-                out.write(json.dumps(doc) + "\n")
-    return folder
-
-
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
     """24 short real documents (Shakespeare) in two jsonl files."""
@@ -225,7 +193,8 @@ def small_corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
-    """8 very short real documents: a rank's shards wrap into a new epoch within ~15 sequences."""
+    """8 very short real documents in two jsonl files: a pass of the corpus is a few
+    dozen windows of 32 tokens, so a few steps cross passes."""
     return write_jsonl(
         tmp_path_factory.mktemp("tiny") / "shakespeare", bundled_documents("shakespeare", 8, 300)
     )
@@ -233,7 +202,8 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dozen_corpus(tmp_path_factory) -> Path:
-    """12 very short real documents: 12 automatic shards, so 1, 2, 3, 4, 6 or 12 consumers."""
+    """12 very short real documents in two jsonl files: runs of 1 to 4 ranks (an elastic
+    chain, the 4-rank layouts) read it through within a few steps and cross passes."""
     return write_jsonl(
         tmp_path_factory.mktemp("dozen") / "shakespeare", bundled_documents("shakespeare", 12, 300)
     )
@@ -245,91 +215,15 @@ def second_corpus(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("second") / "kjv", bundled_documents("kjv", 16))
 
 
-def heavy_tailed_documents(count: int, seed: int = 0) -> list[dict]:
-    """``count`` documents of real text (KJV and Shakespeare) whose lengths are heavy-tailed
-    like a web corpus's: log-normal characters, median ~500, from 60 to ~12,000."""
-    import numpy as np
-
-    text = "\n".join(
-        d["text"] for s in ("kjv", "shakespeare") for d in bundled_documents(s, 40, 30000)
-    )
-    rng = np.random.default_rng(seed)
-    sizes = np.clip(rng.lognormal(np.log(500), 1.1, count), 60, 12000).astype(int)
-    starts = rng.integers(0, len(text) - 12001, count)
-    return [
-        {"id": f"h{i:04d}", "text": text[a : a + n]} for i, (a, n) in enumerate(zip(starts, sizes))
-    ]
-
-
 @pytest.fixture(scope="session")
 def heavy_corpus(tmp_path_factory) -> Path:
     """240 documents of heavy-tailed lengths in three jsonl files."""
     return write_jsonl(tmp_path_factory.mktemp("heavy") / "heavy", heavy_tailed_documents(240), 3)
 
 
-@cache
-def opened(corpus: str, seed: int = 7, shuffle: bool = True, streaming: bool = False):
-    """One opened source per corpus and order, shared by every dataset a test builds."""
-    return open_source(resolve_source(path=corpus), "text", "id", seed, shuffle, streaming)
-
-
-def torchrun(
-    args: list, nproc: int = 2, timeout: int = 300, script: str = "train.py"
-) -> subprocess.CompletedProcess:
-    """Launch a real multi-process job; returns the finished process (check returncode)."""
-    return _torchrun(nproc, list(args), script=script, timeout=timeout)
-
-
-def shim_env(folder: Path, code: str, **env: str) -> dict:
-    """The environment of a launched job whose every interpreter runs ``code`` first (a
-    ``sitecustomize`` module in ``folder``): a probe wrapped around the real code, to
-    count or slow it, never a stand-in for it."""
-    import os
-
-    from torchtitan.runs import run_env
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sitecustomize.py").write_text(code)
-    return {**run_env(), "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]), **env}
-
-
-def train(dump, *extra, nproc=2, expect_ok=True) -> subprocess.CompletedProcess:
-    """The debug config as a real ``nproc``-rank torchrun job."""
-    proc = torchrun([*CONFIG, "--job.dump_folder", str(dump), *map(str, extra)], nproc=nproc)
-    if expect_ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def run_main(argv: list) -> tuple[int, str]:
-    """``train.main(argv)`` in this process: (exit status, what it wrote to stderr)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            status = train_script.main([str(a) for a in argv])
-        except SystemExit as e:  # config errors exit before anything is built
-            status = e.code
-    return status, err.getvalue()
-
-
-def train_here(dump, *extra, expect_ok=True) -> tuple[int, str]:
-    """The debug config as one in-process rank (no interpreter start-up)."""
-    status, log = run_main([*CONFIG, "--job.dump_folder", dump, *extra])
-    if expect_ok:
-        assert status == 0, log[-4000:]
-    return status, log
-
-
-def error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "error:" in line]
-
-
-def read_jsonl(path) -> list[dict]:
-    return read_records(path)
-
-
-def assert_exactly_once(dump):
-    reports = check_exactly_once(read_provenance(str(Path(dump) / "provenance")))
-    assert reports and all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), (
-        reports
-    )
+@pytest.fixture(scope="session")
+def pretokenized(tmp_path_factory, tiny_corpus, tokenizer) -> Path:
+    """tiny_corpus, pretokenized in this process."""
+    out = tmp_path_factory.mktemp("pretok") / "tok"
+    pretokenize(resolve_source(path=str(tiny_corpus)), tokenizer, str(out), workers=1)
+    return out

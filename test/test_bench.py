@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 
 def positive(*values) -> bool:
@@ -60,7 +60,8 @@ def check_checkpoint(r: dict):
 
 
 def check_attention(r: dict):
-    assert r["flavor"] == "debugmodel" and positive(r["causal_ms"], r["block_causal_ms"])
+    assert r["flavor"] == "debugmodel", r["flavor"]
+    assert positive(r["causal_ms"], r["block_causal_ms"]), "attention times must be positive"
     assert r["block_over_causal"] == r["block_causal_ms"] / r["causal_ms"]
 
 
@@ -115,7 +116,8 @@ def check_tp_loader(r: dict):
     assert r["batches"] > 0
     for mode in ("build", "broadcast"):
         m = r[mode]
-        assert positive(m["tp0_ms_per_batch"], m["peer_ms_per_batch"], m["group_cpu_ms_per_batch"])
+        times = m["tp0_ms_per_batch"], m["peer_ms_per_batch"], m["group_cpu_ms_per_batch"]
+        assert positive(*times), f"{mode}: every time per batch must be positive"
 
 
 def check_gpu_check(r: dict):
@@ -172,34 +174,43 @@ def test_benchmark_smoke(script, tmp_path):
 
 NONSENSE = [
     (check_attention, {"flavor": "debugmodel", "causal_ms": 0.0, "block_causal_ms": 1.0,
-                       "block_over_causal": 1.0}),
+                       "block_over_causal": 1.0},
+     "attention times must be positive"),
     (check_data, {"raw_encode_tokens_per_s": 1.0, "workers0_tokens_per_s": 1.0,
                   "workers2_tokens_per_s": 1.0, "streaming_workers0_tokens_per_s": 1.0,
-                  "workers0_over_raw": 1.0, "state_bytes_per_rank": {"map": 10**6}}),
+                  "workers0_over_raw": 1.0, "state_bytes_per_rank": {"map": 10**6}},
+     r"a position \(a few integers\), not tokens"),
     (check_resume, {"median_1pct_s": 1.0, "median_99pct_s": 1.0, "ratio_99_over_1": 1.0,
-                    "first_document": {"1%": "a", "99%": "a"}}),
+                    "first_document": {"1%": "a", "99%": "a"}},
+     "the 99% state was not applied"),
     (check_step, {"checkpoints_written": 0, "median_step_ms_checkpoint_off": 1.0,
                   "median_step_ms_checkpoint_on": 1.0, "median_data_wait_share": 0.1,
-                  "stop_check_share": 0.01}),
+                  "stop_check_share": 0.01},
+     "the \'on\' run must actually checkpoint"),
     (check_step_vs_peer, {"parameters": {"ours": 7_212_288}, "step_ms": {"ours": [1.0]},
                           "median_step_ms": {"ours": 1.0}, "median_cpu_step_ms": {"ours": 1.0},
-                          "peer_skipped": ""}),
+                          "peer_skipped": ""},
+     "a skipped peer says why"),
     (check_step_vs_peer, {"parameters": {"ours": 7_212_288, "peer": 7_000_000},
                           "step_ms": {"ours": [1.0], "peer": [1.0]},
                           "median_step_ms": {"ours": 1.0, "peer": 1.0},
                           "median_cpu_step_ms": {"ours": 1.0, "peer": 1.0},
-                          "ours_over_peer": 1.0, "peer_skipped": ""}),
+                          "ours_over_peer": 1.0, "peer_skipped": ""},
+     "the same model on both sides"),
     (check_pretokenized, {"on_the_fly_tokens_per_s": 1.0, "pretokenized_tokens_per_s": 30.0,
                           "pretokenize_s": 1.0, "same_batches": False,
                           "pretokenized_over_on_the_fly": 30.0, "corpus_tokens": 1,
-                          "corpus_documents": 1}),
+                          "corpus_documents": 1},
+     "the pretokenized corpus must yield the original\'s batches"),
     (check_tp_loader, {"shape": "4x128", "batches": 20,
                        "build": {"tp0_ms_per_batch": 1.0, "peer_ms_per_batch": 1.0,
                                  "group_cpu_ms_per_batch": 2.0},
                        "broadcast": {"tp0_ms_per_batch": 1.0, "peer_ms_per_batch": 0.0,
-                                     "group_cpu_ms_per_batch": 2.0}}),
+                                     "group_cpu_ms_per_batch": 2.0}},
+     "broadcast: every time per batch must be positive"),
     (check_checkpoint, {"sync_save_s": 1.0, "checkpoint_mb": 1.0, "integrity_s": 0.1,
-                        "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1}),
+                        "async_blocked_s": 2.0, "sync_blocked_s": 1.0, "integrity_over_save": 0.1},
+     "async must block the loop less than sync"),
     (check_streaming, {"rows": [{"ours_tokens_per_s": 2.0, "peer_tokens_per_s": 1.0,
                                  "ours_over_peer": 2.0, "streaming": True, "units": 20}],
                        "peer": {"skipped": "", "tokens_match": True},
@@ -208,23 +219,27 @@ NONSENSE = [
                                               "first_document": {"1%": "a", "99%": "a"},
                                               "rows_decoded": {"1%": 128, "99%": 128},
                                               "corpus": {"documents": 4096}}},
-                       "summary": {"targets": []}}),
+                       "summary": {"targets": []}},
+     "parquet: the 99% state was not applied"),
     (check_startup, {"files": 200, "results": [
         {"ranks": 64, "per_rank": {"seconds": 0.1, "bytes_read": 10, "files_opened": 200},
          "per_rank_first_start": {"files_opened": 6},
-         "baseline_resolving_alone": {"files_opened": 200}}]}),
+         "baseline_resolving_alone": {"files_opened": 200}}]},
+     "a rank opens its share only"),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
                                                   "result": "3 of 4 steps bit-equal"}],
-                       "rows": []}),
+                       "rows": []},
+     "every step of the seed plan is bit-equal"),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
                                                   "result": "4 of 4 steps bit-equal"}],
-                       "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]}),
+                       "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]},
+     "'backend': 'flex', 'note': ''"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("check,result", NONSENSE, ids=[c.__name__ for c, _ in NONSENSE])
-def test_the_checks_reject_a_result_that_makes_no_sense(check, result):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("check,result,why", NONSENSE, ids=[c.__name__ for c, _, _ in NONSENSE])
+def test_the_checks_reject_a_result_that_makes_no_sense(check, result, why):
+    with pytest.raises(AssertionError, match=why):
         check(result)
 
 
@@ -267,14 +282,16 @@ def test_sampling_benchmark_smoke(tmp_path, capsys):
     assert "| ranks (resumed halfway into pass 0) |" in capsys.readouterr().out
     result = json.loads(out.read_text())
     check_sampling(result)
-    for path, value in ((("coverage", 1, "coverage"), 0.084),
-                        (("coverage", 0, "planned_equals_read"), False),
-                        (("mix", 0, "sources", 1, "share"), 0.05)):  # fmt: skip
+    for path, value, why in (
+        (("coverage", 1, "coverage"), 0.084, "a document repeated before pass 0 ended"),
+        (("coverage", 0, "planned_equals_read"), False, "the simulation must be what the"),
+        (("mix", 0, "sources", 1, "share"), 0.05, "'share': 0.05"),
+    ):
         broken = copy.deepcopy(result)
         *where, key = path
         target = broken
         for step in where:
             target = target[step]
         target[key] = value
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=why):
             check_sampling(broken)

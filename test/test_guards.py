@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from torchtitan.runs import run_env
 

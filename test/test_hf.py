@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
-from conftest import REPO, train_here
+from helpers import REPO, train_here
 
 from torchtitan import hf
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -250,7 +250,7 @@ def test_tokenizers_json_is_exported_and_loads(exported, tmp_path):
 
 
 def first_losses(dump) -> list[float]:
-    from conftest import read_jsonl
+    from helpers import read_jsonl
 
     return [r["loss"] for r in read_jsonl(os.path.join(dump, "metrics.jsonl"))]
 
@@ -279,7 +279,7 @@ def test_two_fsdp_ranks_start_from_a_hf_folder_read_by_rank_0(exported, tmp_path
     """Rank 0 reads the folder and broadcasts each rank its part: 2 ranks x 2 sequences
     give the loss of 1 rank x 4 from the same weights (to float rounding: the sums run in
     another order)."""
-    from conftest import train
+    from helpers import train
 
     step, folder, _ = exported
     two = train(tmp_path / "two", "--training.steps", 1, "--training.batch_size", 2,
@@ -304,7 +304,7 @@ def test_the_wait_for_rank_0_is_sized_from_the_folder_and_says_when_storage_is_s
     folder were that much larger than the storage's speed): the waiting rank stops with
     one line naming the folder, its size and the fix, instead of hanging in a collective.
     (Rank 0, still reading, is then stopped by torchrun.)"""
-    from conftest import error_lines, shim_env
+    from helpers import error_lines, shim_env
 
     from torchtitan.initial_weights import load_timeout_s
     from torchtitan.runs import torchrun_command

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CONFIG, REPO, read_jsonl, train_here
+from helpers import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args

@@ -10,13 +10,22 @@ checked in-process.
 from __future__ import annotations
 
 import json
+import re
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import CONFIG, assert_exactly_once, losses, read_jsonl, torchrun
+from helpers import (
+    CONFIG,
+    assert_run_read_every_token_once,
+    error_lines,
+    losses,
+    read_jsonl,
+    run_main,
+    torchrun,
+)
 
 from torchtitan import parallel, tensor_parallel
 from torchtitan.config import ConfigError, parse_args
@@ -170,7 +179,7 @@ def test_the_chain_over_layouts_reads_every_token_once_and_keeps_the_global_batc
     global position the one before saved; the global batch stayed 12 sequences (2 DP x 3
     x 2 micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the same records with one
     step's data written twice make the checker count duplicates."""
-    assert_exactly_once(layouts.out / "chain")
+    assert_run_read_every_token_once(layouts.out / "chain")
     config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
     lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
     chain = read_provenance(str(layouts.out / "chain" / "provenance"))
@@ -271,17 +280,14 @@ def test_layout_config_errors_name_the_key_and_the_fix():
     each, before anything is built (the degrees need only the world size)."""
     four = parallel.ParallelDims(0, 4, 0, torch.device("cpu"), "gloo")
 
-    def layout_error(*argv) -> str:
-        with pytest.raises(ConfigError) as e:
+    def layout_error(fragment: str, *argv):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
             parallel.apply_layout(four, parse_args([*CONFIG, *map(str, argv)]))
-        return str(e.value)
 
-    assert "= 8, not the world size 4" in layout_error(
-        "--parallelism.data_parallel_shard_degree", 4, "--parallelism.tensor_parallel_degree", 2
-    )
-    assert "world size 4 is not a multiple" in layout_error(
-        "--parallelism.tensor_parallel_degree", 3
-    )
+    layout_error("= 8, not the world size 4",
+                 "--parallelism.data_parallel_shard_degree", 4,
+                 "--parallelism.tensor_parallel_degree", 2)  # fmt: skip
+    layout_error("world size 4 is not a multiple", "--parallelism.tensor_parallel_degree", 3)
     dims = parallel.apply_layout(four, parse_args([*CONFIG, "--parallelism.tensor_parallel_degree", "2"]))  # fmt: skip
     assert (dims.dp_world, dims.dp_shard, dims.tp, dims.dp_rank, dims.tp_rank) == (2, 2, 2, 0, 0)
     for argv, fragment in (
@@ -312,3 +318,73 @@ def _with_vocab(args, vocab: int):
     from dataclasses import replace
 
     return replace(args, vocab_size=vocab)
+
+
+# ---- process groups under faults: timeouts, broken collectives, restarts ------------------
+
+
+def test_comm_timeouts_reach_every_process_group(monkeypatch):
+    """``[comm]``: the init timeout is every group's until the first step, then the train
+    timeout (a one-rank gloo job in this process: the groups are real)."""
+    from torchtitan import parallel
+    from torchtitan.config import parse_args
+    from torchtitan.runs import free_port
+
+    status, log = run_main([*CONFIG, "--comm.train_timeout_seconds", 0])
+    assert status == 2 and "comm.train_timeout_seconds" in log
+    cfg = parse_args([*CONFIG, "--comm.init_timeout_seconds", "7",
+                      "--comm.train_timeout_seconds", "3"])  # fmt: skip
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
+    try:
+
+        def timeouts() -> list[float]:
+            groups = parallel.process_groups(dims)
+            assert len(groups) == 3  # the default, checkpoint and control groups
+            return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for g in groups]  # fmt: skip
+
+        assert timeouts() == [7, 7, 7]
+        dims = parallel.apply_layout(dims, cfg)
+        assert timeouts() == [7, 7, 7]
+        parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
+        assert timeouts() == [3, 3, 3]
+    finally:
+        parallel.destroy_distributed()
+
+
+def test_a_broken_collective_names_the_ranks_that_did_not_answer():
+    """Through a real store: ranks that saw the collective break say so; the silent one is
+    named, and a reported failure is passed on instead."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from torchtitan import parallel
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    ranks = [parallel.ParallelDims(r, 3, r, torch.device("cpu"), "gloo", store=store)
+             for r in range(3)]  # fmt: skip
+    timed_out = RuntimeError(
+        "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+        "operation to complete"
+    )
+    assert parallel.collective_broke(timed_out) and not parallel.collective_broke(ValueError())
+    store.set(f"torchtitan/saw_collective_break/0/{2}", "1")  # rank 2 answered
+    line = parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2)
+    assert line.startswith("rank 1 stopped answering: a collective failed (Timed out waiting")
+    store.set(f"torchtitan/saw_collective_break/0/{1}", "1")
+    assert parallel.why_collective_broke(ranks[0], timed_out, wait_s=0.2) is None  # all did
+    parallel.report_failure(ranks[2], "disk full")
+    assert parallel.why_collective_broke(ranks[1], timed_out) == "rank 2 failed: disk full"
+
+
+def test_a_torchrun_restart_stops_at_once_with_one_line(monkeypatch):
+    """torchrun's own restarts (--max-restarts) cannot form the process groups again
+    (README): a restarted rank says so in one line instead of failing later."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    status, log = run_main(CONFIG)
+    assert status == 1 and "--max-restarts 0" in error_lines(log)[0]
+    assert "Traceback" not in log

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from conftest import error_lines, train_here
+from helpers import error_lines, train_here
 
 from torchtitan.profiling import tracing_ranks
 

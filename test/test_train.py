@@ -11,23 +11,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import (
     CONFIG,
     REPO,
-    assert_exactly_once,
+    assert_run_read_every_token_once,
+    child_pids,
     error_lines,
     losses,
+    process_alive,
     read_jsonl,
     run_main,
+    torchrun,
     train,
     train_here,
+    write_jsonl_file,
 )
 
 from torchtitan import metrics
@@ -190,7 +197,7 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
         train_here(dump, *common)
     assert losses(tmp_path / "a") == losses(tmp_path / "ref")
     assert sorted(losses(tmp_path / "a")) == list(range(1, 7))
-    assert_exactly_once(tmp_path / "a")
+    assert_run_read_every_token_once(tmp_path / "a")
     with pytest.raises(RunRecordError, match="step 4 appears out of order"):
         losses(tmp_path / "b")
 
@@ -216,7 +223,7 @@ def test_elastic_chain_ranks_workers_and_batch_sizes(tmp_path, dozen_corpus):
     assert "10 sequences: 1 micro-batches of at most 4 x 32" in proc.stderr
     assert "the busiest does 1.20 x the mean" in proc.stderr
     assert sorted(losses(tmp_path)) == list(range(1, 10))
-    assert_exactly_once(tmp_path)
+    assert_run_read_every_token_once(tmp_path)
     config = [*CONFIG, *map(str, common)]
     assert provenance_check([str(tmp_path / "provenance"), *config]) == 0
     provenance = read_provenance(str(tmp_path / "provenance"))
@@ -372,3 +379,214 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(train_script, "build_optimizer", broken)
     with pytest.raises(ValueError, match="a bug"):
         run_main([*CONFIG, "--training.steps", 1])
+
+
+# ---- faults: bad data (skip and count), bad config and environment --------------------
+
+
+def test_a_small_partly_bad_corpus_trains_out_of_the_box(tmp_path):
+    """67 documents, some empty, null or not strings, default settings: the bad ones are
+    skipped and counted, and training runs (this used to stop at the first batch with
+    64 shards)."""
+    rows = [{"id": f"d{i}", "text": f"Document {i} of a small corpus.\n" * 5} for i in range(67)]
+    for i in range(0, 67, 7):
+        rows[i]["text"] = [None, "", "   ", 17][i % 4]
+    folder = write_jsonl_file(tmp_path / "d" / "small.jsonl", rows)
+    _, log = train_here(tmp_path / "run", "--training.dataset_path", folder,
+                        "--training.steps", 3, "--training.seq_len", 64)  # fmt: skip
+    assert "done: 3 steps" in log
+    # The console says so, with the count the JSONL has (not only the JSONL).
+    skipped = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["skipped_documents"]
+    assert skipped > 0 and f"{skipped} documents skipped so far" in log
+
+
+def test_bad_config_and_environment_give_one_clear_line(tmp_path):
+    status, log = train_here(tmp_path / "a", "--training.seq_len", 5000, expect_ok=False)
+    assert status == 1 and "max_seq_len 4096" in error_lines(log)[0]
+
+    not_a_model = tmp_path / "tok.model"
+    not_a_model.write_text("not a sentencepiece model")
+    status, log = train_here(tmp_path / "b", "--model.tokenizer_path", not_a_model,
+                             expect_ok=False)  # fmt: skip
+    assert status == 1 and str(not_a_model) in error_lines(log)[0]
+
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a folder should be")
+    status, log = train_here(blocker / "run", "--checkpoint.enable_checkpoint", expect_ok=False)
+    assert status == 1 and "is not writable" in error_lines(log)[0]
+
+    status, log = run_main([*CONFIG, "--checkpoint.interval", 0])
+    assert status == 2 and "checkpoint.interval" in log
+    assert "Traceback" not in log
+
+
+@pytest.mark.slow  # a 2-rank job filling a small disk: a fault scenario, like the campaign
+def test_disk_full_during_a_save_stops_every_rank_with_a_clear_error(tmp_path):
+    def small_disk():  # files above 1 MB fail with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    cmd = torchrun_command(2, [*CONFIG, "--job.dump_folder", tmp_path, "--training.steps", 4,
+                               "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2])  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_disk, env=run_env())  # fmt: skip
+    assert proc.returncode != 0
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 2 and all(
+        "saving checkpoint step-2" in e and "free space" in e for e in errors
+    )
+    assert os.listdir(tmp_path / "checkpoint") == [], (
+        "no partial or fake-complete checkpoint is left"
+    )
+
+
+# ---- SIGKILL anywhere -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_corpus):
+    """CI-sized fault injection with async saves: 1 trial, 2 kills, the first during a
+    checkpoint write (the slow campaign covers sync saves too). On a 12-document corpus
+    epochs end, so the provenance check proves nothing was skipped across the kills."""
+    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "1", "--kills", "2",
+           "--steps", "6", "--interval", "2", "--seed", "1", "--dump-folder", str(tmp_path / "fi"),
+           "--checkpoint.async_mode", "async", "--training.dataset_path", str(dozen_corpus),
+           "--training.seq_len", "64"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "kills 2" in proc.stdout and "mismatched steps 0" in proc.stdout
+    assert "provenance failures 0" in proc.stdout and "nothing skipped" in proc.stdout
+    assert "kills during a save 0" not in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["disabled", "async"], ids=["sync", "async"])
+def test_fault_injection_campaign(tmp_path, mode):
+    """3 trials x 3 kills at random moments (all ranks or one, in a step or a save)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "3", "--kills", "3",
+           "--steps", "12", "--interval", "3", "--seed", "0", "--dump-folder", str(tmp_path),
+           "--checkpoint.async_mode", mode]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "mismatched steps 0" in proc.stdout and "kills 0" not in proc.stdout
+
+
+# ---- SIGTERM / SIGUSR1 anywhere ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_preemption_campaign(tmp_path):
+    """24 trials over {0, 2} workers x {sync, async} x {DDP, FSDP} on 2 ranks, each
+    signalled once (SIGTERM or SIGUSR1, every rank or one; mid-step, mid-save, by a
+    validation, twice), plus one during the first compile where a C++ compiler exists:
+    each stops by itself within 3 steps with its newest checkpoint at the stop, and its
+    relaunch is bit-equal to an uninterrupted run."""
+    compile_trials = "1" if shutil.which("g++") else "0"
+    cmd = [sys.executable, str(REPO / "scripts" / "preemption_campaign.py"), "--trials", "24",
+           "--compile-trials", compile_trials, "--seed", "0", "--dump-folder", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "failed 0" in proc.stdout and "PASS" in proc.stdout
+
+
+# ---- dead and hung ranks ----------------------------------------------------------------
+
+
+FAULT_JOB = [*CONFIG, "--training.steps", 10, "--checkpoint.enable_checkpoint",
+             "--checkpoint.interval", 2, "--metrics.log_freq", 1, "--training.num_workers", 1,
+             "--comm.train_timeout_seconds", 10]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The per-step losses of the fault jobs run without a fault."""
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    proc = torchrun([*FAULT_JOB, "--job.dump_folder", dump])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(dump)
+
+
+def _job_processes(dump: Path) -> list[int]:
+    """Live processes of the job writing to ``dump``: torchrun, its ranks and their loader
+    workers (forks of a rank, with its command line)."""
+    marker, found = str(dump).encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                found += [int(entry.name)] if process_alive(int(entry.name)) else []
+        except OSError:
+            pass
+    return [p for p in found if p != os.getpid()]
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's children, from their environment."""
+    out = {}
+    for pid in child_pids(launcher):
+        env = dict(
+            v.split(b"=", 1)
+            for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"=" in v
+        )
+        out[int(env[b"RANK"])] = pid
+    return out
+
+
+def _steps_logged(dump: Path) -> int:
+    try:
+        return (dump / "metrics.jsonl").read_text().count("}\n")
+    except OSError:
+        return 0
+
+
+def _wait(condition, seconds: float) -> float | None:
+    """Seconds until ``condition()`` held, or None if it did not within ``seconds``."""
+    begin = time.monotonic()
+    while time.monotonic() - begin < seconds:
+        if condition():
+            return time.monotonic() - begin
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_rank_ends_the_job_promptly_and_the_relaunch_is_exact(
+    tmp_path, uninterrupted, fault
+):
+    """Rank 1 of 2 (each with a loader worker) is stopped or killed after step 3.
+    SIGSTOP: rank 0 exits within the train timeout (10 s) + 8 s, with one line naming
+    rank 1; torchrun kills the stopped rank 30 s later (its shutdown grace). SIGKILL: rank
+    0 exits within 5 s of torchrun's SIGTERM. Either way no process of the job is left
+    once torchrun returns, and the relaunch resumes from the newest complete checkpoint
+    to losses equal to an uninterrupted run's."""
+    dump = tmp_path / "job"
+    log = tmp_path / "job.log"
+    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    try:
+        assert _wait(lambda: _steps_logged(dump) >= 3, 240) is not None, log.read_text()
+        ranks = _rank_pids(launcher.pid)
+        os.kill(ranks[1], getattr(signal, fault))
+        limit = 10 + 8 if fault == "SIGSTOP" else 0.1 + 5 + 1  # monitor interval + 5 s + slack
+        took = _wait(lambda: not process_alive(ranks[0]), limit)
+        assert took is not None, f"rank 0 still alive {limit} s after rank 1's {fault}"
+        launcher.wait(timeout=60)
+        assert _wait(lambda: not _job_processes(dump), 3) is not None, _job_processes(dump)
+    finally:
+        for pid in [*_job_processes(dump), launcher.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+    text = log.read_text()
+    rank0 = [line for line in error_lines(text) if line.startswith("[rank0]")]
+    if fault == "SIGSTOP":
+        assert len(rank0) == 1 and "rank 1 stopped answering" in rank0[0], text[-3000:]
+    assert "preempted at step" not in text  # no save completed without the peer
+    complete = [int(m.group(1)) for e in os.scandir(dump / "checkpoint")
+                if (m := re.fullmatch(r"step-(\d+)", e.name))]  # fmt: skip
+    relaunch = torchrun([*FAULT_JOB, "--job.dump_folder", dump])
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert f"step-{max(complete)}" in relaunch.stderr.split("loaded checkpoint", 1)[1][:300]
+    assert losses(dump) == uninterrupted

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import CONFIG, REPO, error_lines
+from helpers import CONFIG, REPO, error_lines
 
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.checkpoint.lease import LEASE, Lease
@@ -48,7 +48,7 @@ def test_a_live_holder_is_waited_for_then_named_and_never_disturbed(tmp_path, mo
     assert (record["pid"], record["job_id"], record["token"]) == (os.getpid(), "777", first.token)
     assert record["host"] and abs(record["started"] - time.time()) < 5
     begin = time.monotonic()
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError, match=f"pid {os.getpid()}") as e:
         Lease(str(tmp_path), timeout_s=5, wait_s=0.4).acquire()
     assert time.monotonic() - begin >= 0.4
     message = str(e.value)

@@ -19,8 +19,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import bundled_documents, write_jsonl
-from test_data import assert_exactly_once, assert_restores_at_every_step, global_steps, loaders
+from helpers import (
+    SEQ,
+    assert_restores_at_every_step,
+    assert_spans_tile_every_document,
+    bundled_documents,
+    global_steps,
+    loaders,
+    write_jsonl,
+    write_parquet,
+)
 
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import index as length_index
@@ -30,17 +38,16 @@ from torchtitan.data.index import STREAM_UNITS
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 from torchtitan.data.streaming import StreamSource
 
-SEQ = 31
 DOCS = bundled_documents("shakespeare", 2 * STREAM_UNITS, 300)
 
 
-def write_parquet(folder: Path, docs: list[dict], files: int, row_group: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+def write_parquet_files(folder: Path, docs: list[dict], files: int, row_group: int) -> Path:
+    """``docs`` as ``files`` parquet files ``part-NNN.parquet`` of ``folder``, in row groups
+    of ``row_group`` rows."""
     per_file = -(-len(docs) // files)
     for f in range(files):
-        part = docs[f * per_file : (f + 1) * per_file]
-        table = pa.table({"id": [d["id"] for d in part], "text": [d["text"] for d in part]})
-        pq.write_table(table, folder / f"part-{f:03d}.parquet", row_group_size=row_group)
+        part = [{"id": d["id"], "text": d["text"]} for d in docs[f * per_file : (f + 1) * per_file]]
+        write_parquet(folder / f"part-{f:03d}.parquet", part, row_group)
     return folder
 
 
@@ -65,8 +72,8 @@ def write_saved(folder: Path, docs: list[dict], batch: int) -> Path:
 LAYOUTS = {
     "whole_files": lambda d: write_jsonl(d, DOCS, files=STREAM_UNITS),
     "jsonl_byte_ranges": lambda d: write_jsonl(d, DOCS, files=2),
-    "parquet_row_groups": lambda d: write_parquet(d, DOCS, files=2, row_group=2),
-    "parquet_row_ranges": lambda d: write_parquet(d, DOCS, files=2, row_group=32),
+    "parquet_row_groups": lambda d: write_parquet_files(d, DOCS, files=2, row_group=2),
+    "parquet_row_ranges": lambda d: write_parquet_files(d, DOCS, files=2, row_group=32),
     "arrow_record_batches": lambda d: write_saved(d, DOCS, batch=2),
 }
 
@@ -92,7 +99,7 @@ def source_of(where, seed: int = 7, shuffle: bool = True) -> StreamSource:
 
 
 def streaming(corpus, tokenizer, world=1, **kw) -> list:
-    """``world`` ranks' loaders over a streaming source (test_data's ``loaders``)."""
+    """``world`` ranks' loaders over a streaming source (helpers' ``loaders``)."""
     return loaders(corpus, tokenizer, world, streaming="true", **kw)
 
 
@@ -136,11 +143,11 @@ def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
     per_pass = sum(lengths.values()) // (32 * (SEQ + 1)) + 1
     sequences = spans_of(global_steps(streaming(folder, tokenizer, 2, global_batch_size=32),
                                       2 * per_pass + 1))  # fmt: skip
-    assert_exactly_once(sequences, lengths, epochs=(0, 1))
+    assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1))
     unit = sequences[0][0][5]
     left_out = [[sp for sp in seq if (sp[4], sp[5]) != (0, unit)] for seq in sequences]
-    with pytest.raises(AssertionError):
-        assert_exactly_once(left_out, lengths, epochs=(0, 1))
+    with pytest.raises(AssertionError, match="pass 0 incomplete"):
+        assert_spans_tile_every_document(left_out, lengths, epochs=(0, 1))
 
 
 def test_json_lines_ranges_are_cut_at_line_starts(tmp_path, tokenizer):
@@ -165,7 +172,7 @@ def test_json_lines_ranges_are_cut_at_line_starts(tmp_path, tokenizer):
     lengths = lengths_of(docs, tokenizer)
     steps = 3 * sum(lengths.values()) // (64 * (SEQ + 1)) + 1
     sequences = spans_of(global_steps(streaming(folder, tokenizer, global_batch_size=64), steps))
-    assert_exactly_once(sequences, lengths, epochs=(0, 1, 2))
+    assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1, 2))
 
 
 def units_touched(sequences: list[list]) -> set[tuple[int, int]]:
@@ -216,7 +223,7 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
     the rows."""
     docs = [{"id": f"d{i}", "text": f"Document number {i:04d} of the corpus.\n"}
             for i in range(400)]  # fmt: skip
-    write_parquet(tmp_path / "p", docs[:260], files=1, row_group=4)
+    write_parquet_files(tmp_path / "p", docs[:260], files=1, row_group=4)
     write_jsonl(tmp_path / "j", docs, files=1)
     monkeypatch.setattr(streaming_module, "READ_BYTES", 1024)
     line = max(len(json.dumps(d)) for d in docs) + 1
@@ -273,7 +280,7 @@ def test_resume_on_another_rank_count_reads_every_token_once(folders, tokenizer,
         loader.load_state_dict(first[0].state_dict())
     got += global_steps(second, steps - 5)
     assert got == reference
-    assert_exactly_once(spans_of(got), lengths, epochs=(0, 1))
+    assert_spans_tile_every_document(spans_of(got), lengths, epochs=(0, 1))
 
 
 def test_invalid_utf8_and_json_lines_are_skipped_and_counted(tmp_path, tokenizer):
@@ -314,7 +321,7 @@ def test_pretokenized_rows_are_token_arrays(tmp_path, tokenizer):
                              "tokens": pa.array(ids, pa.list_(pa.int32()))}),
                    tmp_path / "p" / "a.parquet", row_group_size=8)  # fmt: skip
     write_jsonl(tmp_path / "j", [{"id": d["id"], "tokens": t} for d, t in zip(DOCS, ids)])
-    text = stream_over(resolve_source(path=str(write_parquet(tmp_path / "t", DOCS, 1, 8))),
+    text = stream_over(resolve_source(path=str(write_parquet_files(tmp_path / "t", DOCS, 1, 8))),
                        tokenizer)  # fmt: skip
     reference = [text.window(0, g * (SEQ + 1)) for g in range(60)]
     for folder in ("p", "j"):
@@ -410,7 +417,7 @@ def test_a_read_of_more_documents_than_the_reader_keeps_is_read_whole(tmp_path, 
     (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", global_batch_size=16)
     steps = sum(lengths.values()) // (16 * (SEQ + 1)) + 1
     sequences = [spans for _ in range(steps) for spans in step_spans(loader)]
-    assert_exactly_once(sequences, lengths)
+    assert_spans_tile_every_document(sequences, lengths)
     first = [sp[1] for seq in sequences for sp in seq if sp[2] == 0 and sp[4] == 0]
     assert first == [d["id"] for d in docs]
 
@@ -429,7 +436,7 @@ def test_a_unit_of_only_bad_documents_is_stepped_over_in_every_pass(tmp_path, to
     (loader,) = streaming(tmp_path / "d", tokenizer, seq=15, global_batch_size=32)
     steps = 4 * sum(lengths.values()) // (32 * 16) + 1
     sequences = [spans for _ in range(steps) for spans in step_spans(loader)]
-    assert_exactly_once(sequences, lengths, epochs=(0, 1, 2, 3))
+    assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1, 2, 3))
     assert not {sp[1] for seq in sequences for sp in seq} - set(lengths)
     passes = loader.stream.orders[0].epoch_of(loader.position.offsets[0])
     assert 6 * passes <= loader.skipped_documents() <= 6 * passes + 6

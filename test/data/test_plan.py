@@ -1,5 +1,7 @@
-"""Start-up at scale: one resolution of the data per job, and a rank that opens only its
-share of the files and the files its own windows lie in."""
+"""torchtitan/data/plan.py: the data plan. Start-up at scale: one resolution of the data per
+job, the ranks' shares of the files (each file inspected by one rank, signed by its
+bytes), and a rank that opens only its share of the files and the files its own windows
+lie in."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from conftest import CONFIG, REPO, shim_env
+import pytest
+from helpers import CONFIG, REPO, shim_env
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.index import STREAM_UNITS
 from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
+from torchtitan.data.sources import DataError
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.io_count import counting
 from torchtitan.runs import torchrun_command
@@ -96,3 +100,43 @@ def test_a_2_rank_job_resolves_a_hub_style_folder_once(tmp_path):
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert count.read_text().split() == ["0"], count.read_text()
+
+
+def test_the_shares_of_the_ranks_cover_every_file_once(tmp_path, tokenizer):
+    """inspect_share gives rank r every world-th file from r: over 3 ranks the shares
+    are disjoint and hold all 10 files, each with its signature (and, streaming, its
+    document count); combine puts them into the fingerprint of one process's plan.
+    Negative control: a lost share is refused, naming a file no rank inspected."""
+    corpus = tiny_parquet_corpus(tmp_path / "corpus", files=10, rows=3)
+    t = parse_args([*CONFIG, "--training.dataset_path", str(corpus), "--training.streaming",
+                    "--training.length_index_dir", str(tmp_path / "index")]).training  # fmt: skip
+    specs = list_sources(t)
+    shares = [inspect_share(specs, t, tokenizer, r, 3) for r in range(3)]
+    assert [sorted(f for _, f in s) for s in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert all(docs == 3 and signature for s in shares for signature, docs, _ in s.values())
+    plan = combine(specs, shares, t, tokenizer)
+    assert plan.fingerprint == local_plan(t, tokenizer).fingerprint
+    assert plan.documents == [30]
+    with pytest.raises(DataError, match=r"no rank inspected \[.*part-00001.parquet.*incomplete"):
+        combine(specs, [shares[0], shares[2]], t, tokenizer)
+
+
+def test_a_share_signs_the_bytes_of_its_files(tmp_path, tokenizer):
+    """A file's signature follows its bytes, not its name or time: an edit that keeps the
+    size changes it (and so the fingerprint); rewriting the same bytes does not."""
+    corpus = tiny_parquet_corpus(tmp_path / "corpus", files=2, rows=3)
+    t = parse_args([*CONFIG, "--training.dataset_path", str(corpus)]).training
+    specs = list_sources(t)
+
+    def signatures():
+        return [sig for sig, _, _ in inspect_share(specs, t, tokenizer, 0, 1).values()]
+
+    before = signatures()
+    path = Path(specs[0].files[1])
+    data = path.read_bytes()
+    path.write_bytes(data)
+    assert signatures() == before
+    i = data.index(b"words")
+    path.write_bytes(data[:i] + b"Words" + data[i + 5 :])
+    after = signatures()
+    assert after[0] == before[0] and after[1] != before[1]

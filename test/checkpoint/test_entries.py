@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import error_lines, train_here
+from helpers import error_lines, train_here
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -4,6 +4,7 @@ trained on, and tokenizer.json files trained here on that corpus, through the wh
 import hashlib
 import json
 import pickle
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -12,10 +13,14 @@ import datasets
 import pytest
 import tokenizers
 import torch
-from conftest import CONFIG, bundled_documents, losses, train_here, write_jsonl
-from test_data import test_restore_at_every_step as restore_at_every_step
-from test_data import (
-    test_workers_give_the_batches_of_the_main_process as workers_give_the_main_batches,
+from helpers import (
+    CONFIG,
+    assert_two_ranks_restore_at_every_step,
+    assert_workers_give_the_main_batches,
+    bundled_documents,
+    losses,
+    train_here,
+    write_jsonl,
 )
 
 from torchtitan.checkpoint import read_manifest
@@ -254,7 +259,7 @@ def test_tokenizer_json_bos_eos_from_each_source(hf_dir, gpt2_style, tmp_path):
     swapped = Tokenizer(hf_dir, bos_token=EOS, eos_token=BOS)  # config beats the files
     assert (swapped.bos_id, swapped.eos_id) == (1, 0)
 
-    with pytest.raises(TokenizerError) as err:
+    with pytest.raises(TokenizerError, match=re.escape(str(gpt2_style))) as err:
         Tokenizer(gpt2_style)
     message = str(err.value)
     assert "\n" not in message and str(gpt2_style) in message and "--model.bos_token" in message
@@ -322,8 +327,9 @@ def test_unreadable_tokenizer_json_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def six_documents(tmp_path_factory) -> Path:
-    """6 very short real documents: test_data's restore check asks for two passes in 14
-    steps of 6 x 32 tokens, which tiny_corpus (1,367 tokens in this vocabulary) misses."""
+    """6 very short real documents: the restore check (helpers'
+    ``assert_two_ranks_restore_at_every_step``) asks for two passes in 14 steps of 6 x 32
+    tokens, which tiny_corpus (1,367 tokens in this vocabulary) misses."""
     folder = tmp_path_factory.mktemp("six") / "shakespeare"
     return write_jsonl(folder, bundled_documents("shakespeare", 6, 300))
 
@@ -355,17 +361,17 @@ def test_one_corpus_measured_with_two_tokenizers_keeps_two_indexes(
 def test_data_pipeline_restores_at_every_step_with_tokenizer_json(
     six_documents, hf_tokenizer, streaming
 ):
-    # test_data's check, as is: 2 ranks, the length index measured with this tokenizer.
-    restore_at_every_step(six_documents, hf_tokenizer, streaming=streaming, workers=0)
+    # The loader's check, as is: 2 ranks, the length index measured with this tokenizer.
+    assert_two_ranks_restore_at_every_step(six_documents, hf_tokenizer, streaming, workers=0)
 
 
 def test_loader_workers_resume_exactly_with_tokenizer_json(
     six_documents, heavy_corpus, hf_tokenizer, monkeypatch
 ):
-    # test_data's checks, as are: 2 workers give the main process's micro-batches (none
+    # The loader's checks, as are: 2 workers give the main process's micro-batches (none
     # repeated or reordered), and loaders with 2 workers restore exactly.
-    workers_give_the_main_batches(heavy_corpus, hf_tokenizer, 2, monkeypatch)
-    restore_at_every_step(six_documents, hf_tokenizer, streaming="false", workers=2)
+    assert_workers_give_the_main_batches(heavy_corpus, hf_tokenizer, 2, monkeypatch)
+    assert_two_ranks_restore_at_every_step(six_documents, hf_tokenizer, "false", workers=2)
 
 
 def test_training_runs_on_a_tokenizer_json(hf_dir, hf_tokenizer, small_corpus, tmp_path):

@@ -1,4 +1,5 @@
-"""The data path without torchrun: the global order, windows, ranks, resume, mixing.
+"""torchtitan/data/loader.py: windows, batches and steps over the global order, ranks,
+resume, mixing, workers and bad data; without torchrun.
 
 Loaders here are the real ones (``build_dataloader`` over a parsed config, the length
 index measured by the real code); several "ranks" are several loaders in one process,
@@ -9,65 +10,37 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import defaultdict
+import os
+import pickle
+import select
+import signal
+import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIG
+from helpers import (
+    CONFIG,
+    GOOD_DOCUMENTS,
+    SEQ,
+    assert_spans_tile_every_document,
+    assert_two_ranks_restore_at_every_step,
+    assert_workers_give_the_main_batches,
+    cfg,
+    child_pids,
+    doc_tokens,
+    global_steps,
+    loaders,
+    process_alive,
+    window_of,
+    write_jsonl_file,
+)
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
-from torchtitan.config import parse_args
-from torchtitan.data import build_dataloader, build_stream, local_plan
+from torchtitan.checkpoint.entries import from_tensor
+from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.dataset import Position
 from torchtitan.data.loader import BatchSchedule, plan_steps
-from torchtitan.data.order import MixSchedule
-from torchtitan.data.sources import DataError, resolve_source
-
-SEQ = 31  # windows of 32 tokens: documents of a few hundred tokens span many windows
-
-
-def cfg(corpus, *extra, seq=SEQ, batch=4, **kw):
-    argv = [*CONFIG, "--training.seq_len", seq, "--training.batch_size", batch,
-            "--training.seed", 7]  # fmt: skip
-    if corpus is not None:
-        argv += ["--training.dataset_path", str(corpus)]
-    for key, value in kw.items():
-        argv += [f"--training.{key}", value]
-    return parse_args([str(a) for a in [*argv, *extra]])
-
-
-def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
-    c = cfg(corpus, *extra, **kw)
-    plan = local_plan(c.training, tokenizer)
-    return [build_dataloader(c, tokenizer, r, world, plan) for r in range(world)]
-
-
-def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
-    import datasets
-
-    ds = datasets.load_dataset(
-        "json", data_files=sorted(str(p) for p in corpus.glob("*.jsonl")), split="train"
-    )
-    return {row["id"]: tokenizer.encode(row["text"], bos=True, eos=True) for row in ds}
-
-
-def window_of(batch, i) -> list[int]:
-    return torch.cat([batch["input"][i], batch["label"][i, -1:]]).tolist()
-
-
-def global_steps(ranks: list, steps: int) -> list[list]:
-    """Each step's sequences over all ranks, in rank order: (tokens, spans) per sequence."""
-    out = []
-    for _ in range(steps):
-        step = []
-        for loader in ranks:
-            for batch in loader.next_step():
-                step += [
-                    (window_of(batch, i), batch["spans"][i]) for i in range(len(batch["spans"]))
-                ]
-        out.append(step)
-    return out
+from torchtitan.data.sources import DataError
 
 
 def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
@@ -80,45 +53,6 @@ def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
                 return read / total
             read += end - start
     return 1.0
-
-
-def assert_exactly_once(sequences, lengths: dict[str, int], epochs=(0,)):
-    covered = defaultdict(list)
-    for spans in sequences:
-        for _, doc_id, start, end, epoch, _ in spans:
-            covered[(doc_id, epoch)].append((start, end))
-    for epoch in epochs:
-        assert {d for d, e in covered if e == epoch} == set(lengths), f"pass {epoch} incomplete"
-    for (doc_id, _), spans in covered.items():
-        spans = sorted(spans)
-        assert spans[0][0] == 0, (doc_id, spans)
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (doc_id, spans)
-
-
-def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: int,
-                                  delta: int = 1):  # fmt: skip
-    """``build()`` gives fresh loaders of every rank. Over ``steps`` steps (which must cross
-    more than two passes), the state after each step k in ``ks``, loaded into fresh loaders
-    (each rank its own entry), gives exactly the next ``ahead`` steps. Negative control:
-    the position after step ``control`` moved ``delta`` tokens does not."""
-    ranks = build()
-    reference, states = [], []
-    for _ in range(steps):
-        states.append([r.state_dict() for r in ranks])
-        reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
-
-    def same(k, state) -> bool:
-        fresh = build()
-        for r, loader in enumerate(fresh):
-            loader.load_state_dict(state[r])
-        return global_steps(fresh, ahead) == reference[k : k + ahead]
-
-    for k in ks:
-        assert same(k, states[k]), k
-    entry = from_tensor(states[control][0]["dp_rank_0"])
-    entry["offsets"][0] += delta
-    assert not same(control, [{"dp_rank_0": to_tensor(entry)}] * len(ranks))
 
 
 # ---- windows ----------------------------------------------------------------------------
@@ -161,7 +95,7 @@ def test_no_document_repeats_before_the_corpus_is_read_through(heavy_corpus, tok
     per_pass = sum(lengths.values()) // (16 * (SEQ + 1)) + 1
     sequences = [spans for step in global_steps(ranks, per_pass * 2 + 3) for _, spans in step]
     assert coverage_at_first_repeat(sequences, lengths) >= 0.99
-    assert_exactly_once(sequences, lengths, epochs=(0, 1))
+    assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1))
     early = sequences[:10] + [[["heavy", "h0001", 0, 5, 1, 0]]] + sequences[10:]
     assert coverage_at_first_repeat(early, lengths) < 0.01
 
@@ -237,11 +171,7 @@ def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers):
     """The state after k steps, loaded into fresh loaders, gives exactly the rest: 2
     ranks, tiny documents, so steps cross document and pass boundaries. Negative
     control: a position one token off does not reproduce the reference."""
-    extra = dict(streaming=streaming, num_workers=workers, global_batch_size=6)
-    assert_restores_at_every_step(
-        lambda: loaders(tiny_corpus, tokenizer, 2, **extra), steps=14, ahead=3,
-        ks=range(0, 11, 1 if workers == 0 else 5), control=4,
-    )  # fmt: skip
+    assert_two_ranks_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers)
 
 
 def test_the_state_is_a_position_of_a_few_bytes(heavy_corpus, tokenizer):
@@ -349,40 +279,12 @@ def test_unequal_splits_weigh_every_sequence_alike(tiny_corpus, tokenizer):
 # ---- mixing -----------------------------------------------------------------------------
 
 
-def test_mix_shares_match_the_weights_within_1_percent():
-    """After 10,000 windows every source's share is within 1 % of its weight, from any
-    starting window. Negative control: equal weights miss a 0.9/0.1 mix by far."""
-    for weights in ([0.9, 0.1], [0.5, 0.3, 0.2], [0.97, 0.02, 0.01]):
-        mix = MixSchedule(weights, seed=3)
-        for first in (0, 123_457, 10**9):
-            shares = np.bincount(mix.sources(first, 10_000), minlength=len(weights)) / 10_000
-            assert np.abs(shares - np.asarray(weights) / sum(weights)).max() < 0.01
-    plain = np.bincount(MixSchedule([1, 1], 3).sources(0, 10_000)) / 10_000
-    assert abs(plain[0] - 0.9) > 0.3
-
-
-def test_two_seeds_mix_the_sources_in_two_orders(tiny_corpus, second_corpus, tokenizer):
-    """The seed sets which source each window reads, not only each source's own order:
-    the first 48 sequences of an even mix, read by the loader, come from the sources in
-    another order at seed 8 than at seed 7 (and in the same one when the seed is the
-    same: the negative control)."""
-    mix = f"{tiny_corpus}:0.5,{second_corpus}:0.5"
-
-    def sources_read(seed: int) -> list[str]:
-        (loader,) = loaders(None, tokenizer, 1, datasets=mix, global_batch_size=8, seed=seed)
-        return [spans[0][0] for _ in range(6) for b in loader.next_step() for spans in b["spans"]]
-
-    at_7 = sources_read(7)
-    assert len(set(at_7)) == 2 and at_7 == sources_read(7)
-    assert sources_read(8) != at_7
-
-
 def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer):
     """A large source at 0.9 and a 3-document one at 0.1: the small one is read pass after
     pass, the large one once through with nothing left out, and the tokens each source
     gave are reported. (Before, shards without a unit of the small source were skipped
     with their share of the large one.)"""
-    from conftest import write_jsonl
+    from helpers import write_jsonl
 
     small = write_jsonl(tmp_path / "few", [{"id": f"f{i}", "text": f"Few {i}. " * 20}
                                            for i in range(3)], 1)  # fmt: skip
@@ -392,7 +294,9 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
     sequences = []
     while loader.position.offsets[0] < sum(big.values()) + 8 * (SEQ + 1):
         sequences += [spans for b in loader.next_step() for spans in b["spans"]]
-    assert_exactly_once([[s for s in sp if s[0] == "shakespeare"] for sp in sequences], big)
+    assert_spans_tile_every_document(
+        [[s for s in sp if s[0] == "shakespeare"] for sp in sequences], big
+    )
     passes = {s[4] for sp in sequences for s in sp if s[0] == "few"}
     assert len(passes) > 2
     by_source = loader.tokens_by_source()
@@ -433,19 +337,7 @@ def test_workers_give_the_batches_of_the_main_process(
 ):
     """Any worker count, with groups of several micro-batches per message, gives the
     micro-batches of the loader without workers, in order, with their weights."""
-    import torchtitan.data.loader as loader_module
-
-    monkeypatch.setattr(loader_module, "GROUP_TOKENS", 3 * 4 * (SEQ + 1))
-    kw = dict(global_batch_size=20, batch_size=3)
-    (plain,) = loaders(heavy_corpus, tokenizer, 1, **kw)
-    (workers_loader,) = loaders(heavy_corpus, tokenizer, 1, num_workers=workers, **kw)
-    assert workers_loader.group == 4
-    for _ in range(6):
-        a, b = plain.next_step(), workers_loader.next_step()
-        assert len(a) == len(b) == 7
-        for x, y in zip(a, b):
-            assert torch.equal(x["input"], y["input"]) and x["spans"] == y["spans"]
-            assert x["loss_weight"] == y["loss_weight"]
+    assert_workers_give_the_main_batches(heavy_corpus, tokenizer, workers, monkeypatch)
 
 
 @pytest.mark.time_limit(20)  # the bug it guards against hangs the close
@@ -517,7 +409,7 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     script = tmp_path / "exits.py"
     script.write_text(
@@ -553,7 +445,7 @@ def test_a_process_that_exits_with_running_workers_exits(tmp_path):
     assert not exits_within(3, "hang")
 
 
-# ---- bad data, the length index ----------------------------------------------------------
+# ---- bad data ---------------------------------------------------------------------------
 
 
 def test_bad_documents_are_skipped_and_counted(tmp_path, tokenizer):
@@ -569,162 +461,83 @@ def test_bad_documents_are_skipped_and_counted(tmp_path, tokenizer):
         loaders(tmp_path, tokenizer, 1, shuffle="false", bad_data="error")
 
 
-def test_the_order_locates_tokens_and_counts_skipped_documents_inside_units():
-    """Two streaming units of rows [5, 0, 3] and [0, 4] tokens, unshuffled: every offset
-    locates the right row and token (rows of no tokens are never located), and the
-    skipped documents before an offset count the empty rows the stream has passed, in
-    this pass and the ones before."""
-    from torchtitan.data.index import SourceIndex
-    from torchtitan.data.order import SourceOrder
-
-    index = SourceIndex(np.array([5, 0, 3, 0, 4], np.int32), np.array([0, 3, 5]),
-                        np.arange(5))  # fmt: skip
-    order = SourceOrder(index, "s", 0, "s", shuffle=False)
-    assert order.epoch_tokens == 12 and order.epoch_skipped == 2
-    rows = [order.locate(o)[3] for o in range(24)]
-    assert rows == ([0] * 5 + [2] * 3 + [4] * 4) * 2
-    assert [order.locate(o)[4] for o in (0, 4, 5, 7, 8, 11)] == [0, 4, 0, 2, 0, 3]
-    skipped = [order.skipped_before(o) for o in (0, 4, 5, 8, 12, 17)]
-    assert skipped == [0, 0, 1, 2, 2, 3]
+# ---- bad data and dying ranks -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers,delta", [(0, 1), (0, -1), (2, 1)])
-def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, workers, delta):
-    """A document whose token count is not the index's (the data or tokenizer changed
-    behind the cache), whether the entry is one token too long or one too short, is a
-    DataError naming the cache, not a silently shifted order; from a loader worker too,
-    as one line (not the worker's traceback). A damaged cache file is measured again."""
-    from torchtitan.data import index as length_index
-
-    (tmp_path / "d.jsonl").write_text("".join(
-        json.dumps({"id": f"d{i}", "text": f"Document {i}. " * (5 + i)}) + "\n" for i in range(6)))  # fmt: skip
-    cache = tmp_path / "cache"
-    c = cfg(tmp_path / "d.jsonl", length_index_dir=cache, num_workers=workers)
-    loader = build_dataloader(c, tokenizer, 0, 1)
-    next(loader)
-    loader.close()
-    (path,) = cache.glob("*.npz")
-    with np.load(path) as z:
-        lengths = z["lengths"].copy()
-    lengths[0] += delta
-    np.savez(path, lengths=lengths)
-    stale = build_dataloader(c, tokenizer, 0, 1)
-    with pytest.raises(DataError, match="length index") as raised:
-        for _ in range(6):
-            next(stale)
-    assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)
-    stale.close()
-    path.write_bytes(path.read_bytes()[:40])  # a truncated file
-    assert length_index.load_cached(str(cache), path.stem) is None
-    again = build_dataloader(c, tokenizer, 0, 1)  # measured and cached again
-    next(again)
-    again.close()
-    assert length_index.load_cached(str(cache), path.stem) is not None
+def read(folder, tokenizer, windows: int, **kw) -> tuple:
+    """(the loader, the spans of its first ``windows`` windows): one rank, unshuffled,
+    one window a step, so that passes go by."""
+    (loader,) = loaders(folder, tokenizer, 1, shuffle="false", batch=1, **kw)
+    return loader, [sp for _ in range(windows) for seq in next(loader)["spans"] for sp in seq]
 
 
-def test_an_index_of_another_size_than_the_data_is_one_line(tmp_path, tokenizer):
-    """A cached index holding another number of documents than the source (rows added
-    behind an unchanged signature) is refused when the loader is built, naming the
-    cache, instead of reading past the data or leaving its tail unread."""
-    (tmp_path / "d.jsonl").write_text("".join(
-        json.dumps({"id": f"d{i}", "text": f"Document {i}."}) + "\n" for i in range(6)))  # fmt: skip
-    c = cfg(tmp_path / "d.jsonl", length_index_dir=tmp_path / "cache")
-    build_dataloader(c, tokenizer, 0, 1)
-    (path,) = (tmp_path / "cache").glob("*.npz")
-    with np.load(path) as z:
-        np.savez(path, lengths=np.concatenate([z["lengths"], [5]]))
-    with pytest.raises(DataError, match="holds 7 units, the data 6"):
-        build_dataloader(c, tokenizer, 0, 1)
+@pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
+def test_invalid_utf8_is_skipped_and_counted(tmp_path, tokenizer, streaming):
+    good = b"".join(json.dumps(r).encode() + b"\n" for r in GOOD_DOCUMENTS)
+    folder = write_jsonl_file(
+        tmp_path / "d" / "a.jsonl", raw=good + b'{"id": "bad", "text": "caf\xe9 \xff"}\n'
+    )
+    loader, spans = read(folder, tokenizer, 12, streaming=streaming)
+    assert loader.skipped_documents() >= 1
+    assert {sp[1] for sp in spans} == {"g0", "g1", "g2", "g3"}
 
 
-def test_missing_path_and_column_are_clear_errors(small_corpus, tokenizer):
-    with pytest.raises(DataError, match="matches no data files"):
-        resolve_source(path="/nonexistent/corpus")
-    with pytest.raises(DataError, match="no column 'body'"):
-        loaders(small_corpus, tokenizer, 1, text_field="body")
+def test_null_missing_and_non_string_text_are_skipped_and_counted(tmp_path, tokenizer):
+    folder = write_jsonl_file(
+        tmp_path / "d" / "a.jsonl", [*GOOD_DOCUMENTS, {"id": "n", "text": None}, {"id": "m"}]
+    )
+    loader, spans = read(folder, tokenizer, 12)
+    assert {sp[1] for sp in spans} == {"g0", "g1", "g2", "g3"}
+    passes = max(sp[4] for sp in spans)
+    assert passes >= 1
+    assert 2 * passes <= loader.skipped_documents() <= 2 * passes + 2  # 2 skips in every pass
+    ints = write_jsonl_file(tmp_path / "i" / "a.jsonl", [{"text": 5}, {"text": 7}])
+    with pytest.raises(DataError, match="no usable document"):
+        loaders(ints, tokenizer, 1)
 
 
-def test_id_less_documents_get_stable_ids(tmp_path, tokenizer):
-    (tmp_path / "a.txt").write_text("A plain text document.\nWith two lines.\n")
-    (tmp_path / "b.txt").write_text("Another document entirely.\n")
-    for streaming in ("false", "true"):
-        (loader,) = loaders(tmp_path, tokenizer, 1, shuffle="false", streaming=streaming)
-        ids = {sp[1] for _ in range(2) for s in next(loader)["spans"] for sp in s}
-        assert len(ids) == 2, ids
+def test_a_5_mb_document_packs_and_restores(tmp_path, tokenizer):
+    """Windows of 2,048 tokens inside one 5 MB document: the state after 3 is a position
+    of a few bytes, and a fresh loader resumed there gives the next 2 windows, which
+    start 3 x 2,048 tokens into the document."""
+    line = "And thus the whirligig of time brings in his revenges.\n"
+    huge = {"id": "huge", "text": line * (5_000_000 // len(line))}
+    folder = write_jsonl_file(tmp_path / "d" / "a.jsonl", [huge, *GOOD_DOCUMENTS])
+    loader, _ = read(folder, tokenizer, 3, seq=2047)
+    state = loader.state_dict()
+    assert len(pickle.dumps(state)) < 1000, "the state holds a position, not the 5 MB buffer"
+    reference = [next(loader) for _ in range(2)]
+    (fresh,) = loaders(folder, tokenizer, 1, shuffle="false", batch=1, seq=2047)
+    fresh.load_state_dict(state)
+    for a, b in zip([next(fresh) for _ in range(2)], reference):
+        assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+    assert reference[0]["spans"][0] == [["d", "huge", 3 * 2048, 4 * 2048, 0, 0]]
 
 
-def test_shuffle_is_seeded_and_differs_per_pass(tiny_corpus, tokenizer):
-    def order(*extra, **kw):
-        (loader,) = loaders(tiny_corpus, tokenizer, 1, *extra, **kw)
-        seqs = [s for _ in range(24) for b in loader.next_step() for s in b["spans"]]
-        return [(doc, e) for spans in seqs for _, doc, a, _, e, _ in spans if a == 0]
-
-    one, again, other_seed = order(), order(), order("--training.seed", 8)
-    plain = order(shuffle="false")
-    assert one == again and one != other_seed
-    passes = [[d for d, e in one if e == p] for p in range(3)]
-    assert sorted(passes[0]) == sorted(passes[1]) == sorted(passes[2])
-    assert len({tuple(p) for p in passes}) == 3
-    plain_passes = [[d for d, e in plain if e == p] for p in range(3)]
-    assert plain_passes[0] == plain_passes[1] == plain_passes[2]
-
-
-def test_source_registry_covers_bundled_corpus():
-    spec = resolve_source(name="bundled")
-    assert len(spec.files) == 20 and spec.fmt == "parquet"
-    names = ("shakespeare", "milton", "kjv")
-    assert list(itertools.chain(*[resolve_source(name=n).files for n in names])) == spec.files
-
-
-# ---- provenance checks --------------------------------------------------------------------
-
-
-def test_exactly_once_check_sees_duplicates_and_holes():
-    from torchtitan.provenance import check_exactly_once
-
-    def report(*spans):
-        seqs = [[["src", doc, a, b, e, 0]] for doc, a, b, e in spans]
-        return check_exactly_once({0: {1: seqs}})["src"]
-
-    fine = report(("d", 0, 10, 0), ("d", 10, 25, 0), ("d", 0, 5, 1))  # a new pass reads again
-    assert (fine.duplicate_tokens, fine.gaps, fine.tokens) == (0, 0, 30)
-    assert report(("d", 0, 10, 0), ("d", 6, 12, 0)).duplicate_tokens == 4
-    assert report(("d", 0, 10, 0), ("d", 12, 20, 0)).gaps == 1
-    assert report(("d", 3, 10, 0)).gaps == 1, "a document must be read from its start"
-
-
-def test_exactly_once_check_counts_a_replayed_step():
-    """A step trained twice repeats its spans exactly: every token of them is a duplicate
-    (a checker keeping a set of spans would see each once and report nothing)."""
-    from torchtitan.provenance import check_exactly_once
-
-    step = [[["src", "a", 0, 10, 0, 0], ["src", "b", 0, 6, 0, 1]], [["src", "a", 10, 16, 0, 0]]]
-    later = [[["src", "a", 16, 20, 0, 0]]]
-    replayed = check_exactly_once({0: {1: step, 2: later, 3: step}})["src"]
-    assert (replayed.duplicate_tokens, replayed.gaps, replayed.tokens) == (22, 0, 48)
-    two_ranks = check_exactly_once({0: {1: step}, 1: {1: step}})["src"]
-    assert (two_ranks.duplicate_tokens, two_ranks.gaps) == (22, 0)
-
-
-def test_completeness_check_sees_a_skipped_document(tiny_corpus, tokenizer):
-    """Two ranks read several passes; check_complete finds every document of every
-    finished pass read whole. Negative controls: a document dropped from one pass, and a
-    second partly read document, are each reported."""
-    from torchtitan.provenance import check_complete
-
-    lengths = {"shakespeare": {k: len(v) for k, v in doc_tokens(tiny_corpus, tokenizer).items()}}
-    ranks = loaders(tiny_corpus, tokenizer, 2, global_batch_size=6)
-    provenance = {0: {}, 1: {}}
-    for step in range(20):
-        for r, loader in enumerate(ranks):
-            provenance[r][step] = [s for b in loader.next_step() for s in b["spans"]]
-    report = check_complete(provenance, lengths)["shakespeare"]
-    assert len(report.finished_epochs) >= 2 and (report.missing, report.partial) == (0, 0)
-
-    doc = provenance[0][0][0][0][1]
-    dropped = {r: {k: [[sp for sp in seq if not (sp[1] == doc and sp[4] == 0)] for seq in v]
-                   for k, v in steps.items()} for r, steps in provenance.items()}  # fmt: skip
-    assert check_complete(dropped, lengths)["shakespeare"].missing >= 1
-    cut = {r: {k: [[sp if sp[2] > 0 or sp[1] != doc else [*sp[:3], 1, *sp[4:]] for sp in seq]
-               for seq in v] for k, v in steps.items()} for r, steps in provenance.items()}  # fmt: skip
-    assert check_complete(cut, lengths)["shakespeare"].partial >= 1
+def test_a_loader_worker_ends_with_its_rank_however_it_dies(tmp_path, small_corpus, tokenizer):
+    """A "rank" (a fork of this process) starts a real loader with one worker, then dies
+    by SIGKILL: its worker, which ignores the stop signals, is gone within 2 s instead
+    of living on with the rank's memory and sockets."""
+    read, write = os.pipe()
+    rank = os.fork()
+    if rank == 0:  # the rank: never returns into pytest
+        try:
+            (loader,) = loaders(small_corpus, tokenizer, 1, num_workers=1)
+            next(loader)
+            os.write(write, " ".join(map(str, child_pids(os.getpid()))).encode() + b"\n")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:  # a rank stuck before it answers is killed all the same
+        answered = select.select([f], [], [], 120)[0]
+        workers = [int(p) for p in f.readline().split()] if answered else []
+    os.kill(rank, signal.SIGKILL)
+    os.waitpid(rank, 0)
+    deadline = time.monotonic() + 2
+    while any(map(process_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [p for p in workers if process_alive(p)]
+    for pid in left:  # leave nothing behind, even when failing
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not left, f"loader worker(s) {left} outlived their rank"

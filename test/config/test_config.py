@@ -2,19 +2,19 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from torchtitan import parallel
 from torchtitan.config import ConfigError, DatasetEntry, JobConfig, parse_args, resolve_path
 from torchtitan.data import checks as data_checks
 from torchtitan.models import attention
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +29,9 @@ def write_toml(tmp_path, text: str) -> str:
     return str(path)
 
 
-def raises(argv, *fragments):
-    with pytest.raises(ConfigError) as info:
+def raises(argv, first, *fragments):
+    """parse_args(argv) is one ConfigError line holding ``first`` and every fragment."""
+    with pytest.raises(ConfigError, match=re.escape(first)) as info:
         parse_args(argv)
     message = str(info.value)
     assert "\n" not in message
@@ -288,7 +289,7 @@ def test_malformed_cli(argv, fragments):
 
 def test_resolve_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert resolve_path("pyproject.toml") == str(REPO_ROOT / "pyproject.toml")
+    assert resolve_path("pyproject.toml") == str(REPO / "pyproject.toml")
     (tmp_path / "pyproject.toml").write_text("")
     assert resolve_path("pyproject.toml") == str(tmp_path / "pyproject.toml")
     assert resolve_path("no/such/file") == "no/such/file"
@@ -309,7 +310,7 @@ def test_real_dataset_registry_knows_the_default():
 
 def run_cli(*args):
     code = "from torchtitan.config import load_config_or_exit; load_config_or_exit()"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
     )
@@ -348,7 +349,7 @@ def test_tensorboard_missing_is_one_error_line_before_anything_is_built(tmp_path
     line naming the option and the fix, instead of a traceback from the metric logger
     after the model is built. Importing a module whose sys.modules entry is None fails,
     as it does when the package is not installed."""
-    from conftest import error_lines, train_here
+    from helpers import error_lines, train_here
 
     for name in ("tensorboard", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, name, None)

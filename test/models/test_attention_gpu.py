@@ -1,7 +1,7 @@
 """GPU-only checks (marked ``cuda``; skipped with the reason elsewhere): the attention
 kernels that exist only on CUDA (varlen; flex compiled, forward and backward), and the
 backends chosen and trained there. scripts/gpu_check.sh runs them; the CPU half of each
-property (flex's forward, varlen's layout through a stand-in) is in test_model.py.
+property (flex's forward, varlen's layout through a stand-in) is in test_attention.py.
 
 Tolerances compare two implementations in bf16 (eps 7.8e-3): relative errors, stated
 per test, with a negative control that is off by far more.
@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import losses, train_here
-from test_model import many_documents
+from helpers import losses, many_documents, train_here
 
 from torchtitan.config import parse_args
 from torchtitan.models import build_model

@@ -12,7 +12,7 @@ import shutil
 import time
 
 import pytest
-from conftest import error_lines, losses, read_jsonl, torchrun, train_here
+from helpers import error_lines, losses, read_jsonl, torchrun, train_here
 
 from torchtitan.checkpoint import MANIFEST, PENDING, complete_steps, verify_checkpoint
 

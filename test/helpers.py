@@ -1,0 +1,329 @@
+"""What tests share: corpora written from the bundled text, ways to run training, records
+read back, the data loaders as a job builds them, and the checks several test files make.
+
+Owns the one definition of each helper; test modules import from here (``from helpers
+import ...``, importable from every folder of ``test/``), never from each other, and
+conftest.py holds only fixtures and the guards. Never: a fixture, or a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import train as train_script
+from torchtitan import REPO_ROOT
+from torchtitan.checkpoint.entries import from_tensor, to_tensor
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader, local_plan
+from torchtitan.data.sources import resolve_source
+from torchtitan.provenance import check_exactly_once, read_provenance
+from torchtitan.runs import DEBUG_CONFIG, read_records
+from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
+from torchtitan.runs import torchrun as _torchrun
+
+REPO = REPO_ROOT  # the repository's root, wherever the test file lies under test/
+CONFIG = ["--job.config_file", DEBUG_CONFIG]
+
+
+# ---- corpora ----------------------------------------------------------------------------
+
+
+def bundled_documents(source: str, count: int, max_chars: int = 1200) -> list[dict]:
+    """Real documents from the bundled corpus, shortened so tests cross many boundaries."""
+    import datasets
+
+    files = resolve_source(name=source).files
+    ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    return [
+        {"id": ds[i]["id"], "text": ds[i]["text"][: 200 + (i * 97) % max_chars]}
+        for i in range(count)
+    ]
+
+
+def heavy_tailed_documents(count: int, seed: int = 0) -> list[dict]:
+    """``count`` documents of real text (KJV and Shakespeare) whose lengths are heavy-tailed
+    like a web corpus's: log-normal characters, median ~500, from 60 to ~12,000."""
+    import numpy as np
+
+    text = "\n".join(
+        d["text"] for s in ("kjv", "shakespeare") for d in bundled_documents(s, 40, 30000)
+    )
+    rng = np.random.default_rng(seed)
+    sizes = np.clip(rng.lognormal(np.log(500), 1.1, count), 60, 12000).astype(int)
+    starts = rng.integers(0, len(text) - 12001, count)
+    return [
+        {"id": f"h{i:04d}", "text": text[a : a + n]} for i, (a, n) in enumerate(zip(starts, sizes))
+    ]
+
+
+def write_jsonl(folder: Path, docs: list[dict], files: int = 2) -> Path:
+    """``docs`` as JSON lines in ``files`` files ``part-NNN.jsonl`` of ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = (len(docs) + files - 1) // files
+    for f in range(files):
+        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
+            for doc in docs[f * per_file : (f + 1) * per_file]:
+                out.write(json.dumps(doc) + "\n")
+    return folder
+
+
+def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | None = None) -> Path:
+    """One file at ``path``: ``rows`` as JSON lines, or the bytes ``raw`` as they are (bad
+    data); returns its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path.parent
+
+
+GOOD_DOCUMENTS = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
+
+
+def write_parquet(path: Path, docs: list[dict], row_group: int | None = None) -> Path:
+    """``docs`` as one parquet file at ``path``, in row groups of ``row_group`` rows
+    (pyarrow's default where None)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(docs), path, row_group_size=row_group)
+    return path
+
+
+# ---- runs -------------------------------------------------------------------------------
+
+
+def torchrun(
+    args: list, nproc: int = 2, timeout: int = 300, script: str = "train.py"
+) -> subprocess.CompletedProcess:
+    """Launch a real multi-process job; returns the finished process (check returncode)."""
+    return _torchrun(nproc, list(args), script=script, timeout=timeout)
+
+
+def shim_env(folder: Path, code: str, **env: str) -> dict:
+    """The environment of a launched job whose every interpreter runs ``code`` first (a
+    ``sitecustomize`` module in ``folder``): a probe wrapped around the real code, to
+    count or slow it, never a stand-in for it."""
+    import os
+
+    from torchtitan.runs import run_env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(code)
+    return {**run_env(), "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]), **env}
+
+
+def train(dump, *extra, nproc=2, expect_ok=True) -> subprocess.CompletedProcess:
+    """The debug config as a real ``nproc``-rank torchrun job."""
+    proc = torchrun([*CONFIG, "--job.dump_folder", str(dump), *map(str, extra)], nproc=nproc)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def run_main(argv: list) -> tuple[int, str]:
+    """``train.main(argv)`` in this process: (exit status, what it wrote to stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = train_script.main([str(a) for a in argv])
+        except SystemExit as e:  # config errors exit before anything is built
+            status = e.code
+    return status, err.getvalue()
+
+
+def train_here(dump, *extra, expect_ok=True) -> tuple[int, str]:
+    """The debug config as one in-process rank (no interpreter start-up)."""
+    status, log = run_main([*CONFIG, "--job.dump_folder", dump, *extra])
+    if expect_ok:
+        assert status == 0, log[-4000:]
+    return status, log
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie waits on whoever adopted it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of a live process's children (Linux: /proc)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
+            for c in (task / "children").read_text().split()]  # fmt: skip
+
+
+# ---- records of a run -------------------------------------------------------------------
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+def read_jsonl(path) -> list[dict]:
+    return read_records(path)
+
+
+def assert_run_read_every_token_once(dump):
+    """The provenance records of the run in ``dump`` show no token read twice and no
+    document left with a hole (``provenance.check_exactly_once``), for every source."""
+    reports = check_exactly_once(read_provenance(str(Path(dump) / "provenance")))
+    assert reports and all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), (
+        reports
+    )
+
+
+# ---- the data loaders, as a job builds them ---------------------------------------------
+
+SEQ = 31  # windows of 32 tokens: documents of a few hundred tokens span many windows
+
+
+def cfg(corpus, *extra, seq=SEQ, batch=4, **kw):
+    """The debug config over ``corpus`` (None: the sources come from ``kw``), parsed;
+    each keyword is a ``training.*`` setting."""
+    argv = [*CONFIG, "--training.seq_len", seq, "--training.batch_size", batch,
+            "--training.seed", 7]  # fmt: skip
+    if corpus is not None:
+        argv += ["--training.dataset_path", str(corpus)]
+    for key, value in kw.items():
+        argv += [f"--training.{key}", value]
+    return parse_args([str(a) for a in [*argv, *extra]])
+
+
+def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
+    """The loaders of ``world`` data-parallel ranks, built as a job builds them (the data
+    plan and length index made by the real code); each rank's loader is all a rank runs
+    of the data path, so several ranks are several loaders in one process."""
+    c = cfg(corpus, *extra, **kw)
+    plan = local_plan(c.training, tokenizer)
+    return [build_dataloader(c, tokenizer, r, world, plan) for r in range(world)]
+
+
+def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
+    """Every document of a folder of JSON lines, tokenized as the loader does."""
+    import datasets
+
+    ds = datasets.load_dataset(
+        "json", data_files=sorted(str(p) for p in corpus.glob("*.jsonl")), split="train"
+    )
+    return {row["id"]: tokenizer.encode(row["text"], bos=True, eos=True) for row in ds}
+
+
+def window_of(batch, i) -> list[int]:
+    """Sequence ``i`` of a batch as the window of tokens it was cut from."""
+    return torch.cat([batch["input"][i], batch["label"][i, -1:]]).tolist()
+
+
+def global_steps(ranks: list, steps: int) -> list[list]:
+    """Each step's sequences over all ranks, in rank order: (tokens, spans) per sequence."""
+    out = []
+    for _ in range(steps):
+        step = []
+        for loader in ranks:
+            for batch in loader.next_step():
+                step += [
+                    (window_of(batch, i), batch["spans"][i]) for i in range(len(batch["spans"]))
+                ]
+        out.append(step)
+    return out
+
+
+def assert_spans_tile_every_document(sequences, lengths: dict[str, int], epochs=(0,)):
+    """The spans of ``sequences`` (each a list of ``[source, doc, start, end, pass,
+    unit]``) read every document of ``lengths`` in each pass of ``epochs``, and each
+    document's spans in a pass start at its first token and follow one another without a
+    gap or an overlap."""
+    covered = defaultdict(list)
+    for spans in sequences:
+        for _, doc_id, start, end, epoch, _ in spans:
+            covered[(doc_id, epoch)].append((start, end))
+    for epoch in epochs:
+        assert {d for d, e in covered if e == epoch} == set(lengths), f"pass {epoch} incomplete"
+    for (doc_id, _), spans in covered.items():
+        spans = sorted(spans)
+        assert spans[0][0] == 0, (doc_id, spans)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (doc_id, spans)
+
+
+def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: int,
+                                  delta: int = 1):  # fmt: skip
+    """``build()`` gives fresh loaders of every rank. Over ``steps`` steps (which must cross
+    more than two passes), the state after each step k in ``ks``, loaded into fresh loaders
+    (each rank its own entry), gives exactly the next ``ahead`` steps. Negative control:
+    the position after step ``control`` moved ``delta`` tokens does not."""
+    ranks = build()
+    reference, states = [], []
+    for _ in range(steps):
+        states.append([r.state_dict() for r in ranks])
+        reference += global_steps(ranks, 1)
+    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
+
+    def same(k, state) -> bool:
+        fresh = build()
+        for r, loader in enumerate(fresh):
+            loader.load_state_dict(state[r])
+        return global_steps(fresh, ahead) == reference[k : k + ahead]
+
+    for k in ks:
+        assert same(k, states[k]), k
+    entry = from_tensor(states[control][0]["dp_rank_0"])
+    entry["offsets"][0] += delta
+    assert not same(control, [{"dp_rank_0": to_tensor(entry)}] * len(ranks))
+
+
+def assert_two_ranks_restore_at_every_step(corpus, tokenizer, streaming: str, workers: int):
+    """The state after k steps, loaded into fresh loaders, gives exactly the rest: 2
+    ranks, 6 sequences a step over a corpus of a few short documents, so that 14 steps
+    cross document and pass boundaries (k = 0..10; every fifth with workers)."""
+    extra = dict(streaming=streaming, num_workers=workers, global_batch_size=6)
+    assert_restores_at_every_step(
+        lambda: loaders(corpus, tokenizer, 2, **extra), steps=14, ahead=3,
+        ks=range(0, 11, 1 if workers == 0 else 5), control=4,
+    )  # fmt: skip
+
+
+def assert_workers_give_the_main_batches(corpus, tokenizer, workers: int, monkeypatch):
+    """A loader with ``workers`` workers, sending groups of several micro-batches per
+    message, gives the micro-batches of the loader without workers, in order, with their
+    weights (6 steps of 7 micro-batches)."""
+    import torchtitan.data.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "GROUP_TOKENS", 3 * 4 * (SEQ + 1))
+    kw = dict(global_batch_size=20, batch_size=3)
+    (plain,) = loaders(corpus, tokenizer, 1, **kw)
+    (workers_loader,) = loaders(corpus, tokenizer, 1, num_workers=workers, **kw)
+    assert workers_loader.group == 4
+    for _ in range(6):
+        a, b = plain.next_step(), workers_loader.next_step()
+        assert len(a) == len(b) == 7
+        for x, y in zip(a, b):
+            assert torch.equal(x["input"], y["input"]) and x["spans"] == y["spans"]
+            assert x["loss_weight"] == y["loss_weight"]
+
+
+# ---- model inputs -----------------------------------------------------------------------
+
+
+def many_documents(B: int = 3, T: int = 160, seed: int = 4, longest: int = 40):
+    """B rows of T tokens cut into documents of 1 to ``longest`` tokens (a row may start
+    with the tail of a document, whose positions also start at 0): tokens, positions, ids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 4096, (B, T), generator=g)
+    positions, ids = torch.empty(B, T, dtype=torch.long), torch.empty(B, T, dtype=torch.long)
+    for b in range(B):
+        t, d = 0, 0
+        while t < T:
+            n = min(T - t, int(torch.randint(1, longest + 1, (1,), generator=g)))
+            positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
+            t, d = t + n, d + 1
+    return tokens, positions, ids
