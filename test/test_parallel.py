@@ -51,8 +51,8 @@ def layouts(tmp_path_factory, dozen_corpus):
                     script="test/dist/parallel_layouts.py")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = {r: json.loads((out / "records" / f"rank{r}.json").read_text()) for r in range(4)}
-    return SimpleNamespace(out=out, log=proc.stderr, records=records, corpus=dozen_corpus,
-                           wall_s=time.perf_counter() - begin)  # fmt: skip
+    return SimpleNamespace(out=out, log=proc.stderr, stdout=proc.stdout, records=records,
+                           corpus=dozen_corpus, wall_s=time.perf_counter() - begin)  # fmt: skip
 
 
 def digests(layouts, rank: int, scenario: str, what: str) -> list[str]:
@@ -61,6 +61,20 @@ def digests(layouts, rank: int, scenario: str, what: str) -> list[str]:
 
 def steps_of(items: list, per_step: int, steps: range, first_step: int = 1) -> list:
     return [x for s in steps for x in items[(s - first_step) * per_step : (s - first_step + 1) * per_step]]  # fmt: skip
+
+
+# ---- the loader through DCP, the log line's view of the ranks --------------------------
+
+
+def test_dataloader_through_dcp_into_a_never_iterated_loader(layouts):
+    """4 ranks, 0 and then 2 workers each: every rank's entry survives DCP, and a fresh
+    loader given the one it picks yields exactly what the original yielded next."""
+    assert layouts.stdout.count("restored exactly") == 8, layouts.stdout[-2000:]
+
+
+def test_the_log_line_names_the_slowest_rank(layouts):
+    """metrics.across_ranks over one real gather: rank r took 10 (r + 1) ms."""
+    assert "across ranks: the slowest rank named" in layouts.stdout
 
 
 # ---- the loss over ranks ----------------------------------------------------------------

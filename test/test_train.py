@@ -74,6 +74,10 @@ def left_out_on_resume(component: str):
 # ---- the acceptance script, as shipped, on 2 ranks with everything switched on ----------
 
 
+# Slow tier: the script as shipped, 5 launches (24 s). The fast tier keeps its logic
+# (resume_check in-process, with its negative controls) and 2-rank exact resumes with
+# workers (the preemption test) and with dropout (test_parallel's layouts).
+@pytest.mark.slow
 def test_deterministic_resume_script_with_workers_dropout_mixing_and_async(tmp_path):
     """12 steps on 2 FSDP ranks with 2 loader workers each, dropout, a two-source mix,
     async checkpoints, bf16 compute, full activation checkpointing, 2 micro-batches per
@@ -216,9 +220,10 @@ def test_elastic_chain_ranks_workers_and_batch_sizes(tmp_path, dozen_corpus):
               "--training.seq_len", 32, "--training.batch_size", 4]  # fmt: skip
     eight = ["--training.global_batch_size", 8]
     train(tmp_path, *common, *eight, "--training.stop_at_step", 3)
-    proc = train(tmp_path, *common, *eight, "--training.stop_at_step", 6,
-                 "--training.num_workers", 3, nproc=1)  # fmt: skip
-    assert "8 sequences: 2 micro-batches of at most 4 x 32 per data-parallel rank" in proc.stderr
+    # One rank, in this process (no launch), with 3 loader workers.
+    _, log = train_here(tmp_path, *common, *eight, "--training.stop_at_step", 6,
+                        "--training.num_workers", 3)  # fmt: skip
+    assert "8 sequences: 2 micro-batches of at most 4 x 32 per data-parallel rank" in log
     proc = train(tmp_path, *common, "--training.global_batch_size", 10, nproc=3)
     assert "10 sequences: 1 micro-batches of at most 4 x 32" in proc.stderr
     assert "the busiest does 1.20 x the mean" in proc.stderr
@@ -284,8 +289,7 @@ def test_preemption_of_one_rank_or_all_saves_and_the_relaunches_are_exact_ddp(tm
     then SIGTERM to every process of the job, loader workers included (they must leave
     the signal to their rank). Each time every rank stops after the same step N, writes
     step-N and says so in one line; the last relaunch finishes bit-exactly (losses equal
-    an uninterrupted run). Then a damaged shard stops both ranks with one line each
-    naming the file and the fix."""
+    an uninterrupted run)."""
     common = ["--training.steps", 24, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
               "--training.data_parallel", "ddp", "--training.batch_size", 2,
               "--training.global_batch_size", 8, "--training.num_workers", 2]  # fmt: skip
@@ -308,13 +312,24 @@ def test_preemption_of_one_rank_or_all_saves_and_the_relaunches_are_exact_ddp(tm
     assert f"step-{second}" in proc.stderr and "loaded checkpoint" in proc.stderr
     assert losses(dump) == losses(tmp_path / "reference")
 
-    # Each rank digested what it wrote: the two ranks' own files are the manifest's files.
-    path = str(dump / "checkpoint" / "step-24")
+
+# Slow tier: two 2-rank launches (12 s); one rank's damaged checkpoint is one line in
+# the fast tier (checkpoint/test_manager.py).
+@pytest.mark.slow
+def test_a_damaged_file_of_a_2_rank_checkpoint_stops_both_ranks_with_one_line(tmp_path):
+    """Each rank digested what it wrote (the two ranks' own files are the manifest's
+    files); a damaged file of rank 1's stops both ranks with one line each naming the
+    file and the command that resumes from the previous checkpoint."""
+    common = ["--training.steps", 8, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 4,
+              "--training.data_parallel", "ddp", "--training.global_batch_size", 8]  # fmt: skip
+    dump = tmp_path / "run"
+    train(dump, *common)
+    path = str(dump / "checkpoint" / "step-8")
     mine = [set(own_files(path, r)) for r in (0, 1)]
     assert not mine[0] & mine[1] and mine[0] | mine[1] == set(read_manifest(path)["files"])
 
-    previous = max(s for s in complete_steps(str(dump / "checkpoint")) if s < 24)
-    shard = dump / "checkpoint" / "step-24" / "__1_0.distcp"
+    previous = max(s for s in complete_steps(str(dump / "checkpoint")) if s < 8)
+    shard = dump / "checkpoint" / "step-8" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     proc = train(dump, *common, expect_ok=False)
     errors = error_lines(proc.stderr)

@@ -1,15 +1,10 @@
-"""Run under torchrun: save the dataloader with real DCP, load it into a never-iterated loader.
+"""Scenarios of the 4-rank launch (parallel_layouts.py imports them): the dataloader
+through real DCP into a never-iterated loader, and the log line's view of all ranks.
 
-    torchrun --nproc_per_node=2 test/dist/dataloader_dcp.py CORPUS CKPT_ROOT
-
-For 0 and then 2 workers per rank: iterate 3 steps, save, take 5 more as the
-reference; a fresh loader given one entry from DCP (``entry_to_load``) must yield
-exactly those.
-Prints one "restored exactly" line per rank and worker count; exits 0 on success.
+``save_and_restore``: iterate 3 steps, save, take 5 more as the reference; a fresh
+loader given one entry from DCP (``entry_to_load``) must yield exactly those. Prints
+one "restored exactly" line per rank and worker count.
 """
-
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -68,16 +63,3 @@ def across_ranks_names_the_slowest():
         print("across ranks: the slowest rank named", flush=True)
     else:
         assert got == {}
-
-
-def main():
-    corpus, root = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    for workers in (0, 2):
-        save_and_restore(corpus, os.path.join(root, f"workers{workers}"), workers)
-    across_ranks_names_the_slowest()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

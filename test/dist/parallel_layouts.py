@@ -22,6 +22,8 @@ is written under OUT; test_parallel.py asserts on it:
   each rank's batch holding another number of labels that count: rank 0's shard of the
   gradient it applies (read just before the update), the whole global batch's on one
   rank, and, as a negative control, FSDP 4's with each rank normalizing by its own count.
+- stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
+  per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
   rank's input tokens and of each block's residual-dropout mask; ``sp_masks``: the
   same masks under sequence parallel (one forward); ``initial_loads``: whether the
@@ -38,6 +40,7 @@ import os
 import shutil
 import sys
 
+import dataloader_dcp  # this folder's: the loader through DCP, the view of all ranks
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -265,6 +268,9 @@ def main():
     sharded_init(out, dims)
     sequence_parallel_masks(dims)
     masked_gradients(out, dims)
+    for workers in (0, 2):
+        dataloader_dcp.save_and_restore(corpus, os.path.join(out, f"loader-{workers}"), workers)
+    dataloader_dcp.across_ranks_names_the_slowest()
 
     data = ["--training.dataset_path", corpus,
             "--training.seq_len", 32, "--training.batch_size", 3,
