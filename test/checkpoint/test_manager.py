@@ -1,7 +1,7 @@
 """CheckpointManager as train.py drives it: choosing, verifying, loading, refusing.
 
 One in-process rank (``train.main``) for what does not depend on the rank count; the
-dataloader's per-rank entries go through real DCP under real torchrun.
+dataloader's per-rank entries go through real DCP in test_parallel.py's 4-rank launch.
 """
 
 from __future__ import annotations
@@ -136,6 +136,77 @@ def test_a_written_checkpoint_is_finished_on_restart_never_deleted(trained, tmp_
     assert "ignoring and removing incomplete checkpoint" in log and "step-6" in log
     assert losses(dump)[7] == losses(trained)[7]
     assert complete_steps(str(folder)) == [6, 7]
+
+
+class StageCounter:
+    """A component the manager has never heard of: a per-rank counter (as a pipeline
+    stage's own state would be), saved and loaded through its own adapter."""
+
+    def __init__(self, value: int, loads: bool = True):
+        import torch
+
+        from torchtitan.checkpoint.stateful import Adapter
+
+        outer = self
+
+        class CounterState(Adapter):
+            data_only = True
+
+            def state_dict(self):
+                return {"rank_0": torch.tensor(outer.value)}
+
+            def load_targets(self, saved):
+                return super().load_targets(saved) if loads else None
+
+            def load_state_dict(self, state):
+                outer.value = int(state["rank_0"])
+
+        self.value, self.adapter = value, CounterState()
+
+
+def test_a_new_component_is_an_adapter_not_a_change_to_the_manager(tmp_path):
+    """An adapter the manager does not know is saved and loaded like the others, under
+    its own name; the manager's source names no component. Negative control: an adapter
+    that expects nothing from the checkpoint (load_targets None) keeps its value."""
+    import inspect
+
+    import torch
+
+    import torchtitan.checkpoint.manager as manager_module
+    from torchtitan.checkpoint import CheckpointManager, TrainState
+    from torchtitan.checkpoint.stateful import training_components
+    from torchtitan.config import parse_args
+    from torchtitan.models import build_model
+    from torchtitan.parallel import init_distributed
+
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), *CK])
+    dims = init_distributed()
+
+    def manager(counter: StageCounter) -> CheckpointManager:
+        model = build_model("debugmodel", 4096, device="cpu")
+        components = training_components(
+            cfg, dims, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            train_state=TrainState(step=5), fingerprint={},
+        )  # fmt: skip
+        return CheckpointManager(cfg, dims, {**components, "stage": counter.adapter}, {})
+
+    first = manager(StageCounter(41))
+    first.save(5)
+    first.close()
+    assert (
+        "stage"
+        in json.loads((tmp_path / "checkpoint" / "step-5" / MANIFEST).read_text())["contents"]
+    )
+    for loads, expected in ((True, 41), (False, 7)):
+        counter = StageCounter(7, loads=loads)
+        again = manager(counter)
+        loaded = again.load()
+        again.close()
+        assert counter.value == expected and ("stage" in loaded) == loads
+    source = inspect.getsource(manager_module)
+    named = [n for n in ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+             if f'"{n}"' in source or f"'{n}'" in source]  # fmt: skip
+    assert not named, f"the manager names components {named}"
 
 
 def test_an_async_save_is_durable_without_a_later_save(tmp_path):

@@ -20,6 +20,20 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
+# Config settings a resume may change (the config wins); the log lists what did change.
+RESUMABLE = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
+
+
+def resumable_changes(old: dict, new: dict) -> list[str]:
+    """The differences between two configs in settings a resume may change."""
+
+    def resumable(diff: str) -> bool:
+        key = diff.split(":")[0]
+        return key in RESUMABLE or key.split(".")[0] in RESUMABLE
+
+    return [d for d in config_diff(old, new) if resumable(d)]
+
+
 def fingerprint_diff(old: dict, new: dict) -> list[str]:
     """Each differing field of two data fingerprints, as 'field: old -> new'.
 

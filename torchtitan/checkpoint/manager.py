@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan import parallel
 from torchtitan.checkpoint import integrity, timeline
-from torchtitan.checkpoint.changes import config_diff
+from torchtitan.checkpoint.changes import resumable_changes
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
@@ -52,8 +52,6 @@ from torchtitan.checkpoint.stateful import Adapter, Saved
 
 logger = logging.getLogger("torchtitan")
 
-# Config sections a resume may change; the log lists what did change.
-_RESUMABLE_CHANGES = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
 
 
 class CheckpointManager:
@@ -283,10 +281,6 @@ class CheckpointManager:
         return list(state)
 
     def _log_config_changes(self, saved: dict, path: str):
-        def resumable(diff: str) -> bool:
-            key = diff.split(":")[0]
-            return key in _RESUMABLE_CHANGES or key.split(".")[0] in _RESUMABLE_CHANGES
-
-        changes = [d for d in config_diff(saved, self.config_dict) if resumable(d)]
+        changes = resumable_changes(saved, self.config_dict)
         if changes:
             logger.info("config changed since %s, the config wins: %s", path, "; ".join(changes))
