@@ -53,7 +53,6 @@ from torchtitan.checkpoint.stateful import Adapter, Saved
 logger = logging.getLogger("torchtitan")
 
 
-
 class CheckpointManager:
     """Saves every ``interval`` steps and at the last step; loads the timeline's resume point."""
 
