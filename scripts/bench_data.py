@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     tokens = 40_000 if args.smoke else args.tokens
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
 
-    source = MapSource(resolve_source(name="bundled"), "text", "id", 0, False)
+    source = MapSource(resolve_source(name="bundled"), "text", "id")
     text_of = dict(zip(source.ds["id"], source.ds["text"]))
     # Interleaved rounds, so drift on a shared machine hits every measurement alike.
     # The raw rate is measured on exactly the documents the pipeline tokenized.

@@ -46,7 +46,7 @@ def build_corpus(out: Path, size_mb: int, shards: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.parquet"):
         old.unlink()
-    base = MapSource(resolve_source(name="bundled"), "text", "id", 0, False).ds
+    base = MapSource(resolve_source(name="bundled"), "text", "id").ds
     ids, texts = list(base["id"]), list(base["text"])
     per_copy = sum(len(t.encode()) for t in texts)
     copies = -(-size_mb * 2**20 // per_copy)

@@ -46,7 +46,8 @@ import numpy as np
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, build_stream, local_plan
-from torchtitan.data.loader import BatchSchedule, plan_steps
+from torchtitan.data.loader import plan_steps
+from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.runs import DEBUG_CONFIG
 

@@ -17,7 +17,7 @@ from helpers import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
-from torchtitan.data.loader import BatchSchedule
+from torchtitan.data.schedule import BatchSchedule
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
 from torchtitan.step import BatchLoss, TrainStep, Validator, peak_tflops

@@ -38,9 +38,10 @@ from helpers import (
 
 from torchtitan.checkpoint.entries import from_tensor
 from torchtitan.data import build_dataloader, build_stream
-from torchtitan.data.dataset import Position
-from torchtitan.data.loader import BatchSchedule, plan_steps
+from torchtitan.data.loader import plan_steps
+from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.sources import DataError
+from torchtitan.data.windows import Position
 
 
 def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
@@ -354,7 +355,7 @@ def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenize
     import threading
 
     import torchtitan.data.loader as loader_module
-    from torchtitan.data.dataset import DocumentReader
+    from torchtitan.data.windows import DocumentReader
 
     main, read = os.getpid(), DocumentReader.document
 

@@ -293,7 +293,7 @@ def test_mix_entries_take_hub_ids_configs_and_splits(tmp_path, hub_repo):
 def test_saved_dict_chooses_its_split_and_reads_without_copying(saved_dict):
     spec = resolve_source(path=str(saved_dict), split="test")
     assert spec.name == "dd/test" and spec.fmt == "arrow"
-    source = open_source(spec, "text", "id", 7, True, False)
+    source = open_source(spec, "text", "id", False)
     assert [f["filename"] for f in source.ds.cache_files] == spec.files  # memory-mapped in place
     with pytest.raises(DataError, match=r"has no split 'validation' \(splits: train, test\)"):
         resolve_source(path=str(saved_dict), split="validation")
@@ -369,7 +369,7 @@ STRAYS = {  # what other tools leave in a data folder, under the names the kinds
 
 
 def documents(spec, streaming: bool) -> list[tuple]:
-    source = open_source(spec, "text", "id", 7, True, streaming)
+    source = open_source(spec, "text", "id", streaming)
     if streaming:
         return list(source.all_documents())
     return [source.document(i) for i in range(len(source))]

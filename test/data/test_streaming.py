@@ -33,10 +33,10 @@ from helpers import (
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import index as length_index
 from torchtitan.data import streaming as streaming_module
-from torchtitan.data.dataset import TokenStream
 from torchtitan.data.index import STREAM_UNITS
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 from torchtitan.data.streaming import StreamSource
+from torchtitan.data.windows import TokenStream
 
 DOCS = bundled_documents("shakespeare", 2 * STREAM_UNITS, 300)
 
@@ -92,10 +92,10 @@ def layout(request, folders) -> tuple[str, Path]:
     return request.param, folders[request.param]
 
 
-def source_of(where, seed: int = 7, shuffle: bool = True) -> StreamSource:
+def source_of(where) -> StreamSource:
     """A streaming source over a folder (or a SourceSpec), opened afresh."""
     spec = where if isinstance(where, SourceSpec) else resolve_source(path=str(where))
-    return open_source(spec, "text", "id", seed, shuffle, streaming=True)
+    return open_source(spec, "text", "id", streaming=True)
 
 
 def streaming(corpus, tokenizer, world=1, **kw) -> list:
@@ -304,7 +304,7 @@ def test_invalid_utf8_and_json_lines_are_skipped_and_counted(tmp_path, tokenizer
 def stream_over(spec: SourceSpec, tokenizer) -> TokenStream:
     """The unshuffled token stream of one streaming source, its length index measured
     here by the real code (a ``tokens_field`` set by hand has no config key)."""
-    source = source_of(spec, shuffle=False)
+    source = source_of(spec)
     units = list(range(len(length_index.source_units(source))))
     measured = length_index.measure(source, tokenizer, units, "skip")
     index = length_index.assemble(len(units), True, measured)

@@ -1,21 +1,23 @@
 """The data path: sources -> length index -> global order -> windows -> steps -> batches.
 
 ``build_dataloader`` turns the config into a ``ParallelDataLoader`` for one
-data-parallel rank; ``data_fingerprint`` records what the data stream depends on.
-Modules, none importing its caller: sources (files, documents by index), streaming
-(units, blocks), index (token counts), order (the global order, the mix), packing (a
-document's tokens), dataset (windows), loader (steps, ranks, state), plan (one
-resolution per job), checks (the config's data rules).
+data-parallel rank; the data plan's fingerprint (``plan.combine``) records what the
+data stream depends on. Modules, none importing its caller: sources (files, documents
+by index), streaming (units, blocks), index (token counts), order (the global order,
+the mix), packing (a document's tokens), windows (the windows a position reads),
+schedule (the global batch of a step and its split), loader (steps, ranks, state),
+plan (one resolution per job), checks (the config's data rules).
 """
 
 from __future__ import annotations
 
-from torchtitan.data.dataset import Position, TokenStream
-from torchtitan.data.loader import BatchSchedule, ParallelDataLoader
+from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
 from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.pretokenized_read import check_tokenizer, stored_lengths
+from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.sources import DataError, SourceSpec, open_source
+from torchtitan.data.windows import Position, TokenStream
 
 __all__ = [
     "BatchSchedule",
@@ -30,7 +32,6 @@ __all__ = [
     "TokenStream",
     "build_dataloader",
     "build_stream",
-    "data_fingerprint",
     "document_lengths",
     "source_specs",
 ]
@@ -50,7 +51,7 @@ def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStre
     documents = plan.documents or [None] * len(plan.specs)
     block_rows = plan.block_rows or [None] * len(plan.specs)
     sources = [
-        open_source(s, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming, n, rows)
+        open_source(s, t.text_field, t.id_field, t.streaming, n, rows)
         for s, n, rows in zip(plan.specs, documents, block_rows)
     ]
     return TokenStream(sources, plan.indexes, tokenizer, t.seq_len, seed=t.seed,
@@ -72,13 +73,6 @@ def build_dataloader(
     )
 
 
-def data_fingerprint(cfg, tokenizer, plan: DataPlan | None = None) -> dict:
-    """Everything the order and content of the data stream depends on (the data plan's
-    fingerprint; see ``plan.combine``): not the layout, batch size or sequence length,
-    which a resume may change."""
-    return (plan or local_plan(cfg.training, tokenizer)).fingerprint
-
-
 def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
     """{source name: {document id: tokens with BOS/EOS}} of every usable document, read
     the way the run reads them (map-style or streaming). For checking provenance.
@@ -93,7 +87,7 @@ def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
         if spec.tokens_field:
             out[spec.name] = stored_lengths(spec)
             continue
-        src = open_source(spec, t.text_field, t.id_field, t.seed, t.shuffle, t.streaming)
+        src = open_source(spec, t.text_field, t.id_field, t.streaming)
         if src.streaming:
             docs = src.all_documents()
         else:

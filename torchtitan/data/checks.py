@@ -10,7 +10,7 @@ local path exists is known only when it is read. Cost: a dictionary look-up per 
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import JobConfig
-from torchtitan.data.loader import parse_schedule
+from torchtitan.data.schedule import parse_schedule
 from torchtitan.data.sources import DATASET_REGISTRY
 
 

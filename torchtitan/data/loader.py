@@ -1,8 +1,8 @@
 """The data-parallel loader: a rank's micro-batches of the global stream, with its own state.
 
-Owns: the global batch of every step (``BatchSchedule``: ``training.global_batch_size``,
-or ``training.batch_size_schedule``), which windows of a step each data-parallel rank
-reads and how they split into its micro-batches, the worker processes that read them
+Owns: the steps a rank hands out, by the batch-size schedule (schedule.py: which
+windows of a step each data-parallel rank reads and how they split into its
+micro-batches), the worker processes that read them
 (each ends with its rank, however the rank dies), and the loader state as checkpointed.
 
 A step takes the next ``G`` windows of the global order (order.py). Rank ``r`` of ``R``
@@ -14,7 +14,7 @@ carries the weight that makes the averaged gradient the one of the global batch'
 loss, however unevenly the windows fell (``loss_weight = R * n / G``).
 
 The state is the position after the last step handed out in full: windows taken and a
-token offset per source (dataset.Position), the same on every rank. Saving it costs
+token offset per source (windows.Position), the same on every rank. Saving it costs
 nothing and no worker round-trip; resuming on any layout, batch size or sequence length
 is a seek to it. Workers prefetch from there without changing it.
 
@@ -24,7 +24,7 @@ does. A group is a run of consecutive micro-batches: worker ``w`` of ``W`` makes
 with ``m // group % W == w`` (so a document at the boundary of two micro-batches is
 mostly tokenized by one worker), and this process hands them out in order.
 
-Never: decide which data comes next (order.py, dataset.py) or touch checkpoint files.
+Never: decide which data comes next (order.py, windows.py) or touch checkpoint files.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
-from torchtitan.data.dataset import Position, TokenStream, as_tensors, collate
+from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.spec import DataError
+from torchtitan.data.windows import Position, TokenStream, as_tensors, collate
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ MAX_GROUP = 64
 # boundary of two micro-batches is tokenized by both makers if they differ, so runs of
 # at least this many keep the work duplicated across workers small for long sequences.
 MIN_GROUP = 4
-# Above this (busiest rank's sequences / the mean) an uneven split is said at the start.
-IMBALANCE_WARNING = 1.15
 
 
 def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
@@ -71,84 +70,6 @@ def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
     if not num_workers:
         return 1
     return min(MAX_GROUP, max(MIN_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1)))))
-
-
-def parse_schedule(text: str) -> list[tuple[int, int]]:
-    """``"0:256,2000:512"`` -> [(0, 256), (2000, 512)]. Raises ValueError naming the part."""
-    points = []
-    for part in text.split(","):
-        step, sep, size = part.strip().partition(":")
-        if not sep or not step.strip().isdigit() or not size.strip().isdigit():
-            raise ValueError(f"{part.strip()!r} is not step:sequences")
-        points.append((int(step), int(size)))
-    if points[0][0] != 0:
-        raise ValueError("the first point must be at step 0")
-    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
-        raise ValueError("steps must increase")
-    if any(size < 1 for _, size in points):
-        raise ValueError("every global batch must be at least 1 sequence")
-    return points
-
-
-class BatchSchedule:
-    """The global batch of every step and its split over ranks and micro-batches."""
-
-    def __init__(self, points: list[tuple[int, int]], micro: int, dp_world: int,
-                 dp_rank: int = 0):  # fmt: skip
-        self.points, self.micro, self.dp_world = points, micro, dp_world
-        for _, size in points:
-            if size < dp_world:
-                raise DataError(
-                    f"a global batch of {size} sequences cannot give each of {dp_world} "
-                    "data-parallel ranks one; raise training.global_batch_size (or the "
-                    f"schedule's entry) to at least {dp_world}"
-                )
-            if self.imbalance(size) > IMBALANCE_WARNING and dp_rank == 0:
-                even = size // dp_world * dp_world
-                logger.warning(
-                    "a global batch of %d over %d data-parallel ranks gives %d or %d sequences a "
-                    "rank: the busiest does %.2f x the mean each step; %d (or a multiple of %d) "
-                    "splits evenly", size, dp_world, size // dp_world, -(-size // dp_world),
-                    self.imbalance(size), max(even, dp_world), dp_world,
-                )  # fmt: skip
-
-    @classmethod
-    def from_config(cls, training, dp_world: int, dp_rank: int = 0) -> BatchSchedule:
-        t = training
-        if t.batch_size_schedule:
-            points = parse_schedule(t.batch_size_schedule)
-        else:
-            points = [(0, t.global_batch_size or t.batch_size * dp_world)]
-        return cls(points, t.batch_size, dp_world, dp_rank)
-
-    def imbalance(self, global_batch: int) -> float:
-        """The busiest rank's sequences over the mean: ``ceil(G / R) / (G / R)``."""
-        return -(-global_batch // self.dp_world) / (global_batch / self.dp_world)
-
-    def global_batch(self, step: int) -> int:
-        """Sequences of the step made after ``step`` completed steps."""
-        return next(size for start, size in reversed(self.points) if start <= step)
-
-    def accumulation(self, global_batch: int) -> int:
-        """Micro-batches per rank in a step of ``global_batch``: the same on every rank (FSDP
-        and DDP run collectives per micro-batch), as many as the ranks with the fewest
-        windows need. A rank with one window more puts it in one of them, which then
-        holds up to ``training.batch_size + 1`` (only when the split is uneven)."""
-        return -(-(global_batch // self.dp_world) // self.micro)
-
-    def largest_micro(self, global_batch: int) -> int:
-        most = -(-global_batch // self.dp_world)
-        return -(-most // self.accumulation(global_batch))
-
-    def rank_slice(self, global_batch: int, rank: int) -> tuple[int, int]:
-        """The windows ``[lo, hi)`` of a step that data-parallel ``rank`` reads."""
-        base, extra = divmod(global_batch, self.dp_world)
-        lo = rank * base + min(rank, extra)
-        return lo, lo + base + (rank < extra)
-
-    def micro_sizes(self, windows: int, accumulation: int) -> list[int]:
-        base, extra = divmod(windows, accumulation)
-        return [base + (i < extra) for i in range(accumulation)]
 
 
 @dataclass

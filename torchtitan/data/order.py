@@ -12,7 +12,7 @@ per pass, and a pass begins only when the one before it has been read whole, so 
 document repeats before its source has been read through. A position in it is a few
 integers (the windows taken, a token offset per source), which every rank shares.
 
-Never: read or tokenize documents (dataset.py), or know about ranks and batches.
+Never: read or tokenize documents (windows.py), or know about ranks and batches.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns: tokenizing a document (for a pretokenized source, framing its stored text ids
 the same way, so the token stream is the one on-the-fly tokenization gives), the long
 document path, and what makes a document unusable. The length index (index.py) and the
-window reader (dataset.py) both tokenize through ``document_tokens``, so the lengths
+window reader (windows.py) both tokenize through ``document_tokens``, so the lengths
 the order seeks by are the lengths the windows read.
 
 Never: choose among sources, cut windows, or know about ranks and workers.

@@ -155,8 +155,7 @@ def _open(plan: DataPlan, s: int, training):
     t = training
     documents = plan.documents[s] if plan.documents else None
     rows = plan.block_rows[s] if plan.block_rows else None
-    return open_source(plan.specs[s], t.text_field, t.id_field, t.seed, t.shuffle, t.streaming,
-                       documents, rows)  # fmt: skip
+    return open_source(plan.specs[s], t.text_field, t.id_field, t.streaming, documents, rows)
 
 
 def measure_share(plan: DataPlan, found: list, training, tokenizer, rank: int, world: int) -> dict:

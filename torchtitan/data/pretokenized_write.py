@@ -107,7 +107,7 @@ def pretokenize(
     if out.exists() and any(out.iterdir()):
         raise DataError(f"output folder {output!r} is not empty; choose a new or empty folder")
     out.mkdir(parents=True, exist_ok=True)
-    source = MapSource(spec, text_field, id_field, seed=0, shuffle=False)
+    source = MapSource(spec, text_field, id_field)
     n = len(source)
     chunks = [(a, min(a + chunk_documents, n)) for a in range(0, n, chunk_documents)]
     workers = min(workers or available_cores(), len(chunks))

@@ -216,13 +216,11 @@ class MapSource:
 
     streaming = False
 
-    def __init__(self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool):
+    def __init__(self, spec: SourceSpec, text_field: str, id_field: str):
         import datasets
 
         self.spec = spec
         self.text_field = text_field
-        self.seed = seed
-        self.shuffle = shuffle
         self._identity = spec.identity()
         try:
             if spec.disk_path:  # memory-mapped where it lies; load_dataset would copy it
@@ -274,15 +272,15 @@ class MapSource:
 
 
 def open_source(
-    spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool, streaming: bool,
+    spec: SourceSpec, text_field: str, id_field: str, streaming: bool,
     documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
 ):  # fmt: skip
     """A source ready to read. ``documents`` and ``block_rows``: a streaming source's
     document count and per-file block rows from the data plan (then no file is opened
     here, and its units are cut without reading any footer)."""
     if streaming:
-        return StreamSource(spec, text_field, id_field, seed, shuffle, documents, block_rows)
-    return MapSource(spec, text_field, id_field, seed, shuffle)
+        return StreamSource(spec, text_field, id_field, documents, block_rows)
+    return MapSource(spec, text_field, id_field)
 
 
 def resolve_any(source: str, config: str = "", split: str = DEFAULT_SPLIT) -> SourceSpec:

@@ -11,7 +11,7 @@ position decodes at most the one block holding it.
 Readers use pyarrow for parquet and Arrow IPC (``datasets.save_to_disk`` files) and
 read bytes through ``fsspec`` when a path is a URL, so remote files need no copy.
 
-Never: tokenize, pack, or know about ranks and workers (dataset.py does that). A row
+Never: tokenize, pack, or know about ranks and workers (windows.py does that). A row
 group shared by the row-range units of a small corpus is decoded once per process
 while any reader holds it.
 """
@@ -100,7 +100,7 @@ class StreamSource:
     streaming = True
 
     def __init__(
-        self, spec: SourceSpec, text_field: str, id_field: str, seed: int, shuffle: bool,
+        self, spec: SourceSpec, text_field: str, id_field: str,
         documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
     ):  # fmt: skip
         self.spec = spec
@@ -108,8 +108,6 @@ class StreamSource:
         self.id_field = spec.id_field or id_field  # a pretokenized source names its own
         # A pretokenized source (``spec.tokens_field``) yields token ids, not text.
         self.value_field = spec.tokens_field or text_field
-        self.seed = seed
-        self.shuffle = shuffle
         self._identity = spec.identity()
         self._reader = _READERS[spec.fmt](spec)
         self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
