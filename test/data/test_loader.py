@@ -141,31 +141,6 @@ def test_1024_ranks_read_each_token_once_and_nothing_repeats_early(heavy_corpus,
     assert all(b - a == w for r in before.values() for (_, a), (_, b) in zip(r[0], r[0][1:]))
 
 
-def test_an_uneven_split_over_1_016_ranks_is_measured_and_said():
-    """Where the global batch does not split evenly enough (2,048 over 1,016 ranks: 2 or
-    3 each), the loader says so with the figure and a batch that divides; where it does
-    (8,192), it is silent."""
-    import io
-    import logging
-
-    said = io.StringIO()
-    handler = logging.StreamHandler(said)
-    log = logging.getLogger("torchtitan.data.loader")
-    log.addHandler(handler)
-    try:
-        assert BatchSchedule([(0, 8192)], 8, 1016).imbalance(8192) == pytest.approx(
-            9 / (8192 / 1016)
-        )
-        assert not said.getvalue()
-        BatchSchedule([(0, 2048)], 3, 1016)
-    finally:
-        log.removeHandler(handler)
-    assert "1.49 x the mean" in said.getvalue() and "2032" in said.getvalue()
-
-
-# ---- resume -----------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_restore_at_every_step(tiny_corpus, tokenizer, streaming, workers):
