@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from torchtitan import parallel, tensor_parallel
+from torchtitan import parallel, pipeline, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
@@ -34,7 +34,7 @@ from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler
-from torchtitan.step import BatchLoss, TrainStep, Validator
+from torchtitan.step import BatchLoss, PipelineStep, TrainStep, Validator
 
 logger = logging.getLogger("torchtitan")
 
@@ -72,7 +72,8 @@ def seed_everything(seed: int, deterministic: bool):
 def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.ParallelDims):
     """Build on the meta device, apply parallelism, then let each rank materialize and
     initialize only what it holds: O(own shard) memory and init time per rank under
-    FSDP and TP, with weights that do not depend on the layout."""
+    FSDP, TP and PP, with weights that do not depend on the layout. Returns the model
+    (a pipeline rank's part of it) and the pipeline (None without one)."""
     args = replace(llama.llama_configs[cfg.model.flavor], vocab_size=vocab_size)
     p = cfg.parallelism
     tensor_parallel.check_fits(
@@ -96,7 +97,11 @@ def build_training_model(cfg: JobConfig, vocab_size: int, dims: parallel.Paralle
         cfg.model.attention_mask,
         backend,
     )
-    return parallel.parallelize(model, cfg, dims)
+    if dims.pp > 1:
+        return pipeline.build_pipeline(
+            model, cfg, dims, lambda part, stages: parallel.parallelize(part, cfg, dims, stages)
+        )
+    return parallel.parallelize(model, cfg, dims), None
 
 
 def write_seed_checkpoint(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer):
@@ -134,6 +139,7 @@ class Run:
     dataloader: ParallelDataLoader
     train_state: TrainState
     checkpoint: CheckpointManager
+    pipeline: pipeline.Pipeline | None = None
 
     @property
     def last_step(self) -> int:
@@ -142,23 +148,26 @@ class Run:
 
 
 def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer) -> Run:
-    model = build_training_model(cfg, tokenizer.vocab_size, dims)
+    model, stages = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
     plan = resolve_plan(cfg.training, tokenizer, parallel.JobRanks(dims))
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
+    if stages is not None:
+        pipeline.check_batches(dataloader.schedule, stages, dims.dp_world)
     train_state = TrainState()
-    # Dropout streams differ between data-parallel ranks and are shared by TP peers, which
-    # hold the same activations (tensor_parallel.py); the checkpoint restores them.
-    torch.manual_seed(cfg.training.seed + dims.dp_rank)
+    # Dropout streams differ between data-parallel ranks and pipeline stages and are
+    # shared by TP peers, which hold the same activations (tensor_parallel.py); the
+    # checkpoint restores them.
+    torch.manual_seed(cfg.training.seed + dims.dp_rank + dims.pp_rank * dims.dp_world)
     components = training_components(
         cfg, dims, model=model, optimizer=optimizer, lr_scheduler=scheduler,
         dataloader=dataloader, train_state=train_state, fingerprint=plan.fingerprint,
     )  # fmt: skip
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
-               checkpoint)  # fmt: skip
+               checkpoint, stages)  # fmt: skip
 
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
@@ -193,19 +202,24 @@ def train_loop(run: Run, preemption: Preemption):
     """Train to the last step (or the preemption), then close."""
     cfg, dims, state, last_step = run.cfg, run.dims, run.train_state, run.last_step
     batch_loss = BatchLoss(cfg, run.model, dims)
-    step = TrainStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
-                     run.checkpoint.wait_for_staging)  # fmt: skip
+    feed, step = run.dataloader, None
+    if run.pipeline is not None:  # stages after the first read no data (pipeline.py)
+        feed = run.dataloader if run.pipeline.first else pipeline.StageFeed(run.dataloader)
+        step = PipelineStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
+                            run.checkpoint.wait_for_staging, run.pipeline, dims, feed)  # fmt: skip
+    step = step or TrainStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
+                             run.checkpoint.wait_for_staging)  # fmt: skip
     validator = Validator(cfg, run.tokenizer, dims, batch_loss) if cfg.validation.enable else None
-    metrics = StepMetrics(cfg, dims, run.model, preemption, run.dataloader, state.step, last_step)
+    metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
     first_step = state.step + 1
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
         while state.step < last_step:
             begin = time.perf_counter()
-            batches, data_wait_s = next_batches(run.dataloader)
+            batches, data_wait_s = next_batches(feed)
             state.step += 1
-            step_tokens = run.dataloader.last_global_batch * cfg.training.seq_len
+            step_tokens = feed.last_global_batch * cfg.training.seq_len
             state.tokens_seen += step_tokens
             loss, grad_norm, lr = step(batches)
             step_s = time.perf_counter() - begin  # throughput excludes validation

@@ -210,7 +210,7 @@ def test_activation_checkpointing_recomputes_blocks_and_changes_no_gradient():
                      "--activation_checkpoint.selective_every", every, "--model.dropout", 0.1)  # fmt: skip
         calls = [0, 0]
         model = model_for(cfg)
-        for i, block in enumerate(model.layers):
+        for i, block in enumerate(model.layers.values()):
             original = block.compute
 
             def counted(*args, i=i, original=original, calls=calls):
@@ -237,7 +237,7 @@ def test_bf16_without_fsdp_autocasts_and_keeps_float32_parameters():
         cfg = config("--training.mixed_precision_param", precision)
         model = model_for(cfg)
         seen = []
-        model.layers[0].feed_forward.w1.register_forward_hook(
+        model.layers["0"].feed_forward.w1.register_forward_hook(
             lambda mod, inp, out, seen=seen: seen.append(out.dtype)
         )
         loss = BatchLoss(cfg, model, ONE_RANK)(sequences(2))

@@ -5,7 +5,7 @@ Owns: the per-step values (``StepMetrics``: loss over ranks, grad norm, LR,
 throughput, MFU, data wait, memory; from the data position, which every rank shares,
 skipped documents, tokens per source and passes begun; the held-out loss the loop
 measured), formatting and writing them. Rank 0 writes the JSONL file and TensorBoard
-events; the first rank of each tensor-parallel group writes the provenance of its
+events; the first rank of each tensor-parallel group (on the first pipeline stage) writes the provenance of its
 data-parallel rank (TP peers train on the same data). On resume, lines of steps after
 the resumed step (left by the interrupted run) are dropped, so the files always
 describe the run as it finally counts.
@@ -260,7 +260,7 @@ class StepMetrics:
         self.peak = peak_tflops(cfg, dims.device)
         self.logger = MetricLogger(cfg, dims.rank, start_step)
         self.provenance = None
-        if cfg.metrics.data_provenance and dims.tp_rank == 0:
+        if cfg.metrics.data_provenance and dims.tp_rank == 0 and dims.pp_rank == 0:
             folder = os.path.join(cfg.job.dump_folder, "provenance")
             self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main)
         self.epoch_starts: list[list] = []  # [step, source, pass] since the last line

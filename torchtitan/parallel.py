@@ -62,7 +62,9 @@ class ParallelDims:
     # The layout (set by ``apply_layout``); the data-parallel shard degree is the rest.
     tp: int = 1
     dp_replicate: int = 1
-    # dims ("dp_replicate", "dp_shard", "tp"); None in one plain process.
+    pp: int = 1
+    # dims ("dp_replicate", "dp_shard", "tp"), with "pp" first under pipeline
+    # parallelism; None in one plain process.
     mesh: object = field(default=None, repr=False)
 
     @property
@@ -71,12 +73,16 @@ class ParallelDims:
 
     @property
     def dp_world(self) -> int:
-        """Data-parallel ranks: distinct batches per micro-step (TP peers share one)."""
-        return self.world_size // self.tp
+        """Data-parallel ranks: distinct batches per step (TP and PP peers share one)."""
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank % (self.world_size // self.pp) // self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.world_size // self.pp)
 
     @property
     def dp_shard(self) -> int:
@@ -147,6 +153,8 @@ def check_config(cfg) -> None:
             "is HSDP, an FSDP layout (DDP replicates over every rank already); use "
             "--training.data_parallel fsdp, or leave the replicate degree at 1"
         )
+    if p.pipeline_parallel_degree > 1:
+        check_pipeline_config(cfg)
     if cfg.training.mask_document_boundaries and p.tensor_parallel_degree > 1:
         # The label count behind the normalizer is summed over all ranks, and TP peers
         # hold the same labels: not combined yet.
@@ -156,7 +164,29 @@ def check_config(cfg) -> None:
         )
 
 
+def check_pipeline_config(cfg) -> None:
+    """What pipeline parallelism cannot be combined with (yet), each refused with why."""
+    p, t = cfg.parallelism, cfg.training
+    refused = [
+        (t.data_parallel == "ddp", "training.data_parallel ddp",
+         "its stages are data-parallel with FSDP; use --training.data_parallel fsdp"),
+        (cfg.validation.enable, "validation.enable",
+         "the held-out pass has no forward-only schedule yet; turn validation off"),
+        (cfg.model.attention_mask == "block_causal", "model.attention_mask block_causal",
+         "the document ids and positions do not cross stages yet; use causal"),
+        (p.tensor_parallel_degree > 1 and p.loss_parallel, "parallelism.loss_parallel",
+         "the last stage computes the loss on whole logits; pass --parallelism.loss_parallel false"),
+    ]  # fmt: skip
+    for broken, key, why in refused:
+        if broken:
+            raise ConfigError(
+                f"{key} with parallelism.pipeline_parallel_degree "
+                f"{p.pipeline_parallel_degree}: {why}"
+            )
+
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+PP_MESH_DIMS = ("pp", *MESH_DIMS)
 
 
 def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
@@ -167,37 +197,47 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
     all ranks each), at start-up only.
     """
     p, world = cfg.parallelism, dims.world_size
-    replicate, shard, tp = (
+    replicate, shard, tp, pp = (
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
+        p.pipeline_parallel_degree,
     )
+    others = replicate * tp * pp
     if shard == -1:
-        if world % (replicate * tp):
+        if world % others:
             raise ConfigError(
                 f"world size {world} is not a multiple of parallelism.data_parallel_replicate_degree "
-                f"{replicate} x parallelism.tensor_parallel_degree {tp}; choose degrees whose "
-                f"product divides {world}"
+                f"{replicate} x parallelism.tensor_parallel_degree {tp} x "
+                f"parallelism.pipeline_parallel_degree {pp}; choose degrees whose product "
+                f"divides {world}"
             )
-        shard = world // (replicate * tp)
-    if replicate * shard * tp != world:
+        shard = world // others
+    if shard * others != world:
         raise ConfigError(
-            f"parallelism degrees {replicate} (data_parallel_replicate_degree) x {shard} "
-            f"(data_parallel_shard_degree) x {tp} (tensor_parallel_degree) = "
-            f"{replicate * shard * tp}, not the world size {world}; make them multiply to "
-            f"{world}, or set --parallelism.data_parallel_shard_degree -1 to fill the rest"
+            f"parallelism degrees {pp} (pipeline_parallel_degree) x {replicate} "
+            f"(data_parallel_replicate_degree) x {shard} (data_parallel_shard_degree) x {tp} "
+            f"(tensor_parallel_degree) = {shard * others}, not the world size {world}; make "
+            f"them multiply to {world}, or set --parallelism.data_parallel_shard_degree -1 "
+            "to fill the rest"
         )
     mesh = None
     # Plain FSDP and DDP need no mesh: they use every rank (as FSDP's default mesh does).
-    if dist.is_initialized() and (tp > 1 or replicate > 1):
+    if dist.is_initialized() and (tp > 1 or replicate > 1 or pp > 1):
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(dims.device.type, (replicate, shard, tp), mesh_dim_names=MESH_DIMS)
+        if pp > 1:  # outermost: a pipeline's stages are data-parallel layouts of their own
+            mesh = init_device_mesh(dims.device.type, (pp, replicate, shard, tp),
+                                    mesh_dim_names=PP_MESH_DIMS)  # fmt: skip
+        else:
+            mesh = init_device_mesh(
+                dims.device.type, (replicate, shard, tp), mesh_dim_names=MESH_DIMS
+            )
         if tp > 1:
             # FSDP over TP puts parameters on (dp_shard, tp); with this flattened view a
             # reduction over both (the gradient norm) is one all-reduce, not two in a row.
             mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    dims = replace(dims, tp=tp, dp_replicate=replicate, mesh=mesh)
+    dims = replace(dims, tp=tp, dp_replicate=replicate, pp=pp, mesh=mesh)
     set_timeout(dims, cfg.comm.init_timeout_seconds)  # torch gives new groups 30 minutes
     return dims
 
@@ -227,7 +267,8 @@ def describe_layout(dims: ParallelDims) -> str:
     dp = f"{dims.dp_world} data-parallel"
     if dims.dp_replicate > 1:
         dp += f" (HSDP {dims.dp_replicate} x {dims.dp_shard})"
-    return f"{dp} x {dims.tp} tensor-parallel"
+    pp = f"{dims.pp} pipeline x " if dims.pp > 1 else ""
+    return f"{pp}{dp} x {dims.tp} tensor-parallel"
 
 
 def _job_store():
@@ -468,7 +509,7 @@ class JobRanks:
         return gather_objects(self.dims, obj)
 
 
-def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
+def parallelize(model: nn.Module, cfg, dims: ParallelDims, roots: list | None = None) -> nn.Module:
     """Turn a model built on the meta device into the training model on this rank:
     tensor parallel, activation checkpointing, compilation, FSDP2/HSDP (or DDP), then
     materialization.
@@ -476,6 +517,10 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     Each rank allocates and initializes only what it holds (``init_weights`` draws a
     shard exactly as the whole tensor would be drawn): O(own shard) memory and time
     per rank under FSDP and TP, and the same weights on any layout.
+
+    ``roots``: under pipeline parallelism, the stage modules (pipeline.py) that share
+    ``model``'s parts; each becomes the FSDP root over what it runs, and ``model`` holds
+    them all (the names a checkpoint uses) without being wrapped itself.
     """
     if dims.tp > 1:
         from torchtitan import tensor_parallel
@@ -489,7 +534,8 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims) -> nn.Module:
     fsdp = uses_fsdp(cfg.training.data_parallel, dims)
     if fsdp:
         reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
-        apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype, data_parallel_mesh(dims))
+        apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype, data_parallel_mesh(dims),
+                   roots)  # fmt: skip
     model.to_empty(device=dims.device)
     model.init_weights(cfg.training.seed)
     return model if fsdp else apply_ddp(model, dims)
@@ -516,9 +562,11 @@ def uses_fsdp(mode: str, dims: ParallelDims) -> bool:
     return mode == "fsdp" and dist.is_initialized()
 
 
-def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype, mesh=None):
-    """Shard with FSDP2 per transformer block and at the root, in place (works on meta),
-    over ``mesh`` (default: all ranks; a 2-D (replicate, shard) mesh is HSDP).
+def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype, mesh=None,
+               roots: list | None = None):  # fmt: skip
+    """Shard with FSDP2 per transformer block and at the root (or at each of ``roots``,
+    the pipeline stages), in place (works on meta), over ``mesh`` (default: all ranks; a
+    2-D (replicate, shard) mesh is HSDP).
 
     Parameters stay float32 and sharded; each block's are gathered in ``param_dtype``
     for compute, and gradients are reduce-scattered in ``reduce_dtype``.
@@ -531,9 +579,10 @@ def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.d
     block_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=block_policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for root in roots or [model]:
+        fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -564,12 +613,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int):
     (selective, k = every) in the backward pass instead of keeping them."""
     if mode not in ("none", "full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode {mode!r}: choose none, full or selective")
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         block.recompute = mode == "full" or (mode == "selective" and i % every == 0)
 
 
 def apply_compile(model: nn.Module):
     """torch.compile each block's computation (parameter names are unchanged, and FSDP's
     hooks stay outside the compiled region)."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.compiled = torch.compile(block.compute)

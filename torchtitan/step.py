@@ -124,16 +124,19 @@ class BatchLoss:
             return batch["label"].numel()
         return int((batch["label_document_ids"] == batch["document_ids"]).sum())
 
+    def labels(self, batch: dict) -> torch.Tensor:
+        """The batch's labels (on the host), those that do not count set to be ignored."""
+        if not self.mask_boundaries:
+            return batch["label"]
+        # A document's last token predicting the next document's first: no signal.
+        crossing = batch["label_document_ids"] != batch["document_ids"]
+        return batch["label"].masked_fill(crossing, IGNORE_INDEX)
+
     def __call__(self, batch: dict, normalizer: float | None = None) -> torch.Tensor:
         """The mean loss over the labels that count; with ``normalizer``, their summed
         loss divided by it."""
         inputs = batch["input"].to(self.device, non_blocking=True)
-        labels = batch["label"]
-        if self.mask_boundaries:
-            # A document's last token predicting the next document's first: no signal.
-            crossing = batch["label_document_ids"] != batch["document_ids"]
-            labels = labels.masked_fill(crossing, IGNORE_INDEX)
-        labels = labels.to(self.device, non_blocking=True)
+        labels = self.labels(batch).to(self.device, non_blocking=True)
         autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.autocast
@@ -199,6 +202,78 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         return total, grad_norm, lr
+
+
+class PipelineStep:
+    """One optimizer step under pipeline parallelism (pipeline.py): the schedule runs the
+    step's micro-batches through the stages; the loss is computed on the last stage and
+    given to every stage; the gradients of all stages are clipped together.
+
+    The first stage joins the loader's micro-batches into the data-parallel rank's batch
+    of the step, which the schedule cuts into ``pipeline_parallel_microbatch_size``
+    sequences each; the labels (masked where boundaries are) go to the last stage. Each
+    micro-batch's mean loss is weighted 1 / micro-batches, so the gradient is that of the
+    batch's mean, as without a pipeline; with document boundaries masked, its summed
+    loss is divided by the labels that count over all data-parallel ranks (one
+    all-reduce of an integer, as ``TrainStep``).
+    """
+
+    def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable,
+                 pipeline, dims: parallel.ParallelDims, feed):  # fmt: skip
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loss, self.pipeline, self.feed = loss, pipeline, feed
+        self.max_norm = cfg.training.max_norm
+        self.before_update = before_update
+        self.seq_len, self.dp_world = cfg.training.seq_len, dims.dp_world
+        self.device = dims.device
+        self._scale = 1.0  # the loss of a micro-batch is divided by it (set per step)
+        self._summed = False
+
+    def micro_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch, weighted for the step."""
+        reduction = "sum" if self._summed else "mean"
+        return (
+            self.loss.cross_entropy(logits, labels, reduction, self.loss.chunk_bytes) / self._scale
+        )
+
+    def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        from torchtitan import pipeline as pp
+
+        pl = self.pipeline
+        sequences = self.feed.last_global_batch // self.dp_world
+        count = pp.micro_batches(sequences, pl.microbatch_size, len(pl.stages) * pl.pp,
+                                 pl.schedule)  # fmt: skip
+        labels = inputs = None
+        counted = 0
+        if pl.first:
+            inputs = torch.cat([b["input"] for b in batches]).to(self.device)
+            labels = torch.cat([self.loss.labels(b) for b in batches])
+            counted = sum(self.loss.counted(b) for b in batches)
+        labels = pp.send_to_last(pl, labels, (sequences, self.seq_len), torch.int64)
+        self._summed = self.loss.mask_boundaries
+        if self._summed:  # every rank takes part; only first stages count their labels
+            self._scale = max(1, parallel.sum_over_ranks(counted)) / self.dp_world
+        else:
+            self._scale = float(count)
+        runner = pl.runner(count, self.micro_loss)
+        losses: list[torch.Tensor] = []
+        if pl.first:
+            runner.step(inputs, return_outputs=False)
+        elif pl.last:
+            runner.step(target=labels.to(self.device), losses=losses, return_outputs=False)
+        else:
+            runner.step(return_outputs=False)
+        total = (
+            torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        )
+        loss = pp.from_last(pl, total)
+        grad_norm = pp.clip_grad_norm(list(self.model.parameters()), self.max_norm, pl)
+        self.before_update()
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, lr
 
 
 class Validator:

@@ -83,6 +83,8 @@ def apply(model: nn.Module, tp_mesh, sequence_parallel: bool, with_loss_parallel
     1/tp of the heads and of the hidden units.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    if sequence_parallel:
+        model.seq_shards = tp_mesh.size()
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(
@@ -93,12 +95,14 @@ def apply(model: nn.Module, tp_mesh, sequence_parallel: bool, with_loss_parallel
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
-    else:
+    elif model.norm is not None:
         replicate(model.norm, tp_mesh)
+    # A pipeline stage holds the embeddings, or the norm and output, or neither.
+    top = {name: plan for name, plan in top.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, top)
     tp = tp_mesh.size()
     draws = PerRankDraws(tp_mesh.get_local_rank(), tp_mesh.device_type)
-    for block in model.layers:
+    for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(  # (x, rotation, document mask)
                 input_layouts=(seq, None, None),

@@ -22,6 +22,10 @@ is written under OUT; test_parallel.py asserts on it:
   each rank's batch holding another number of labels that count: rank 0's shard of the
   gradient it applies (read just before the update), the whole global batch's on one
   rank, and, as a negative control, FSDP 4's with each rank normalizing by its own count.
+- ``pp-chain/``: one run over pipeline layouts, global batch 12: PP 2 x DP 2 (steps
+  1-3) -> FSDP 4 (4-5) -> PP 2 x TP 2 (6-8); ``pp-hf/``, the export of its step-3;
+  ``pp-dropout/`` and ``pp-dropout-resumed/``: PP 2 x DP 2 with dropout, a checkpoint
+  every step, and the same resumed from step-2;
 - stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
   per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
@@ -48,6 +52,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import train as train_script
 from torchtitan import parallel
 from torchtitan.config import parse_args
+from torchtitan.data import ParallelDataLoader
 from torchtitan.hf import export, read_dcp_model
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.models import build_model
@@ -76,22 +81,35 @@ def observe(model):
             record("tokens", digest(args[0]))
 
     def mask(module, args, output):
-        if module.training:
+        # (A pipeline stage's first step runs it on meta tensors to learn the shapes.)
+        if module.training and not output.is_meta:
             local = output.to_local() if hasattr(output, "to_local") else output
             record("mask", digest(local == 0))
 
     inner.register_forward_pre_hook(tokens)
-    for block in inner.layers:
+    for block in inner.layers.values():
         block.attention.resid_dropout.register_forward_hook(mask)
     return model
 
 
 def build_and_observe(*args, **kwargs):
-    return observe(BUILD(*args, **kwargs))
+    model, stages = BUILD(*args, **kwargs)
+    return observe(model), stages
 
 
 BUILD = train_script.build_training_model
 train_script.build_training_model = build_and_observe
+NEXT_STEP = ParallelDataLoader.next_step
+
+
+def next_step_counted(self):
+    """A step's batches, and how many windows this rank read for them."""
+    batches = NEXT_STEP(self)
+    record("reads", str(sum(len(b["input"]) for b in batches)))
+    return batches
+
+
+ParallelDataLoader.next_step = next_step_counted
 
 
 def run(name: str, dump: str, *argv, dims):
@@ -117,10 +135,10 @@ def sharded_init(out: str, dims):
     """The step-0 weights on 4 ranks under each layout, and the dtypes FSDP computes in."""
     model, _, _ = parallel_model(dims, "--training.mixed_precision_param", "bfloat16")
     seen = {}
-    model.layers[0].attention.wq.register_forward_hook(
+    model.layers["0"].attention.wq.register_forward_hook(
         lambda module, inputs, output: seen.setdefault("compute", output.dtype) and None
     )
-    model.layers[0].register_forward_pre_hook(
+    model.layers["0"].register_forward_pre_hook(
         lambda module, args: seen.setdefault("rope", args[1].dtype) and None
     )
     model(torch.zeros(1, 8, dtype=torch.long, device=dims.device))
@@ -154,7 +172,7 @@ def sequence_parallel_masks(dims):
     scenario = "sp_masks"
     model, _, layout = parallel_model(dims, "--parallelism.tensor_parallel_degree", 2,
                                  "--model.dropout", 0.5)  # fmt: skip
-    for block in model.layers:
+    for block in model.layers.values():
         # Ones in, so that the output's zeros are the mask alone: a row the attention
         # dropout zeroed on one peer would otherwise look like a different mask.
         block.attention.resid_dropout.register_forward_pre_hook(
@@ -185,6 +203,32 @@ def initial_loads(out: str, step: str, dims):
         same = same and all(torch.equal(loaded[n], expected[n]) for n in expected)
         fresh_same = all(torch.equal(fresh[n], expected[n]) for n in expected)
         RECORDS.setdefault("initial_loads", []).append([fmt, same, fresh_same])
+
+
+def pipeline_loads(out: str, step: str, dims):
+    """A checkpoint written by PP 2 x DP 2 holds the unsplit model's names (its HF export
+    has every weight), and a PP 2 x DP 2 model started from another checkpoint
+    (initial_load_path) holds exactly its weights, stage by stage."""
+    folder = os.path.join(out, "pp-hf")
+    if dims.is_main:
+        export(step, folder)
+    parallel.barrier(dims)
+    whole = set(build_model("debugmodel", 4096, device="meta").state_dict())
+    RECORDS["pp_names"] = sorted(set(read_dcp_model(step)) ^ whole)
+    source = os.path.join(out, "fsdp4", "checkpoint", "step-8")
+    expected = read_dcp_model(source)
+    cfg = parse_args([*CONFIG, "--parallelism.pipeline_parallel_degree", "2",
+                      "--checkpoint.initial_load_path", source])  # fmt: skip
+    layout = parallel.apply_layout(dims, cfg)
+    model, _ = BUILD(cfg, 4096, layout)
+    fresh = full_weights(model)
+    load_initial_weights(cfg, model, layout)
+    loaded = full_weights(model)
+    held = bool(loaded) and set(loaded) < expected.keys()
+    RECORDS["pp_initial_load"] = [
+        held and all(torch.equal(loaded[n], expected[n]) for n in loaded),
+        all(torch.equal(fresh[n], expected[n]) for n in loaded),
+    ]
 
 
 def masked_batch(rank: int | None) -> dict:
@@ -299,6 +343,26 @@ def main():
     run("dropout-resumed", resumed, *dropout, "--training.stop_at_step", 3, dims=dims)
     run("dropout-fsdp4", first, *dropout, "--parallelism.tensor_parallel_degree", 1,
         "--training.stop_at_step", 4, dims=dims)  # fmt: skip
+
+    # Pipeline parallel: a chain PP 2 x DP 2 -> DP 4 -> PP 2 x TP 2 over one timeline,
+    # and an exact resume at PP 2 x DP 2 with dropout (a stream per stage).
+    pp2 = ["--parallelism.pipeline_parallel_degree", 2]
+    pp_chain = os.path.join(out, "pp-chain")
+    run("pp-2x2", pp_chain, *data, *pp2, "--training.stop_at_step", 3, dims=dims)
+    pipeline_loads(out, os.path.join(pp_chain, "checkpoint", "step-3"), dims)
+    run("pp-dp4", pp_chain, *data, "--training.stop_at_step", 5, dims=dims)
+    run("pp-tp", pp_chain, *data, *pp2, *tp2, "--parallelism.loss_parallel", "false", dims=dims)
+    pp_dropout = [*data, *pp2, "--model.dropout", 0.5, "--checkpoint.interval", 1,
+                  "--training.stop_at_step", 4]  # fmt: skip
+    pp_first = os.path.join(out, "pp-dropout")
+    run("pp-dropout", pp_first, *pp_dropout, dims=dims)
+    pp_resumed = os.path.join(out, "pp-dropout-resumed")
+    if dims.is_main:
+        shutil.copytree(pp_first, pp_resumed)
+        for step in (3, 4):
+            shutil.rmtree(os.path.join(pp_resumed, "checkpoint", f"step-{step}"))
+    parallel.barrier(dims)
+    run("pp-dropout-resumed", pp_resumed, *pp_dropout, dims=dims)
 
     dims = split_world(dims)
     if rank < 2:

@@ -213,9 +213,10 @@ def test_model_registry_maps_llama_to_configs_and_builder():
 
 
 def test_blocks_are_in_layers_for_per_block_sharding():
+    """Keyed by index, so a pipeline stage keeps its blocks' unsplit names."""
     model = tiny_model()
-    assert isinstance(model.layers, torch.nn.ModuleList)
-    assert len(model.layers) == model.args.n_layers
+    assert isinstance(model.layers, torch.nn.ModuleDict)
+    assert list(model.layers) == [str(i) for i in range(model.args.n_layers)]
 
 
 def test_dropout_uses_global_rng():
@@ -244,7 +245,7 @@ def test_zero_dropout_train_equals_eval():
 
 def test_gqa_matches_mha_with_repeated_kv_heads():
     gqa = tiny_model(n_heads=4, n_kv_heads=2)
-    assert gqa.layers[0].attention.wk.weight.shape == (2 * 8, 32)
+    assert gqa.layers["0"].attention.wk.weight.shape == (2 * 8, 32)
     mha = tiny_model(n_heads=4, n_kv_heads=4)
     state = gqa.state_dict()
     for key, w in state.items():

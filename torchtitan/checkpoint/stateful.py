@@ -236,10 +236,11 @@ class RNGState(Adapter):
     """Every RNG a rank draws from, under keys that say whose (DCP would merge equal keys
     across ranks).
 
-    Torch's generators (dropout) are one stream per data-parallel rank, shared by its
-    TP peers (tensor_parallel.py), written by the first of them as ``dp_rank_<d>`` (and
-    ``cuda_dp_rank_<d>``): the generators' own uint8 state tensors; so a resume on
-    another layout can only hand a TP group one stream. Python's and numpy's are per
+    Torch's generators (dropout) are one stream per data-parallel rank and pipeline
+    stage, shared by its TP peers (tensor_parallel.py), written by the first of them as
+    ``dp_rank_<d>`` (``pp_rank_<p>_dp_rank_<d>`` for a later stage; and ``cuda_...``):
+    the generators' own uint8 state tensors; so a resume on another layout can only
+    hand a TP group one stream. Python's and numpy's are per
     rank, ``rank_<r>``, as JSON in a uint8 tensor.
 
     CUDA: only the current device's generator, so a rank that lands on another GPU
@@ -248,10 +249,13 @@ class RNGState(Adapter):
 
     data_only = True
 
-    def __init__(self, rank: int, dp_rank: int, tp_rank: int):
+    def __init__(self, rank: int, dp_rank: int, tp_rank: int, pp_rank: int = 0):
         self.rank_key = f"rank_{rank}"
-        self.shared_key = f"dp_rank_{dp_rank}"
-        self.cuda_key = f"cuda_dp_rank_{dp_rank}"
+        # Pipeline stages draw their own dropout masks: a stream each, the first stage's
+        # under the name it has without a pipeline.
+        stage = f"pp_rank_{pp_rank}_" if pp_rank else ""
+        self.shared_key = f"{stage}dp_rank_{dp_rank}"
+        self.cuda_key = f"cuda_{stage}dp_rank_{dp_rank}"
         self.writes_shared = tp_rank == 0
 
     def load_targets(self, saved: Saved) -> dict | None:
@@ -307,9 +311,11 @@ def training_components(cfg, dims, *, model, optimizer, lr_scheduler=None, datal
     if lr_scheduler is not None:
         components["lr_scheduler"] = StatefulAdapter(lr_scheduler)
     if dataloader is not None:
+        # One writer per data-parallel rank: the first of its TP peers and PP stages.
+        writes = dims.tp_rank == 0 and dims.pp_rank == 0
         components["dataloader"] = DataLoaderState(
-            dataloader, dims.tp_rank == 0, fingerprint, cfg.checkpoint.accept_data_change
+            dataloader, writes, fingerprint, cfg.checkpoint.accept_data_change
         )
     components["train_state"] = train_state
-    components["rng"] = RNGState(dims.rank, dims.dp_rank, dims.tp_rank)
+    components["rng"] = RNGState(dims.rank, dims.dp_rank, dims.tp_rank, dims.pp_rank)
     return components

@@ -209,6 +209,25 @@ class Parallelism:
     loss_parallel: bool = _opt(
         True, "with tensor parallelism, compute the loss on vocabulary-sharded logits"
     )
+    pipeline_parallel_degree: int = _opt(
+        1,
+        "pipeline ranks the model's layers are split over (pipeline parallel, the outermost "
+        "dimension: each data-parallel rank's batch runs through all of them)",
+        ge=1,
+    )
+    pipeline_parallel_schedule: str = _opt(
+        "1F1B",
+        "how the step's micro-batches flow through the stages (Interleaved1F1B: two stages "
+        "per rank)",
+        choices=["GPipe", "1F1B", "Interleaved1F1B"],
+    )
+    pipeline_parallel_microbatch_size: int = _opt(
+        1, "sequences per pipeline micro-batch (a rank's batch of a step is cut into them)", ge=1
+    )
+    pipeline_parallel_split_points: str = _opt(
+        "",
+        "the first layer of each stage after the first, e.g. 2,5 (empty: an even split)",
+    )
 
 
 @dataclass

@@ -106,6 +106,18 @@ llama_configs: dict[str, ModelArgs] = {
         max_seq_len=4096,
         flavor="debugmodel",
     ),
+    # The debug model 4 layers deep: enough stages for the pipeline schedules on a
+    # laptop CPU (an interleaved schedule over 2 ranks runs 4 stages).
+    "debugmodel_4layers": ModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=4096,
+        multiple_of=32,
+        max_seq_len=4096,
+        flavor="debugmodel_4layers",
+    ),
     # GPT-3 Small width/depth with a Llama block. max_seq_len only sizes the RoPE
     # tables (not checkpointed), so 8192 costs nothing and lets it train long sequences.
     "125M": ModelArgs(
@@ -285,13 +297,18 @@ class Transformer(nn.Module):
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        # A ModuleList of identical blocks so FSDP2 can fully_shard each one.
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        # Identical blocks, each its own FSDP2 unit, keyed by index: a pipeline stage keeps
+        # some of them under their unsplit names ("layers.5"), so checkpoints move
+        # between pipeline degrees.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from args, so not saved in checkpoints (persistent=False);
         # init_weights recomputes them after a meta-device build.
         table_shape = (args.max_seq_len, args.head_dim // 2)
+        # Ranks the residual stream is split over by sequence between blocks (tensor
+        # parallel's sequence parallel sets it): a later pipeline stage receives 1/this.
+        self.seq_shards = 1
         self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self.reset_rope()
@@ -339,13 +356,19 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens: LongTensor [B, T] -> logits [B, T, vocab_size].
 
+        A pipeline stage (pipeline.py) holds some of the parts: without
+        ``tok_embeddings`` it takes the previous stage's hidden states [B, T, dim] in
+        place of tokens, and without ``output`` it returns its own.
+
         Causal over the whole sequence by default. ``positions`` ([B, T]) are the RoPE
         positions of each token (per document: restarting at 0); with ``document_ids``
         ([B, T], equal within a document, on the host or the device) each token attends
         only to the earlier tokens of its own document (block-causal). The mask is built
         once per batch, for the model's attention backend, and shared by all layers.
         """
-        B, T = tokens.shape
+        B, T = tokens.shape[:2]
+        if self.tok_embeddings is None:  # a later stage's input, split by sequence under SP
+            T *= self.seq_shards
         if T > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len} "
@@ -362,10 +385,10 @@ class Transformer(nn.Module):
         mask = attention.document_mask(
             self.args.attention_backend, B, T, tokens.device, document_ids
         )
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.layers.values():
             h = layer(h, rotation, mask)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
 
 
 def build_model(
