@@ -12,7 +12,7 @@ The guards:
 - **A time limit.** A test may compute for ``UNIT_LIMIT_S`` in this process (a hang
   becomes one failure naming the test, and the session goes on); while a process it
   started still runs, the limit is ``LAUNCH_LIMIT_S`` (the launch's own timeout is the
-  tighter bound). ``@pytest.mark.time_limit(seconds)`` sets another own-work limit.
+  tighter bound). ``@pytest.mark.time_limit(seconds)`` sets another limit for both.
 - **No process left behind.** Every process this session starts carries
   ``SESSION_ENV`` in its environment, wherever it is re-parented; a test after which one
   is still alive (``LEFTOVER_GRACE_S`` after it ends) fails, naming them, and they are
@@ -113,7 +113,7 @@ def pytest_runtest_protocol(item, nextitem):
         elapsed = time.monotonic() - begin
         # A launched job (not a loader worker forked from here: that is this test's own
         # work) runs: look again soon.
-        if elapsed < LAUNCH_LIMIT_S and session_processes(launched_only=True):
+        if elapsed < max(LAUNCH_LIMIT_S, limit) and session_processes(launched_only=True):
             signal.setitimer(signal.ITIMER_REAL, 5.0)
             return
         # Once: a second alarm could land in the teardown (before it kills what the test

@@ -423,6 +423,47 @@ def test_layout_config_errors_name_the_key_and_the_fix():
     tensor_parallel.check_fits(_with_vocab(args, 4096), 2, 127, False, "debugmodel")
 
 
+def test_pipeline_layouts_that_cannot_work_are_one_line_each():
+    """Pipeline parallel: what it cannot be combined with (yet) is refused at parse time;
+    layers that do not divide into the stages, split points that do not fit, micro-batches
+    too few to fill the pipeline (or not a multiple of it, interleaved), and a global
+    batch that does not split evenly over the data-parallel ranks, where the pipeline is
+    built: one ConfigError each, naming the key and the fix. Negative control: a layout
+    that fits gives its stages' layers."""
+    from torchtitan import pipeline
+    from torchtitan.data.schedule import BatchSchedule
+
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2"]
+    for argv, fragment in (
+        (["--training.data_parallel", "ddp"], "use --training.data_parallel fsdp"),
+        (["--validation.enable"], "no forward-only schedule yet"),
+        (["--model.attention_mask", "block_causal"], "do not cross stages yet"),
+        (["--parallelism.tensor_parallel_degree", "2"], "--parallelism.loss_parallel false"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match="with parallelism.pipeline_parallel_degree 2") as e:
+            parse_args([*CONFIG, *pp2, *argv])
+        assert fragment in str(e.value)
+    with pytest.raises(ConfigError, match="2 layers, not divisible into 4 pipeline stages"):
+        pipeline.stage_layers(2, 4, [], "debugmodel")
+    with pytest.raises(ConfigError, match=r"split_points \[3, 2\] must increase strictly"):
+        pipeline.stage_layers(4, 3, [3, 2], "debugmodel_4layers")
+    with pytest.raises(ConfigError, match="has 1 points for 3 stages; give 2"):
+        pipeline.stage_layers(4, 3, [1], "debugmodel_4layers")
+    assert pipeline.stage_layers(4, 3, [1, 3], "x") == [range(0, 1), range(1, 3), range(3, 4)]
+    assert pipeline.stage_layers(4, 2, [], "x") == [range(0, 2), range(2, 4)]
+    with pytest.raises(ConfigError, match="3 pipeline micro-batches a step for 4 pipeline ranks"):
+        pipeline.micro_batches(3, 1, 4, "1F1B")
+    with pytest.raises(ConfigError, match="need a multiple of 2"):
+        pipeline.micro_batches(6, 2, 4, "Interleaved1F1B")
+    with pytest.raises(ConfigError, match="do not split into pipeline micro-batches of"):
+        pipeline.micro_batches(6, 4, 2, "1F1B")
+    assert pipeline.micro_batches(8, 2, 4, "Interleaved1F1B") == 4
+    stages = pipeline.Pipeline([None], [], "1F1B", 1, None, 2, 0)
+    with pytest.raises(ConfigError, match="does not split evenly over 2 data-parallel ranks"):
+        pipeline.check_batches(BatchSchedule([(0, 8), (4, 9)], 4, 2), stages, 2)
+    pipeline.check_batches(BatchSchedule([(0, 8), (4, 12)], 4, 2), stages, 2)
+
+
 def _with_vocab(args, vocab: int):
     from dataclasses import replace
 

@@ -475,6 +475,7 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_
 
 
 @pytest.mark.slow
+@pytest.mark.time_limit(1800)  # its launch's own timeout
 @pytest.mark.parametrize("mode", ["disabled", "async"], ids=["sync", "async"])
 def test_fault_injection_campaign(tmp_path, mode):
     """3 trials x 3 kills at random moments (all ranks or one, in a step or a save)."""
@@ -490,6 +491,7 @@ def test_fault_injection_campaign(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.time_limit(2400)  # its launch's own timeout
 def test_preemption_campaign(tmp_path):
     """24 trials over {0, 2} workers x {sync, async} x {DDP, FSDP} on 2 ranks, each
     signalled once (SIGTERM or SIGUSR1, every rank or one; mid-step, mid-save, by a
