@@ -313,6 +313,30 @@ def test_preemption_of_one_rank_or_all_saves_and_the_relaunches_are_exact_ddp(tm
     assert losses(dump) == losses(tmp_path / "reference")
 
 
+# Slow tier: three 2-rank launches (25 s); the exact resume under PP is in the fast tier
+# (test_parallel.py's 4-rank launch).
+@pytest.mark.slow
+def test_a_signal_to_one_pipeline_stage_stops_every_stage_and_the_relaunch_is_exact(tmp_path):
+    """PP 2 with dropout and 2 loader workers: SIGUSR1 to the last stage's rank alone;
+    both stages stop after the same step N (the stop agreement includes every stage)
+    and step-N is written; the relaunch finishes bit-exactly (losses equal an
+    uninterrupted run)."""
+    common = ["--training.steps", 16, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 8,
+              "--parallelism.pipeline_parallel_degree", 2, "--training.global_batch_size", 8,
+              "--model.dropout", 0.1, "--training.num_workers", 2]  # fmt: skip
+    train(tmp_path / "reference", *common)
+    dump = tmp_path / "preempted"
+    proc = run_until_step(dump, common, 3)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGUSR1)
+    out = proc.communicate(timeout=120)[0]
+    stopped = preempted_step(out)
+    assert "(SIGUSR1)" in out and "(signal to another rank)" in out
+    assert 3 <= stopped < 16 and complete_steps(str(dump / "checkpoint"))[-1] == stopped
+    proc = train(dump, *common)
+    assert f"step-{stopped}" in proc.stderr and "loaded checkpoint" in proc.stderr
+    assert losses(dump) == losses(tmp_path / "reference")
+
+
 # Slow tier: two 2-rank launches (12 s); one rank's damaged checkpoint is one line in
 # the fast tier (checkpoint/test_manager.py).
 @pytest.mark.slow

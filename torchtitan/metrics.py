@@ -115,12 +115,13 @@ class MetricLogger:
             return
         if epoch_starts:
             logger.info("step %d: %s", step, passes_begun(epoch_starts))
+        stage = f" stage {values['slowest_stage']}" if "slowest_stage" in values else ""
         logger.info(
             "step %5d  loss %.4f  grad_norm %.4f  lr %.2e  tok/s %.0f  step %.1fms (median %.1f, "
-            "max %.1f rank %d)  data %.1fms (max %.1f)  mem %.2fGiB",
+            "max %.1f rank %d%s)  data %.1fms (max %.1f)  mem %.2fGiB",
             step, values["loss"], values["grad_norm"], values["lr"], values["tokens_per_s"],
             values["step_ms"], values.get("step_ms_median", values["step_ms"]),
-            values.get("step_ms_max", values["step_ms"]), values.get("slowest_rank", 0),
+            values.get("step_ms_max", values["step_ms"]), values.get("slowest_rank", 0), stage,
             values["data_wait_ms"], values.get("data_wait_ms_max", values["data_wait_ms"]),
             values["memory_gib"],
         )  # fmt: skip
@@ -194,7 +195,8 @@ def _start_wandb(cfg):
 def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
     """What a log line says of all ranks, combined on rank 0 in one gather on the control
     group (it replaces a mean and a gather): the mean loss, the slowest rank's step
-    time against the median, the longest data wait. Other ranks get {}. Cost: one small
+    time against the median (and, under pipeline parallelism, its stage), the longest
+    data wait. Other ranks get {}. Cost: one small
     message per rank per log line, none on other steps (a straggler shows on the line
     after it slowed). What the data position says (skipped documents, passes begun,
     tokens per source) is the same on every rank: rank 0's own."""
@@ -204,6 +206,9 @@ def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
         return {}
     times = sorted(r[2] for r in every)
     slowest = max(every, key=lambda r: (r[2], -r[0]))
+    stage = {}
+    if getattr(dims, "pp", 1) > 1:  # the pipeline stage the straggler runs
+        stage["slowest_stage"] = slowest[0] // (dims.world_size // dims.pp)
     return {
         "loss": sum(r[1] for r in every) / len(every),
         "step_ms_median": times[len(times) // 2]
@@ -212,6 +217,7 @@ def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
         "step_ms_max": slowest[2],
         "slowest_rank": slowest[0],
         "data_wait_ms_max": max(r[3] for r in every),
+        **stage,
     }
 
 

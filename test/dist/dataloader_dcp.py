@@ -6,6 +6,8 @@ loader given one entry from DCP (``entry_to_load``) must yield exactly those. Pr
 one "restored exactly" line per rank and worker count.
 """
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -60,6 +62,10 @@ def across_ranks_names_the_slowest():
                 "step_ms_max": 10.0 * world, "slowest_rank": world - 1,
                 "data_wait_ms_max": 3.0 * (world - 1)}  # fmt: skip
         assert got == want, (got, want)
-        print("across ranks: the slowest rank named", flush=True)
     else:
         assert got == {}
+    # Under pipeline parallelism (2 stages, the outermost dimension) its stage too.
+    staged = across_ranks(replace(dims, pp=2), torch.tensor(1.0), 10.0 * (rank + 1), 0.0)
+    if rank == 0:
+        assert staged["slowest_rank"] == world - 1 and staged["slowest_stage"] == 1, staged
+        print("across ranks: the slowest rank named", flush=True)

@@ -25,7 +25,8 @@ is written under OUT; test_parallel.py asserts on it:
 - ``pp-chain/``: one run over pipeline layouts, global batch 12: PP 2 x DP 2 (steps
   1-3) -> FSDP 4 (4-5) -> PP 2 x TP 2 (6-8); ``pp-hf/``, the export of its step-3;
   ``pp-dropout/`` and ``pp-dropout-resumed/``: PP 2 x DP 2 with dropout, a checkpoint
-  every step, and the same resumed from step-2;
+  every step, and the same resumed from step-2; ``masked-fsdp4/`` and ``masked-pp/``:
+  two steps with document boundaries masked, FSDP 4 and PP 2 x DP 2;
 - stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
   per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
@@ -363,6 +364,9 @@ def main():
             shutil.rmtree(os.path.join(pp_resumed, "checkpoint", f"step-{step}"))
     parallel.barrier(dims)
     run("pp-dropout-resumed", pp_resumed, *pp_dropout, dims=dims)
+    masked = [*data, "--training.mask_document_boundaries", "--training.stop_at_step", 2]
+    run("masked-fsdp4", os.path.join(out, "masked-fsdp4"), *masked, dims=dims)
+    run("masked-pp", os.path.join(out, "masked-pp"), *masked, *pp2, dims=dims)
 
     dims = split_world(dims)
     if rank < 2:
