@@ -244,7 +244,7 @@ def test_the_checks_reject_a_result_that_makes_no_sense(check, result, why):
 
 
 def check_sampling(r: dict):
-    from torchtitan.data.loader import IMBALANCE_WARNING
+    from torchtitan.data.schedule import IMBALANCE_WARNING
 
     corpus = r["corpus"]
     for row in r["coverage"]:
