@@ -304,7 +304,7 @@ def imbalance(stream, before: int, after: int, per_rank: int, resume_step: int =
     ``after``, counted from each rank's ``plan_steps``; and the time to plan a step."""
     g = per_rank * before
     old = BatchSchedule([(0, g)], per_rank, before)
-    said, log = Said(), logging.getLogger("torchtitan.data.loader")
+    said, log = Said(), logging.getLogger("torchtitan.data.schedule")
     log.addHandler(said)
     try:
         new = BatchSchedule([(0, g)], per_rank, after)
