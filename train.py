@@ -202,13 +202,7 @@ def train_loop(run: Run, preemption: Preemption):
     """Train to the last step (or the preemption), then close."""
     cfg, dims, state, last_step = run.cfg, run.dims, run.train_state, run.last_step
     batch_loss = BatchLoss(cfg, run.model, dims)
-    feed, step = run.dataloader, None
-    if run.pipeline is not None:  # stages after the first read no data (pipeline.py)
-        feed = run.dataloader if run.pipeline.first else pipeline.StageFeed(run.dataloader)
-        step = PipelineStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
-                            run.checkpoint.wait_for_staging, run.pipeline, dims, feed)  # fmt: skip
-    step = step or TrainStep(cfg, run.model, run.optimizer, run.scheduler, batch_loss,
-                             run.checkpoint.wait_for_staging)  # fmt: skip
+    feed, step = feed_and_step(run, batch_loss)
     validator = Validator(cfg, run.tokenizer, dims, batch_loss) if cfg.validation.enable else None
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
@@ -237,6 +231,19 @@ def train_loop(run: Run, preemption: Preemption):
     run.checkpoint.close()
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def feed_and_step(run: Run, batch_loss: BatchLoss):
+    """Where a step's batches come from, and the step that trains on them: the loader
+    and ``TrainStep``; under a pipeline, ``PipelineStep``, fed by the loader on the first
+    stage and by the schedule's step sizes alone on the others (they read no data)."""
+    wait = run.checkpoint.wait_for_staging
+    if run.pipeline is None:
+        return run.dataloader, TrainStep(run.cfg, run.model, run.optimizer, run.scheduler,
+                                         batch_loss, wait)  # fmt: skip
+    feed = run.dataloader if run.pipeline.first else pipeline.StageFeed(run.dataloader)
+    return feed, PipelineStep(run.cfg, run.model, run.optimizer, run.scheduler, batch_loss,
+                              wait, run.pipeline, run.dims, feed)  # fmt: skip
 
 
 def next_batches(dataloader) -> tuple[list[dict], float]:

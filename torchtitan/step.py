@@ -247,7 +247,7 @@ class PipelineStep:
         counted = 0
         if pl.first:
             inputs = torch.cat([b["input"] for b in batches]).to(self.device)
-            labels = torch.cat([self.loss.labels(b) for b in batches])
+            labels = torch.cat([self.loss.labels(b) for b in batches]).to(torch.int64)
             counted = sum(self.loss.counted(b) for b in batches)
         labels = pp.send_to_last(pl, labels, (sequences, self.seq_len), torch.int64)
         self._summed = self.loss.mask_boundaries
