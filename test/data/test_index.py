@@ -106,3 +106,30 @@ def test_the_cache_key_changes_with_what_the_lengths_depend_on(tmp_path):
         length_index.index_key(fingerprint, "sha-a", replace(training, streaming=True)),
     ]  # fmt: skip
     assert len({key, *changed}) == 5
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_measuring_says_how_far_it_is(tmp_path, tokenizer, monkeypatch, caplog, streaming):
+    """While a rank measures, it says every PROGRESS_EVERY_S seconds how many units of
+    its share are done, at what rate and how long is left (a first start may measure for
+    hours). Negative control: without ``log`` (every rank but rank 0) it says nothing."""
+    import logging
+
+    from torchtitan.data.sources import open_source, resolve_source
+
+    (tmp_path / "d").mkdir()
+    for f in range(3):
+        (tmp_path / "d" / f"{f}.jsonl").write_text("".join(
+            json.dumps({"id": f"d{f}-{i}", "text": f"Document {i}. " * 5}) + "\n" for i in range(4)))  # fmt: skip
+    source = open_source(resolve_source(path=str(tmp_path / "d")), "text", "id", streaming)
+    units = list(range(len(length_index.source_units(source))))
+    monkeypatch.setattr(length_index, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(length_index, "MAP_BATCH", 4)  # map-style documents a read
+    with caplog.at_level(logging.INFO, logger=length_index.__name__):
+        quiet = length_index.measure(source, tokenizer, units, "skip")
+        assert not caplog.records
+        said = length_index.measure(source, tokenizer, units, "skip", log=True)
+    assert said.keys() == quiet.keys()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(f"of this rank's {len(units)} units" in line for line in lines)
+    assert "measuring the length index of d: " in lines[0] and "s left" in lines[0]

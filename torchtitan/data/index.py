@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,22 +101,57 @@ def read_unit(source, unit) -> list[tuple[int, str, object]]:
 MAP_BATCH = 256  # map-style documents read per call while measuring
 
 
-def measure(source, tokenizer, units: list[int], bad_data: str) -> dict[int, tuple]:
-    """``unit -> (lengths, row_at)`` of the given units (indices into ``source_units``).
+PROGRESS_EVERY_S = 30.0  # how often a rank that measures says how far it is
+
+
+class Progress:
+    """Says, at most every ``PROGRESS_EVERY_S`` seconds, how far one rank's measuring of
+    a source is: units done of its share, tokens a second, and the time left at that rate.
+    A corpus's first start may measure for hours; without it the log is silent."""
+
+    def __init__(self, name: str, units: int, log: bool):
+        self.name, self.units, self.log = name, units, log
+        self.done = self.tokens = 0
+        self.begin = self.last = time.monotonic()
+
+    def advance(self, units: int, tokens: int):
+        self.done, self.tokens = self.done + units, self.tokens + tokens
+        now = time.monotonic()
+        if not self.log or now - self.last < PROGRESS_EVERY_S or self.done >= self.units:
+            return
+        self.last = now
+        rate = self.done / max(now - self.begin, 1e-9)
+        logger.info(
+            "measuring the length index of %s: %d of this rank's %d units, %.0f tokens/s, "
+            "about %.0f s left (the first step waits for the slowest rank; later starts read "
+            "the counts from the cache)",
+            self.name, self.done, self.units, self.tokens / max(now - self.begin, 1e-9),
+            (self.units - self.done) / max(rate, 1e-9),
+        )  # fmt: skip
+
+
+def measure(
+    source, tokenizer, units: list[int], bad_data: str, log: bool = False
+) -> dict[int, tuple]:
+    """``unit -> (lengths, row_at)`` of the given units (indices into ``source_units``);
+    with ``log``, progress on the way (``Progress``).
 
     Cost: every document of those units read and tokenized once."""
     all_units = source_units(source)
+    progress = Progress(source.spec.name, len(units), log)
     out = {}
     if not source.streaming:
         for i in range(0, len(units), MAP_BATCH):
             chunk = units[i : i + MAP_BATCH]
             for u, (doc_id, value) in zip(chunk, source.documents(chunk)):
                 out[u] = (np.array([_length(tokenizer, doc_id, value, source, bad_data)]), None)
+            progress.advance(len(chunk), sum(int(out[u][0][0]) for u in chunk))
         return out
     for u in units:
         rows = read_unit(source, all_units[u])
         lengths = [_length(tokenizer, doc_id, value, source, bad_data) for _, doc_id, value in rows]
         out[u] = (np.array(lengths, dtype=np.int32), np.array([r[0] for r in rows], dtype=np.int64))
+        progress.advance(1, sum(lengths))
     return out
 
 

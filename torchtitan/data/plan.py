@@ -168,7 +168,8 @@ def measure_share(plan: DataPlan, found: list, training, tokenizer, rank: int, w
             continue
         source = _open(plan, s, training)
         mine = list(range(len(length_index.source_units(source))))[rank::world]
-        measured = length_index.measure(source, tokenizer, mine, training.bad_data)
+        # Rank 0 says how far it is (every rank measures a share of the same size).
+        measured = length_index.measure(source, tokenizer, mine, training.bad_data, rank == 0)
         share.update({(s, u): v for u, v in measured.items()})
     return share
 
