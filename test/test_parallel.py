@@ -187,18 +187,24 @@ def test_tp_losses_equal_tp1_losses_on_the_same_global_batch(layouts):
         assert reference[step + 1] != pytest.approx(reference[step], rel=1e-6, abs=0)
 
 
+def assert_chain_read_every_token_once(layouts, name: str):
+    """The run in ``name`` read every token once, and every document of each finished
+    pass whole (the provenance checker, given the corpus's documents)."""
+    assert_run_read_every_token_once(layouts.out / name)
+    config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
+    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
+    chain = read_provenance(str(layouts.out / name / "provenance"))
+    report = check_complete(chain, lengths)["shakespeare"]
+    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+
+
 def test_the_chain_over_layouts_reads_every_token_once_and_keeps_the_global_batch(layouts):
     """Across the four layouts the provenance checker finds every token read once and no
     gap, and every document of each finished pass read whole; each leg sought the one
     global position the one before saved; the global batch stayed 12 sequences (2 DP x 3
     x 2 micro-batches, 4 x 3 x 1, 1 x 3 x 4). Negative control: the same records with one
     step's data written twice make the checker count duplicates."""
-    assert_run_read_every_token_once(layouts.out / "chain")
-    config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
-    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
-    chain = read_provenance(str(layouts.out / "chain" / "provenance"))
-    report = check_complete(chain, lengths)["shakespeare"]
-    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+    assert_chain_read_every_token_once(layouts, "chain")
     log = layouts.log
     assert "2 micro-batches of at most 3 x 32 per data-parallel rank; 2 data-parallel x 2" in log
     assert "1 micro-batches of at most 3 x 32 per data-parallel rank; 4 data-parallel (HSDP" in log
@@ -328,12 +334,7 @@ def test_the_pipeline_chain_reads_every_token_once_and_keeps_the_global_batch(la
     """PP 2 x DP 2 -> FSDP 4 -> PP 2 x TP 2: every token read once, every document of a
     finished pass read whole, 12 sequences a step throughout (tokens_seen), each leg
     loading the one before's checkpoint (the names are the unsplit model's)."""
-    assert_run_read_every_token_once(layouts.out / "pp-chain")
-    config = [*CONFIG, "--training.dataset_path", str(layouts.corpus), "--training.seq_len", "32"]
-    lengths = document_lengths(parse_args(config), Tokenizer(DEFAULT_TOKENIZER_PATH))
-    chain = read_provenance(str(layouts.out / "pp-chain" / "provenance"))
-    report = check_complete(chain, lengths)["shakespeare"]
-    assert len(report.finished_epochs) >= 1 and (report.missing, report.partial) == (0, 0)
+    assert_chain_read_every_token_once(layouts, "pp-chain")
     assert "2 pipeline x 2 data-parallel x 1 tensor-parallel" in layouts.log
     assert "2 pipeline x 1 data-parallel x 2 tensor-parallel" in layouts.log
     assert read_jsonl(layouts.out / "pp-chain" / "metrics.jsonl")[-1]["tokens_seen"] == 8 * 12 * 32

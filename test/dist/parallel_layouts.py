@@ -113,6 +113,18 @@ def next_step_counted(self):
 ParallelDataLoader.next_step = next_step_counted
 
 
+def resumable_copy(dump: str, deleted: tuple, dims) -> str:
+    """``<dump>-resumed``: a copy of a run's folder without the checkpoints of ``deleted``
+    steps, so that a relaunch resumes before them (made by rank 0, seen by all)."""
+    copy = f"{dump}-resumed"
+    if dims.is_main:
+        shutil.copytree(dump, copy)
+        for step in deleted:
+            shutil.rmtree(os.path.join(copy, "checkpoint", f"step-{step}"))
+    parallel.barrier(dims)
+    return copy
+
+
 def run(name: str, dump: str, *argv, dims):
     global scenario
     scenario = name
@@ -335,12 +347,7 @@ def main():
                "--parallelism.loss_parallel", "false", "--checkpoint.interval", 1]  # fmt: skip
     first = os.path.join(out, "dropout")
     run("dropout", first, *dropout, "--training.stop_at_step", 3, dims=dims)
-    resumed = os.path.join(out, "dropout-resumed")
-    if dims.is_main:
-        shutil.copytree(first, resumed)
-        for step in (2, 3):
-            shutil.rmtree(os.path.join(resumed, "checkpoint", f"step-{step}"))
-    parallel.barrier(dims)
+    resumed = resumable_copy(first, (2, 3), dims)
     run("dropout-resumed", resumed, *dropout, "--training.stop_at_step", 3, dims=dims)
     run("dropout-fsdp4", first, *dropout, "--parallelism.tensor_parallel_degree", 1,
         "--training.stop_at_step", 4, dims=dims)  # fmt: skip
@@ -357,13 +364,7 @@ def main():
                   "--training.stop_at_step", 4]  # fmt: skip
     pp_first = os.path.join(out, "pp-dropout")
     run("pp-dropout", pp_first, *pp_dropout, dims=dims)
-    pp_resumed = os.path.join(out, "pp-dropout-resumed")
-    if dims.is_main:
-        shutil.copytree(pp_first, pp_resumed)
-        for step in (3, 4):
-            shutil.rmtree(os.path.join(pp_resumed, "checkpoint", f"step-{step}"))
-    parallel.barrier(dims)
-    run("pp-dropout-resumed", pp_resumed, *pp_dropout, dims=dims)
+    run("pp-dropout-resumed", resumable_copy(pp_first, (3, 4), dims), *pp_dropout, dims=dims)
     masked = [*data, "--training.mask_document_boundaries", "--training.stop_at_step", 2]
     run("masked-fsdp4", os.path.join(out, "masked-fsdp4"), *masked, dims=dims)
     run("masked-pp", os.path.join(out, "masked-pp"), *masked, *pp2, dims=dims)

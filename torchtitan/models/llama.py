@@ -106,18 +106,6 @@ llama_configs: dict[str, ModelArgs] = {
         max_seq_len=4096,
         flavor="debugmodel",
     ),
-    # The debug model 4 layers deep: enough stages for the pipeline schedules on a
-    # laptop CPU (an interleaved schedule over 2 ranks runs 4 stages).
-    "debugmodel_4layers": ModelArgs(
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab_size=4096,
-        multiple_of=32,
-        max_seq_len=4096,
-        flavor="debugmodel_4layers",
-    ),
     # GPT-3 Small width/depth with a Llama block. max_seq_len only sizes the RoPE
     # tables (not checkpointed), so 8192 costs nothing and lets it train long sequences.
     "125M": ModelArgs(
@@ -156,6 +144,11 @@ llama_configs: dict[str, ModelArgs] = {
         flavor="8B",
     ),
 }
+# The debug model 4 layers deep: enough stages for the pipeline schedules on a laptop
+# CPU (an interleaved schedule over 2 ranks runs 4 stages).
+llama_configs["debugmodel_4layers"] = replace(
+    llama_configs["debugmodel"], n_layers=4, flavor="debugmodel_4layers"
+)
 
 
 class RMSNorm(nn.Module):
