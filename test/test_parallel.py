@@ -470,7 +470,7 @@ def test_pipeline_layouts_that_cannot_work_are_one_line_each():
     with pytest.raises(ConfigError, match="do not split into pipeline micro-batches of"):
         pipeline.micro_batches(6, 4, 2, "1F1B")
     assert pipeline.micro_batches(8, 2, 4, "Interleaved1F1B") == 4
-    stages = pipeline.Pipeline([None], [], "1F1B", 1, None, 2, 0)
+    stages = pipeline.Pipeline([None], "1F1B", 1, None, 2, 0)
     with pytest.raises(ConfigError, match="does not split evenly over 2 data-parallel ranks"):
         pipeline.check_batches(BatchSchedule([(0, 8), (4, 9)], 4, 2), stages, 2)
     pipeline.check_batches(BatchSchedule([(0, 8), (4, 12)], 4, 2), stages, 2)

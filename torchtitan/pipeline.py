@@ -186,7 +186,6 @@ class Pipeline:
     """A rank's stages and the schedules that run them (one per micro-batch count)."""
 
     stages: list  # torch.distributed.pipelining.PipelineStage, in stage order
-    modules: list[StageModule]
     schedule: str
     microbatch_size: int
     group: object
@@ -236,7 +235,7 @@ def build_pipeline(model: Transformer, cfg, dims, wrap) -> tuple[Transformer, Pi
         total, p.pipeline_parallel_schedule, [f"{r.start}-{r.stop - 1}" for r in layers],
         "s" if per_rank > 1 else "", ", ".join(map(str, mine)),
     )  # fmt: skip
-    return part, Pipeline(stages, modules, p.pipeline_parallel_schedule,
+    return part, Pipeline(stages, p.pipeline_parallel_schedule,
                           p.pipeline_parallel_microbatch_size, group, dims.pp, dims.pp_rank)  # fmt: skip
 
 
