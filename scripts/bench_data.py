@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from torchtitan.config import parse_args
-from torchtitan.data import Position, build_dataloader
+from torchtitan.data import build_dataloader
 from torchtitan.data.sources import MapSource, resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
@@ -72,8 +72,8 @@ def state_bytes(tokenizer, world: int, streaming: bool, workers: int = 0, at: fl
     batches = loader(tokenizer, workers, world, streaming)
     if at:
         stream = batches.stream
-        offsets = [int(at * order.epoch_tokens) for order in stream.orders]
-        batches.seek(Position(sum(offsets) // stream.window_size, offsets))
+        tokens = sum(int(at * order.pass_tokens()) for order in stream.orders)
+        batches.seek(stream.position_after(tokens // stream.window_size))
     for _ in range(4):
         batches.next_step()
     return len(next(iter(batches.state_dict().values())))

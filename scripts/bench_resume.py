@@ -67,34 +67,34 @@ def make_state(corpus: Path, fraction: float, path: Path):
     """The rank-0 loader state of a 2-rank job ``fraction`` of the way through the epoch;
     the first build measures (and caches) the corpus's length index."""
     from torchtitan.config import parse_args
-    from torchtitan.data import Position, build_dataloader
+    from torchtitan.data import build_dataloader
     from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
     cfg = parse_args(config_argv(corpus))
     loader = build_dataloader(cfg, Tokenizer(DEFAULT_TOKENIZER_PATH), 0, 2)
     stream = loader.stream
-    windows = int(fraction * stream.orders[0].epoch_tokens) // stream.window_size
-    loader.seek(Position(windows, [windows * stream.window_size]))
+    windows = int(fraction * stream.orders[0].pass_tokens()) // stream.window_size
+    loader.seek(stream.position_after(windows))
     path.write_bytes(pickle.dumps(loader.state_dict()))
     return windows
 
 
 def build_index(corpus: Path) -> dict:
-    """Seconds to the corpus's length index in this process: measured on a corpus's
-    first start (every document tokenized once, O(documents)), else read from the cache."""
+    """Seconds to every unit's token counts in this process (``pass_tokens``): measured on
+    a corpus's first start (every document tokenized once, O(documents)), else read from
+    the folder. Training measures only the units it reaches; this is the whole corpus."""
     from torchtitan.config import parse_args
-    from torchtitan.data import combine, inspect_share, list_sources, local_plan
-    from torchtitan.data.plan import cached_indexes
+    from torchtitan.data import build_stream
     from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
     t, tokenizer = parse_args(config_argv(corpus)).training, Tokenizer(DEFAULT_TOKENIZER_PATH)
-    specs = list_sources(t)
-    plan = combine(specs, [inspect_share(specs, t, tokenizer, 0, 1)], t, tokenizer)
-    cached = all(x is not None for x in cached_indexes(plan, t))
     start = time.perf_counter()
-    plan = local_plan(t, tokenizer)
+    order = build_stream(t, tokenizer).orders[0]
+    order.pass_tokens()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "was_cached": cached, "documents": len(plan.indexes[0].lengths)}
+    units = order.units(order.source.extent())
+    documents = sum(int(hi - lo) for _, lo, hi in units)
+    return {"seconds": seconds, "was_cached": order.counts.measured == 0, "documents": documents}
 
 
 def config_argv(corpus: Path) -> list[str]:

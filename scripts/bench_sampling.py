@@ -13,9 +13,9 @@ JSON lines in a temporary folder (its measured lengths are printed), it reports:
    divide the first one halfway through pass 0. With 2 ranks (then 3) the windows are
    read through the real loaders (``build_dataloader`` per rank, their spans), and
    the loader state moves between them; with 64 (then 63) and 1,024 (then 1,016) each
-   rank's windows come from the loader's own planning (``plan_steps``), mapped to
-   documents with ``SourceOrder.locate`` the way ``TokenStream.window`` does, no token
-   read. The 2-rank run is also simulated that way, and the two must agree.
+   rank's windows come from the loader's own planning (``plan_steps``): token ranges of
+   units, no token read. The 2-rank run is also simulated that way, and the two must
+   agree (each window's source, pass and tokens).
 2. Mix shares: the corpus at 0.9 with a 40-document source at 0.1, and a 3-source mix;
    each source's share of the tokens of the first ``--mix-sequences`` sequences
    (real loaders, 2 ranks) against its weight, and whether every pass of a source that
@@ -113,16 +113,10 @@ def config(work: Path, seq_len: int, global_batch: int, micro: int, *, path: str
     return parse_args([str(a) for a in argv])
 
 
-def window_spans(stream, source: int, offset: int) -> list[tuple]:
-    """``(source, unit, start, end, pass)`` of the documents window ``(source, offset)``
-    reads, from the length index alone: ``TokenStream.window`` without the tokens."""
-    order, need, out = stream.orders[source], stream.window_size, []
-    while need:
-        epoch, _, unit, row, token = order.locate(offset)
-        take = min(need, int(order.index.lengths[row]) - token)
-        out.append((source, unit, token, token + take, epoch))
-        offset, need = offset + take, need - take
-    return out
+def window_spans(stream, source: int, pieces: list) -> list[tuple]:
+    """``(source, unit, start, end, pass)`` of the pieces of a planned window: token
+    ranges of units, from the counts alone (``TokenStream.window`` without the tokens)."""
+    return [(source, u, lo, hi, pass_) for pass_, _, u, lo, hi, _ in pieces]
 
 
 def simulate(stream, layouts: list[tuple[BatchSchedule, int]]) -> list[list[list[tuple]]]:
@@ -152,7 +146,7 @@ def read_steps(ranks: list, steps: int, names: list[str], ids: set) -> list[list
         for loader in ranks:
             for batch in loader.next_step():
                 for spans in batch["spans"]:
-                    step.append([(names.index(s[0]), s[5], s[2], s[3], s[4]) for s in spans])
+                    step.append([(names.index(s[0]), s[1], s[2], s[3], s[4]) for s in spans])
                     ids.update((s[0], s[1], s[4]) for s in spans)
         out.append(step)
     return out
@@ -168,36 +162,42 @@ def coverage_at_first_repeat(steps, stream, source: int = 0) -> float | None:
                 if s != source:
                     continue
                 if epoch > 0:
-                    return read / stream.orders[source].epoch_tokens
+                    return read / stream.orders[source].pass_tokens()
                 read += end - start
     return None
 
 
 def passes_read_exactly_once(steps, stream) -> dict[str, list[int]]:
-    """Per source, the passes read through (its offset past their end) in which every
-    document's tokens were read once, with no gap or overlap. Raises AssertionError
-    naming the first document where that fails."""
+    """Per source, the passes read through in which every token was read once: each
+    document's (read) or unit's (planned) ranges follow one another from 0 with no gap or
+    overlap, and the pass's tokens add up to the source's (so nothing is left out).
+    Raises AssertionError naming the first place where that fails."""
     covered = defaultdict(list)
     tokens = defaultdict(int)
     for step in steps:
         for window in step:
-            for s, unit, start, end, epoch in window:
-                covered[(s, epoch, unit)].append((start, end))
-                tokens[s] += end - start
+            for s, key, start, end, epoch in window:
+                covered[(s, epoch, key)].append((start, end))
+                tokens[(s, epoch)] += end - start
+    for (s, epoch, key), spans in covered.items():
+        spans = sorted(spans)
+        starts, ends = [a for a, _ in spans], [b for _, b in spans]
+        assert starts == [0, *ends[:-1]], f"{stream.names[s]} pass {epoch} {key}: {spans}"
     out = {}
     for s, order in enumerate(stream.orders):
-        assert order.index.unit_rows is None, "map-style sources: a unit is a document"
-        done = tokens[s] // order.epoch_tokens
-        for epoch in range(done):
-            for unit, length in enumerate(order.index.lengths.tolist()):
-                spans = sorted(covered.get((s, epoch, unit), []))
-                starts, ends = [a for a, _ in spans], [b for _, b in spans]
-                tiled = (
-                    not spans if length == 0 else starts == [0, *ends[:-1]] and ends[-1] == length
-                )
-                assert tiled, f"{order.name} pass {epoch} document {unit}: {spans}"
-        out[stream.names[s]] = list(range(done))
+        total = order.pass_tokens()
+        done = [e for (src, e), n in sorted(tokens.items()) if src == s and (s, e + 1) in tokens]
+        for epoch in done:
+            assert tokens[(s, epoch)] == total, f"{order.name} pass {epoch}: not every token"
+        out[stream.names[s]] = done
     return out
+
+
+def units_of(steps, stream) -> list[list[tuple]]:
+    """Per window, the (source, pass) of each piece and its tokens: what a planned and a
+    read run can be compared by (one has units, the other documents)."""
+    return [[(w[0][0], w[0][4], sum(b - a for _, _, a, b, _ in w))] for step in steps
+            for w in step]  # fmt: skip
 
 
 def plain(steps) -> list[tuple]:
@@ -207,7 +207,7 @@ def plain(steps) -> list[tuple]:
 # ---- 1. coverage --------------------------------------------------------------------------
 def steps_for(stream, global_batch: int) -> tuple[int, int]:
     """(steps until passes 0 and 1 are read through, the resume step halfway into pass 0)."""
-    tokens, per_step = stream.orders[0].epoch_tokens, global_batch * stream.window_size
+    tokens, per_step = stream.orders[0].pass_tokens(), global_batch * stream.window_size
     return -(-2 * tokens // per_step), max(1, tokens // per_step // 2)
 
 
@@ -239,7 +239,7 @@ def coverage_read(work: Path, corpus: Path, tokenizer, seq_len: int, before: int
     return {"ranks": f"{before} -> {after}", "how": "read (real loaders)", "global_batch": g,
             "steps": steps, "resume_step": resume, "coverage": coverage_at_first_repeat(read, stream),
             "exactly_once": passes_read_exactly_once(read, stream),
-            "documents_read_pass0": len(pass0_ids), "planned_equals_read": planned == read,
+            "documents_read_pass0": len(pass0_ids), "planned_equals_read": units_of(planned, stream) == units_of(read, stream),
             "index_s": index_s, "read_s": read_s, "tokens_per_s": tokens / read_s}  # fmt: skip
 
 
@@ -275,14 +275,15 @@ def mix_shares(work: Path, mix: list[tuple[Path, float]], tokenizer, seq_len: in
     for window in (w for step in read for w in step):
         windows[stream.names[window[0][0]]] += 1
     assert dict(counted) == by_source, (dict(counted), by_source)
-    while through_first and ranks[0].position.offsets[0] < stream.orders[0].epoch_tokens:
+    while through_first and ranks[0].position.cursors[0].pass_ < 1:
         read += read_steps(ranks, 1, stream.names, set())
     total, weights = sum(by_source.values()), sum(w for _, w in mix)
     return {"mix": " + ".join(f"{n} {w:g}" for n, (_, w) in zip(stream.names, mix)),
             "sequences": sequences,
             "sources": [{"name": n, "weight": w / weights, "share": by_source[n] / total,
                          "sequences": windows[n],
-                         "documents": len(o.index.lengths), "tokens_per_pass": o.epoch_tokens}
+                         "units": len(o.units(o.source.extent())),
+                         "tokens_per_pass": o.pass_tokens()}
                         for n, (_, w), o in zip(stream.names, mix, stream.orders)],
             "coverage": {n: coverage_at_first_repeat(read, stream, s)
                          for s, n in enumerate(stream.names)},
@@ -310,8 +311,7 @@ def imbalance(stream, before: int, after: int, per_rank: int, resume_step: int =
         new = BatchSchedule([(0, g)], per_rank, after)
     finally:
         log.removeHandler(said)
-    position = stream.start()
-    position.windows, position.offsets[0] = resume_step * g, resume_step * g * stream.window_size
+    position = stream.position_after(resume_step * g)
     counts = []
     for rank in range(after):
         plan = next(plan_steps(stream, new, rank, resume_step, position))
@@ -355,14 +355,14 @@ def print_report(r: dict):
           "documents in pass 0; planning the other layouts and locating their windows: "
           + ", ".join(f"{row['ranks']} {row['simulate_s']:.2f} s" for row in planned))  # fmt: skip
     print(f"before (issue #20, not re-measured): {BEFORE['coverage']}\n")
-    print("| mix | source | documents | weight | sequences | token share | share - weight | "
+    print("| mix | source | units | weight | sequences | token share | share - weight | "
           "coverage at first repeat | passes read exactly once |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for m in r["mix"]:
         for s in m["sources"]:
             once = m["exactly_once"][s["name"]]
             passes = f"0-{once[-1]}" if len(once) > 2 else ", ".join(map(str, once)) or "none yet"
-            print(f"| {m['mix']} | {s['name']} | {s['documents']:,} | {s['weight']:.3f} | "
+            print(f"| {m['mix']} | {s['name']} | {s['units']:,} | {s['weight']:.3f} | "
                   f"{s['sequences']:,} | {s['share']:.5f} | {s['share'] - s['weight']:+.5f} | "
                   f"{pct(m['coverage'][s['name']])} | {passes} |")  # fmt: skip
     print(f"\nshares over the first {r['mix'][0]['sequences']:,} sequences; before (issue #20, "
@@ -410,7 +410,9 @@ def main(argv=None) -> int:
             config(work, args.seq_len, 16, 8, path=str(heavy)).training, tokenizer
         )
         rows += [coverage_planned(stream, a, b, 8) for a, b in layouts[1:]]
-        lengths = stream.orders[0].index.lengths
+        order = stream.orders[0]
+        lengths = np.concatenate([order.counts.counts(tuple(int(x) for x in u)).lengths
+                                  for u in order.units(order.source.extent())])  # fmt: skip
         mixes = [mix_shares(work, [(heavy, 0.9), (few, 0.1)], tokenizer, args.seq_len,
                             args.mix_sequences, through_first=True),
                  mix_shares(work, [(heavy, 0.5), (verses, 0.3), (few, 0.2)], tokenizer,

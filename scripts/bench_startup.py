@@ -7,11 +7,9 @@ parquet corpus of --files tiny files (4 documents each, generated under the temp
 folder), through the path train.py runs (``data.plan.resolve_plan``): rank 0 lists the sources
 once (``list_sources``), every rank inspects its share of the files
 (``inspect_share``), rank 0 combines them (``combine``) and looks for the corpus's
-length index in the cache (``cached_indexes``); where there is none (a corpus's first
-start) every rank measures its share of the units (``measure_share``: every R-th file,
-tokenized) and rank 0 puts the shares together and caches them (``complete_indexes``);
-then rank r builds its loader from the plan and takes its first batch
-(``build_dataloader``, ``next``). The other ranks' shares are computed too, untimed, as
+token-count folder; then rank r builds its loader from the plan and takes its first
+batch (``build_dataloader``, ``next``), its units' counts measured by rank 0 first (the
+ranks share the measuring of a first start: index.py). The other ranks' shares are computed too, untimed, as
 rank 0 needs them. Printed per R, for a start with the index cached and for a first
 start: the rank's data files opened, bytes read and seconds to its first batch; rank
 0's once-per-job work; and, as the baseline, the same rank resolving the data alone
@@ -33,7 +31,6 @@ from pathlib import Path
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
-from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.io_count import counting
 
@@ -74,35 +71,24 @@ def simulate(cfg, tokenizer, corpus: Path, ranks: int) -> dict:
     mine, share = measure(lambda: inspect_share(specs, t, tokenizer, rank, ranks), corpus)
     plan, combining = measure(lambda: combine(specs, [*others, mine], t, tokenizer), corpus)
 
-    # First start: no index cached; every rank measures its share, rank 0 completes it.
-    found = cached_indexes(plan, t)
-    assert all(x is None for x in found), "the first start found an index cached"
-    everyone = measure_share(plan, found, t, tokenizer, 0, 1)  # untimed: the other shares
-    measured, measuring = measure(
-        lambda: measure_share(plan, found, t, tokenizer, rank, ranks), corpus
-    )
-    rest = {k: v for k, v in everyone.items() if k not in measured}
-    plan.indexes, completing = measure(
-        lambda: complete_indexes(plan, found, [rest, measured], t), corpus
-    )
-    # Every later start: rank 0 reads the index from the cache (and broadcasts it).
-    _, reading = measure(lambda: cached_indexes(plan, t), corpus)
+    # First start: no counts in the folder. Rank 0 (untimed, as the other ranks share
+    # the measuring) takes its first batch, measuring the units the first step's windows
+    # lie in; rank r then reads those counts from the folder: a later start's cost too.
+    next(build_dataloader(cfg, tokenizer, 0, ranks, plan=plan))
 
     def first_batch():
         loader = build_dataloader(cfg, tokenizer, rank, ranks, plan=plan)
         next(loader)
-        return loader.stream.orders[0].index.units
+        return len(loader.stream.orders[0].units(len(specs[0].files)))
 
     units, first = measure(first_batch, corpus)
     _, alone = measure(lambda: local_plan(t, tokenizer), corpus)
-    cached = total(share, first, *([reading] if rank == 0 else []))
-    first_start = total(share, measuring, first)
-    for phase in (share, first, measuring, listing, combining, completing, reading, alone):
+    per_rank = total(share, first)
+    for phase in (share, first, listing, combining, alone):
         phase.pop("files")
-    return {"ranks": ranks, "rank": rank, "units": units, "per_rank": cached,
-            "per_rank_first_start": first_start, "share": share, "measure_share": measuring,
-            "first_batch": first, "rank0_listing": listing, "rank0_combine": combining,
-            "rank0_index_read": reading, "rank0_index_complete": completing,
+    return {"ranks": ranks, "rank": rank, "units": units, "per_rank": per_rank,
+            "per_rank_first_start": per_rank, "share": share, "first_batch": first,
+            "rank0_listing": listing, "rank0_combine": combining,
             "baseline_resolving_alone": alone}  # fmt: skip
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT
 from torchtitan.config import parse_args
-from torchtitan.data import Position, build_dataloader
+from torchtitan.data import build_dataloader
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 
@@ -313,8 +313,8 @@ def resume_states(tokenizer, folder: Path) -> dict[str, bytes]:
     for label, fraction in (("1%", 0.01), ("99%", 0.99)):
         loader = our_loader(tokenizer, str(folder), True, 0, SEQ)
         stream = loader.stream
-        windows = int(fraction * stream.orders[0].epoch_tokens) // stream.window_size
-        loader.seek(Position(windows, [windows * stream.window_size]))
+        windows = int(fraction * stream.orders[0].pass_tokens()) // stream.window_size
+        loader.seek(stream.position_after(windows))
         states[label] = pickle.dumps(loader.state_dict())
     return states
 

@@ -15,6 +15,7 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import train as train_script
@@ -266,7 +267,7 @@ def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: in
     for _ in range(steps):
         states.append([r.state_dict() for r in ranks])
         reference += global_steps(ranks, 1)
-    assert ranks[0].position.offsets[0] > 2 * ranks[0].stream.orders[0].epoch_tokens
+    assert ranks[0].position.cursors[0].pass_ >= 2
 
     def same(k, state) -> bool:
         fresh = build()
@@ -277,7 +278,7 @@ def assert_restores_at_every_step(build, steps: int, ahead: int, ks, control: in
     for k in ks:
         assert same(k, states[k]), k
     entry = from_tensor(states[control][0]["dp_rank_0"])
-    entry["offsets"][0] += delta
+    entry["cursors"][0][8] += delta  # the first lane's token in its unit
     assert not same(control, [{"dp_rank_0": to_tensor(entry)}] * len(ranks))
 
 
@@ -327,3 +328,107 @@ def many_documents(B: int = 3, T: int = 160, seed: int = 4, longest: int = 40):
             positions[b, t : t + n], ids[b, t : t + n] = torch.arange(n), d
             t, d = t + n, d + 1
     return tokens, positions, ids
+
+
+def assert_pieces_tile(steps, order, passes: int):
+    """The pieces of ``steps`` (each a list of windows ``(source, pieces)``) read every
+    unit of passes ``0 .. passes - 1`` whole, each token once (per unit, the ranges laid
+    end to end from 0 to its total, with no gap or overlap), and a pass's last piece
+    comes no later than the step where the next pass begins."""
+    ranges: dict[tuple, list] = defaultdict(list)
+    first_step, last_step = {}, {}
+    for i, step in enumerate(steps):
+        for _, pieces in step:
+            for pass_, _, u, lo, hi, _ in pieces:
+                ranges[(pass_, u)].append((lo, hi))
+                first_step.setdefault(pass_, i)
+                last_step[pass_] = i
+    for (pass_, u), spans in ranges.items():
+        spans = sorted(spans)
+        ends = [0] + [b for _, b in spans[:-1]]
+        assert [a for a, _ in spans] == ends, ("gap or overlap", pass_, u, spans[:4])
+    units = order.units(order.source.extent())
+    for p in range(passes):
+        for u, unit in enumerate(units):
+            total = order.counts.counts(tuple(int(x) for x in unit)).total
+            got = max((b for _, b in ranges.get((p, u), [])), default=0)
+            assert got == total, ("unit not read whole", p, u)
+        if p + 1 in first_step:
+            assert last_step[p] <= first_step[p + 1], "a pass began before the last ended"
+
+
+def assert_units_read_in_order(sequences: list[list[list]], lengths: dict[str, int]):
+    """Per (source, pass, unit), the spans of ``sequences`` (in reading order) go on where
+    the last one ended: the same document from its last token, or the next one from 0
+    once the last is read whole. A lane never skips or repeats a token."""
+    last: dict[tuple, tuple] = {}
+    for spans in sequences:
+        for name, doc_id, start, end, pass_, unit in spans:
+            prev = last.get((name, pass_, unit))
+            if prev is not None:
+                same = prev[0] == doc_id and prev[1] == start
+                onward = start == 0 and prev[1] == lengths[prev[0]]
+                assert same or onward, ("gap or overlap", name, pass_, unit, prev, doc_id, start)
+            last[(name, pass_, unit)] = (doc_id, end)
+
+
+def read_unit(source, unit) -> list[tuple[int, str, object]]:
+    """``(at, doc_id, value)`` of every row of one unit of a source, in order."""
+    rows, at = [], unit[1]
+    while at is not None:
+        docs, at, _ = source.read(unit, at)
+        rows += [(start, doc_id, value) for start, _, doc_id, value in docs]
+    return rows
+
+
+class SimulatedSource:
+    """A source of ``files`` files of ``rows`` documents each, cut as a streaming source
+    cuts them (``spec.rows_per_unit``), with no data behind it: for the order's unit
+    tests and its memory at 10^9 documents. ``read`` is never called."""
+
+    def __init__(self, files: int, rows: int, name: str = "sim"):
+        from types import SimpleNamespace
+
+        from torchtitan.data.spec import rows_per_unit
+
+        self.spec = SimpleNamespace(name=name, weight=1.0, identity=lambda: f"name:{name}")
+        self.files, self.rows, self.per_unit = files, rows, rows_per_unit(rows)
+
+    def extent(self) -> int:
+        return self.files
+
+    def units(self, extent: int | None = None) -> np.ndarray:
+        count = self.files if extent is None else extent
+        lo = np.arange(0, self.rows, self.per_unit, dtype=np.int64)
+        per_file = np.stack([lo, np.minimum(lo + self.per_unit, self.rows)], axis=1)
+        files = np.repeat(np.arange(count, dtype=np.int64), len(lo))
+        return np.concatenate([files[:, None], np.tile(per_file, (count, 1))], axis=1)
+
+
+class SimulatedCounts:
+    """Token counts computed from a unit's range (lengths 1-7 times ``scale``, an empty,
+    skipped, document now and then), kept like ``index.SourceCounts`` keeps them; ``measured``
+    counts the units asked for the first time."""
+
+    def __init__(self, scale: int = 1):
+        from collections import OrderedDict
+
+        self._mem, self.measured, self.scale = OrderedDict(), 0, scale
+
+    def counts(self, unit, ahead=()):
+        from torchtitan.data.index import KEEP_UNITS, UnitCounts
+
+        unit = tuple(int(x) for x in unit)
+        hit = self._mem.get(unit)
+        if hit is None:
+            f, lo, hi = unit
+            rows = np.arange(lo, hi, dtype=np.int64)
+            lengths = ((rows * 5 + f * 3) % 8 * self.scale).astype(np.int32)
+            hit = self._mem[unit] = UnitCounts(lengths, rows)
+            self.measured += 1
+            while len(self._mem) > KEEP_UNITS:
+                self._mem.popitem(last=False)
+        return hit
+
+    def path(self, unit) -> str:
+        return f"sim/{unit}"

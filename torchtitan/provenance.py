@@ -20,6 +20,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from torchtitan.data.order import LANES
 from torchtitan.runs import read_records
 
 
@@ -113,8 +114,8 @@ def check_complete(
     ``lengths`` holds, per source, the token count (BOS/EOS included) of every usable
     document. A source is read as one stream, pass after pass, so every pass before
     its newest is finished, and in it every document must have been read whole. At most
-    one document (the one the stream stopped in) may be partly read, and only in the
-    newest pass. Cost: O(spans + documents).
+    one document per lane (each lane stops inside one: order.LANES) may be partly read,
+    and only in the newest pass. Cost: O(spans + documents).
     """
     covered: dict[tuple, int] = defaultdict(int)  # (source, epoch, doc) -> tokens
     last_epoch: dict[str, int] = {}
@@ -140,7 +141,7 @@ def check_complete(
                 report.missing += 1
                 _example(report, f"{doc_id}: not read whole in finished pass {epoch}")
         for epoch, doc_ids in sorted(partial.items()):
-            for doc_id in doc_ids[1 if epoch == newest else 0 :]:
+            for doc_id in doc_ids[LANES if epoch == newest else 0 :]:
                 report.partial += 1
                 _example(report, f"{doc_id}: partly read in pass {epoch}")
     return reports

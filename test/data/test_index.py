@@ -1,146 +1,292 @@
-"""torchtitan/data/index.py: the length index (each document's token count, per unit),
-measured by the real code, cached by corpus and tokenizer, and refused when stale."""
+"""torchtitan/data/index.py: token counts measured just in time, per unit, in files shared
+by every process (content-keyed, atomic, claimed), and refused when stale."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import cfg
+from helpers import cfg, write_jsonl
 
-from torchtitan.data import build_dataloader
+from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data import index as length_index
+from torchtitan.data.plan import check_shared_folder
 from torchtitan.data.sources import DataError
 
 
+def corpus(folder, files: int = 8, docs: int = 32):
+    """``files`` JSON lines files of ``docs`` short documents (16 units a file)."""
+    rows = [{"id": f"d{f}-{i}", "text": f"File {f}, document {i}. " * (3 + i % 5)}
+            for f in range(files) for i in range(docs)]  # fmt: skip
+    return write_jsonl(folder, rows, files=files)
+
+
 @pytest.mark.parametrize("workers,delta", [(0, 1), (0, -1), (2, 1)])
-def test_a_stale_length_index_stops_with_one_clear_error(tmp_path, tokenizer, workers, delta):
-    """A document whose token count is not the index's (the data or tokenizer changed
-    behind the cache), whether the entry is one token too long or one too short, is a
-    DataError naming the cache, not a silently shifted order; from a loader worker too,
-    as one line (not the worker's traceback). A damaged cache file is measured again."""
+def test_stale_counts_stop_with_one_clear_error(tmp_path, tokenizer, workers, delta):
+    """A document whose token count is not its unit's (the data or tokenizer changed
+    behind the counts), one token too long or too short, is a DataError naming the count
+    file, not a silently shifted order; from a loader worker too, as one line. A damaged
+    count file is measured again."""
     (tmp_path / "d.jsonl").write_text("".join(
         json.dumps({"id": f"d{i}", "text": f"Document {i}. " * (5 + i)}) + "\n" for i in range(6)))  # fmt: skip
     cache = tmp_path / "cache"
-    c = cfg(tmp_path / "d.jsonl", length_index_dir=cache, num_workers=workers)
+    c = cfg(tmp_path / "d.jsonl", length_index_dir=cache, num_workers=workers, shuffle="false")
     loader = build_dataloader(c, tokenizer, 0, 1)
     next(loader)
     loader.close()
-    (path,) = cache.glob("*.npz")
+    path = min(cache.rglob("*.npz"), key=lambda p: int(p.stem.split("-")[0]))  # the first unit
     with np.load(path) as z:
-        lengths = z["lengths"].copy()
-    lengths[0] += delta
-    np.savez(path, lengths=lengths)
+        arrays = {k: z[k].copy() for k in z.files}
+    arrays["lengths"][0] += delta
+    np.savez(path, **arrays)
     stale = build_dataloader(c, tokenizer, 0, 1)
-    with pytest.raises(
-        DataError, match=r"tokens, the length index \d+: the data or the tokenizer changed"
-    ) as raised:
+    with pytest.raises(DataError, match=r"tokens, its unit's token counts \d+: the data or") as e:
         for _ in range(6):
             next(stale)
-    assert "\n" not in str(raised.value) and "Traceback" not in str(raised.value)
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+    assert path.name in str(e.value)
     stale.close()
     path.write_bytes(path.read_bytes()[:40])  # a truncated file
-    assert length_index.load_cached(str(cache), path.stem) is None
-    again = build_dataloader(c, tokenizer, 0, 1)  # measured and cached again
+    again = build_dataloader(c, tokenizer, 0, 1)  # measured and written again
     next(again)
     again.close()
-    assert length_index.load_cached(str(cache), path.stem) is not None
-
-
-def test_an_index_of_another_size_than_the_data_is_one_line(tmp_path, tokenizer):
-    """A cached index holding another number of documents than the source (rows added
-    behind an unchanged signature) is refused when the loader is built, naming the
-    cache, instead of reading past the data or leaving its tail unread."""
-    (tmp_path / "d.jsonl").write_text("".join(
-        json.dumps({"id": f"d{i}", "text": f"Document {i}."}) + "\n" for i in range(6)))  # fmt: skip
-    c = cfg(tmp_path / "d.jsonl", length_index_dir=tmp_path / "cache")
-    build_dataloader(c, tokenizer, 0, 1)
-    (path,) = (tmp_path / "cache").glob("*.npz")
     with np.load(path) as z:
-        np.savez(path, lengths=np.concatenate([z["lengths"], [5]]))
-    with pytest.raises(DataError, match="holds 7 units, the data 6"):
-        build_dataloader(c, tokenizer, 0, 1)
+        assert z["lengths"][0] == arrays["lengths"][0] - delta
 
 
-# ---- unit tests of the index and its cache -----------------------------------------------
+def test_the_first_step_measures_only_the_units_its_windows_lie_in(tmp_path, tokenizer):
+    """A never-seen corpus of 1,024 units: the first step (8 windows) measures the units
+    its windows lie in (at most 2 a window), and nothing more is on disk; later steps
+    measure as they go. Negative control: the probe sees all 1,024 when every unit is
+    asked for (``pass_tokens``, what the old first start did)."""
+    folder = corpus(tmp_path / "c", files=64, docs=16)
+    c = cfg(folder, length_index_dir=tmp_path / "counts", global_batch_size=8, streaming="true")
+    loader = build_dataloader(c, tokenizer, 0, 1)
+    assert len(loader.stream.orders[0].units(64)) == 1024
+    loader.next_step()
+    measured = loader.stream.orders[0].counts.measured
+    on_disk = len(list((tmp_path / "counts").rglob("*.npz")))
+    assert 8 <= measured <= 16 and on_disk == measured, (measured, on_disk)
+    for _ in range(4):
+        loader.next_step()
+    assert loader.stream.orders[0].counts.measured > measured
+    everything = build_stream(replace(c.training, length_index_dir=str(tmp_path / "all")),
+                              tokenizer)  # fmt: skip
+    everything.orders[0].pass_tokens()
+    assert everything.orders[0].counts.measured == 1024
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
-def test_a_saved_index_loads_back_equal(tmp_path, streaming):
-    """save_cached then load_cached gives the same arrays (streaming: with the units'
-    rows and where each row is), and leaves no temporary file beside it."""
-    measured = {0: (np.array([5, 0, 3]), np.array([0, 40, 90])), 1: (np.array([4]), np.array([0]))}
-    index = length_index.assemble(2, streaming, measured)
-    length_index.save_cached(str(tmp_path), "k", index)
-    back = length_index.load_cached(str(tmp_path), "k")
-    assert [p.name for p in tmp_path.iterdir()] == ["k.npz"]
-    assert back.arrays().keys() == index.arrays().keys()
-    assert all(np.array_equal(back.arrays()[k], v) for k, v in index.arrays().items())
-    assert back.units == (2 if streaming else 4) and back.unit_totals()[0].sum() == 12
-    assert length_index.load_cached(str(tmp_path), "other") is None
-
-
-def test_an_index_missing_a_unit_is_refused():
-    """A unit no rank measured would shift every later count: assemble refuses it,
-    naming the unit."""
-    measured = {0: (np.array([5]), np.array([0])), 2: (np.array([4]), np.array([0]))}
-    with pytest.raises(DataError, match=r"no rank measured units \[1\]: the length index"):
-        length_index.assemble(3, True, measured)
-
-
-def test_the_cache_key_changes_with_what_the_lengths_depend_on(tmp_path):
-    """The key follows the files' signatures, the tokenizer and the settings that change
-    the counts (bad-data policy, streaming units); an unrelated setting keeps it."""
-    from dataclasses import replace
-
+def test_counts_are_keyed_by_content_not_by_path(tmp_path, tokenizer):
+    """The key follows a file's content signature, the tokenizer and the settings that
+    change the counts (bad-data policy, the column, map-style or streaming units); the
+    path and an unrelated setting keep it, so a corpus copied elsewhere reuses them."""
     training = cfg(tmp_path).training
-    fingerprint = {"identity": "path:x", "files": [["a.jsonl", 10, "crc"]]}
-    key = length_index.index_key(fingerprint, "sha-a", training)
-    assert key == length_index.index_key(fingerprint, "sha-a", replace(training, steps=99))
-    changed = [
-        length_index.index_key({**fingerprint, "files": [["a.jsonl", 11, "crc"]]}, "sha-a",
-                               training),
-        length_index.index_key(fingerprint, "sha-b", training),
-        length_index.index_key(fingerprint, "sha-a", replace(training, bad_data="error")),
-        length_index.index_key(fingerprint, "sha-a", replace(training, streaming=True)),
-    ]  # fmt: skip
-    assert len({key, *changed}) == 5
+    entry = {"files": [["a.jsonl", 10, 7]]}
+
+    def key(e=entry, sha="sha-a", t=training, streaming=True, field="text"):
+        return length_index.file_keys(e, 1, sha, t, streaming, field)[0]
+
+    assert key() == key(t=replace(training, steps=99))
+    assert key() == key({"files": [["elsewhere/b.jsonl", 10, 7]]})
+    changed = [key({"files": [["a.jsonl", 11, 7]]}), key(sha="sha-b"),
+               key(t=replace(training, bad_data="error")), key(streaming=False),
+               key(field="tokens")]  # fmt: skip
+    assert len({key(), *changed}) == 6
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
-def test_measuring_says_how_far_it_is(tmp_path, tokenizer, monkeypatch, streaming):
-    """While a rank measures, it says every PROGRESS_EVERY_S seconds how many units of
-    its share are done, at what rate and how long is left (a first start may measure for
-    hours). Negative control: without ``log`` (every rank but rank 0) it says nothing."""
-    import io
-    import logging
+def test_a_copied_corpus_reuses_the_counts(tmp_path, tokenizer):
+    """The same files under another folder read the counts the first measured: no unit
+    is measured again. Negative control: another tokenizer setting measures them anew."""
+    import shutil
 
-    from torchtitan.data.sources import open_source, resolve_source
+    first = corpus(tmp_path / "a", files=2)
+    c = cfg(first, length_index_dir=tmp_path / "counts", streaming="true")
+    build_stream(c.training, tokenizer).orders[0].pass_tokens()
+    shutil.copytree(first, tmp_path / "b")
+    again = build_stream(replace(c.training, dataset_path=str(tmp_path / "b")), tokenizer)
+    assert again.orders[0].pass_tokens() > 0 and again.orders[0].counts.measured == 0
+    strict = build_stream(replace(c.training, bad_data="error"), tokenizer)
+    strict.orders[0].pass_tokens()
+    assert strict.orders[0].counts.measured == 32
 
-    (tmp_path / "d").mkdir()
-    for f in range(3):
-        (tmp_path / "d" / f"{f}.jsonl").write_text("".join(
-            json.dumps({"id": f"d{f}-{i}", "text": f"Document {i}. " * 5}) + "\n" for i in range(4)))  # fmt: skip
-    source = open_source(resolve_source(path=str(tmp_path / "d")), "text", "id", streaming)
-    units = list(range(len(length_index.source_units(source))))
+
+MEASURE = textwrap.dedent("""
+    import sys, time
+    from helpers import cfg
+    from torchtitan.data import build_stream
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    folder, counts, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    stream = build_stream(cfg(folder, length_index_dir=counts, streaming="true").training,
+                          Tokenizer(DEFAULT_TOKENIZER_PATH))
+    order = stream.orders[0]
+    measure = order.counts._measure
+    def slow(unit, heartbeat=None):
+        time.sleep(delay)
+        return measure(unit, heartbeat)
+    order.counts._measure = slow
+    order.pass_tokens()
+    print("measured", order.counts.measured, flush=True)
+""")
+
+
+def _measurer(folder, counts, delay: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["test", "."])}
+    return subprocess.Popen([sys.executable, "-c", MEASURE, str(folder), str(counts), str(delay)],
+                            env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_a_kill_during_measuring_loses_only_the_units_in_flight(tmp_path, tokenizer):
+    """A process measuring a corpus (128 units) is killed -9 part way: the units it wrote
+    stay, and a relaunch measures only the rest, taking over the dead process's claim.
+    Negative control: the relaunch in an empty folder measures all 128."""
+    folder = corpus(tmp_path / "c", files=8, docs=16)
+    counts = tmp_path / "counts"
+    proc = _measurer(folder, counts, 0.05)
+    deadline = time.monotonic() + 60
+    while len(list(counts.rglob("*.npz"))) < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = len(list(counts.rglob("*.npz")))
+    assert 20 <= kept < 128 and list(counts.rglob("*.claim"))  # killed inside a unit
+    relaunch = build_stream(cfg(folder, length_index_dir=counts, streaming="true").training,
+                            tokenizer)  # fmt: skip
+    relaunch.orders[0].pass_tokens()
+    assert relaunch.orders[0].counts.measured == 128 - kept
+    assert not list(counts.rglob("*.claim"))
+    fresh = build_stream(cfg(folder, length_index_dir=tmp_path / "empty", streaming="true").training,
+                         tokenizer)  # fmt: skip
+    fresh.orders[0].pass_tokens()
+    assert fresh.orders[0].counts.measured == 128
+
+
+def test_two_processes_share_the_measuring_each_unit_once(tmp_path):
+    """Two processes measuring one corpus at once hand the units out between them through
+    the claims: together they measure each of the 128 units once."""
+    folder = corpus(tmp_path / "c", files=8, docs=16)
+    procs = [_measurer(folder, tmp_path / "counts", 0.02) for _ in range(2)]
+    measured = [int(p.communicate(timeout=120)[0].split()[-1]) for p in procs]
+    assert sum(measured) == 128, measured
+    assert len(list((tmp_path / "counts").rglob("*.npz"))) == 128
+
+
+def _claim(counts, unit, pid: int, host: str):
+    path = counts.path(unit) + ".claim"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"host": host, "pid": pid, "rank": "7", "since": time.time()}, f)
+
+
+def test_waiting_on_another_process_has_a_limit_and_names_it(tmp_path, tokenizer):
+    """A unit claimed by a live process that never finishes: the wait ends after
+    ``length_index_wait_seconds`` in one line naming rank, pid and host (and the units
+    ahead are measured meanwhile). Negative control: a claim of a dead process of this
+    host is taken over at once."""
+    folder = corpus(tmp_path / "c", files=1)
+    c = cfg(folder, length_index_dir=tmp_path / "counts", length_index_wait_seconds=0.5,
+            streaming="true")  # fmt: skip
+    order = build_stream(c.training, tokenizer).orders[0]
+    units = order.units(1)
+    host = socket.gethostname()
+    _claim(order.counts, units[0], os.getpid(), host)
+    with pytest.raises(
+        DataError, match=rf"waited \d+ s for .* rank 7 \(pid {os.getpid()} on {host}\)"
+    ):
+        order.counts.counts(units[0], units[1:4])
+    assert order.counts.measured == 3  # the units ahead, measured while it waited
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _claim(order.counts, units[5], dead.pid, host)
+    assert order.counts.counts(units[5]).total > 0
+
+
+def test_measuring_and_waiting_say_how_far_they_are(tmp_path, tokenizer, monkeypatch):
+    """Every PROGRESS_EVERY_S, a process that measures says how many units and tokens a
+    second, and one that waits says on whom. Negative control: without ``log`` (every
+    rank but rank 0) nothing is said."""
+    folder = corpus(tmp_path / "c", files=1)
     monkeypatch.setattr(length_index, "PROGRESS_EVERY_S", 0.0)
-    monkeypatch.setattr(length_index, "MAP_BATCH", 4)  # map-style documents a read
-    # On the module's own logger: a run in this process (train.main) stops the project's
-    # logger from propagating to the root, where pytest's caplog listens.
     said = io.StringIO()
     handler = logging.StreamHandler(said)
     level = length_index.logger.level
     length_index.logger.setLevel(logging.INFO)
     length_index.logger.addHandler(handler)
     try:
-        quiet = length_index.measure(source, tokenizer, units, "skip")
-        assert not said.getvalue()
-        loud = length_index.measure(source, tokenizer, units, "skip", log=True)
+        for log, where in ((False, "quiet"), (True, "loud")):
+            order = build_stream(cfg(folder, length_index_dir=tmp_path / where).training,
+                                 tokenizer).orders[0]  # fmt: skip
+            order.counts.log = order.counts._progress.log = log
+            order.pass_tokens()
+            if not log:
+                assert not said.getvalue()
     finally:
         length_index.logger.removeHandler(handler)
         length_index.logger.setLevel(level)
-    assert loud.keys() == quiet.keys()
     lines = said.getvalue().splitlines()
-    assert lines and all(f"of this rank's {len(units)} units" in line for line in lines)
-    assert "measuring the length index of d: " in lines[0] and "s left" in lines[0]
+    assert lines and "units measured here" in lines[-1] and "tokens/s" in lines[-1]
+
+
+class _Ranks:
+    """Two ranks in one process; rank 1 does not see what rank 0 wrote when ``blind``."""
+
+    world = 2
+
+    def __init__(self, rank: int, blind: bool):
+        self.rank, self.blind = rank, blind
+
+    def on_main(self, fn, *args):
+        return fn(*args)
+
+    def gather(self, obj) -> list:
+        return [obj, not self.blind]
+
+
+def test_a_folder_some_rank_does_not_see_is_named_in_a_warning(tmp_path, caplog):
+    """A token-count folder rank 1 does not see (node-local in a multi-node job) gets a
+    warning naming it and the rank, and the marker is removed. Negative control: a
+    shared folder, no warning."""
+    training = cfg(tmp_path, length_index_dir=tmp_path / "counts").training
+    logger = logging.getLogger("torchtitan.data.plan")
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    logger.addHandler(handler)
+    try:
+        check_shared_folder(training, _Ranks(0, blind=False))
+        assert not said.getvalue()
+        check_shared_folder(training, _Ranks(0, blind=True))
+    finally:
+        logger.removeHandler(handler)
+    assert f"token-count folder {tmp_path / 'counts'} is not shared: ranks [1]" in said.getvalue()
+    assert not list((tmp_path / "counts").glob(".job-*"))
+
+
+def test_offline_preparation_leaves_a_job_nothing_to_measure(tmp_path, tokenizer):
+    """``prepare`` (2 processes) measures every unit into the job's folder; a loader then
+    measures none over a pass, and a second ``prepare`` finds nothing to do. Negative
+    control: the same loader over an empty folder measures as it goes."""
+    from torchtitan.data.prepare import prepare
+
+    folder = corpus(tmp_path / "c", files=4)
+    c = cfg(folder, length_index_dir=tmp_path / "counts", streaming="true", global_batch_size=8)
+    done = prepare(c.training, tokenizer, num_proc=2, progress=False)
+    assert done["units"] == done["missing"] == done["measured"] == 64
+    loader = build_dataloader(c, tokenizer, 0, 1)
+    for _ in range(10):
+        loader.next_step()
+    assert loader.stream.orders[0].counts.measured == 0
+    assert prepare(c.training, tokenizer, num_proc=2, progress=False)["missing"] == 0
+    cold = build_dataloader(replace(c, training=replace(c.training, length_index_dir=str(
+        tmp_path / "empty"))), tokenizer, 0, 1)  # fmt: skip
+    cold.next_step()
+    assert cold.stream.orders[0].counts.measured > 0

@@ -8,7 +8,6 @@ which is all a rank's loader is (it never talks to other ranks).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import pickle
@@ -23,8 +22,10 @@ from helpers import (
     CONFIG,
     GOOD_DOCUMENTS,
     SEQ,
+    assert_pieces_tile,
     assert_spans_tile_every_document,
     assert_two_ranks_restore_at_every_step,
+    assert_units_read_in_order,
     assert_workers_give_the_main_batches,
     cfg,
     child_pids,
@@ -41,7 +42,6 @@ from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.loader import plan_steps
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.sources import DataError
-from torchtitan.data.windows import Position
 
 
 def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:
@@ -102,14 +102,18 @@ def test_no_document_repeats_before_the_corpus_is_read_through(heavy_corpus, tok
 
 
 def simulate(stream, schedule: BatchSchedule, steps: int, step: int = 0, position=None):
-    """Every rank's windows ``(source, offset)`` of ``steps`` steps, planned by the
-    loader's own function (no tokens read): {rank: [[windows of a step], ...]}."""
+    """Every rank's windows ``(source, pieces)`` of ``steps`` steps, planned by the
+    loader's own function (no tokens read): ({rank: [[windows of a step], ...]}, the
+    position after them)."""
     position = position or stream.start()
-    out = {}
-    for rank in range(schedule.dp_world):
-        plans = itertools.islice(plan_steps(stream, schedule, rank, step, position), steps)
-        out[rank] = [[w for micro in p.micro for w in micro] for p in plans]
-    return out
+    ranks = range(schedule.dp_world)
+    plans = [plan_steps(stream, schedule, rank, step, position) for rank in ranks]
+    out = {rank: [] for rank in ranks}
+    for _ in range(steps):  # ranks in lockstep: the stream walks each step once
+        for rank in ranks:
+            plan = next(plans[rank])
+            out[rank].append([w for micro in plan.micro for w in micro])
+    return out, plan.after
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
@@ -117,28 +121,29 @@ def test_1024_ranks_read_each_token_once_and_nothing_repeats_early(heavy_corpus,
                                                                    streaming):  # fmt: skip
     """1,024 data-parallel ranks, 8 sequences each (simulated through the loader's own
     planning, windows of 4 tokens so that steps cross passes), then 1,016 (a lost node):
-    the windows of every step, ranks in order, tile the stream with no gap or overlap
-    across the change, so a pass ends before the next begins; each rank reads one
-    contiguous run; the busiest rank has at most 1.15 x the mean (9 vs 8.06)."""
+    the windows of every step, ranks in order, read every unit of two passes whole, each
+    token once, with no gap or overlap across the change, and a pass ends before the
+    next begins; the busiest rank has at most 1.15 x the mean (9 vs 8.06)."""
     seq = 3
     stream = build_stream(cfg(heavy_corpus, seq=seq, streaming=streaming).training, tokenizer)
-    tokens, w = stream.orders[0].epoch_tokens, seq + 1
+    tokens, w = stream.orders[0].pass_tokens(), seq + 1
     size = 8192
-    steps = -(-2 * tokens // (size * w))
+    steps = -(-2 * tokens // (size * w)) + 1
     half = steps // 2
-    before = simulate(stream, BatchSchedule([(0, size)], 8, 1024), half)
-    resumed = Position(half * size, [half * size * w])
-    after = simulate(stream, BatchSchedule([(0, size)], 8, 1016), steps - half, half, resumed)
-    offsets = []
+    before, resumed = simulate(stream, BatchSchedule([(0, size)], 8, 1024), half)
+    after, _ = simulate(stream, BatchSchedule([(0, size)], 8, 1016), steps - half, half, resumed)
+    windows = []
     for part in (before, after):
         for s in range(len(part[0])):
-            offsets += [o for rank in sorted(part) for _, o in part[rank][s]]
-    assert offsets == list(range(0, len(offsets) * w, w)), "not one tiling"
-    assert offsets[-1] >= 2 * tokens - w
+            windows.append([win for rank in sorted(part) for win in part[rank][s]])
+    assert all(sum(p[4] - p[3] for p in pieces) == w for step in windows for _, pieces in step)
+    assert_pieces_tile(windows, stream.orders[0], passes=2)
     for part, ranks in ((before, 1024), (after, 1016)):
         counts = [len(part[r][0]) for r in range(ranks)]
         assert sum(counts) == size and max(counts) / (size / ranks) <= 1.15
-    assert all(b - a == w for r in before.values() for (_, a), (_, b) in zip(r[0], r[0][1:]))
+    # Negative control: a window dropped from the middle leaves a gap.
+    with pytest.raises(AssertionError, match="gap or overlap"):
+        assert_pieces_tile([windows[0][:100] + windows[0][101:]], stream.orders[0], passes=0)
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"], ids=["map", "streaming"])
@@ -157,7 +162,8 @@ def test_the_state_is_a_position_of_a_few_bytes(heavy_corpus, tokenizer):
     global_steps(ranks, 5)
     entries = [from_tensor(r.state_dict()[f"dp_rank_{i}"]) for i, r in enumerate(ranks)]
     assert entries[0] == entries[1] == entries[2]
-    assert (entries[0]["windows"], entries[0]["offsets"]) == (60, [60 * (SEQ + 1)])
+    assert entries[0]["windows"] == 60
+    assert sum(c[4] for c in entries[0]["cursors"]) == 60 * (SEQ + 1)  # tokens read
     assert ranks[0].state_dict()["dp_rank_0"].numel() < 16_384  # bytes of JSON
 
 
@@ -199,7 +205,7 @@ def test_batch_size_changes_and_schedules_keep_every_token_once(heavy_corpus, to
     windows = [w for step in steps for w, _ in step]
     assert len(windows) == 64
     reference = global_steps(loaders(heavy_corpus, tokenizer, 1, global_batch_size=64), 1)[0]
-    assert windows == [w for w, _ in reference]
+    assert sorted(windows) == sorted(w for w, _ in reference)  # a step orders its own
 
 
 def test_the_schedule_is_by_training_step(heavy_corpus, tokenizer):
@@ -214,21 +220,23 @@ def test_the_schedule_is_by_training_step(heavy_corpus, tokenizer):
 
 
 def test_a_changed_sequence_length_continues_at_the_token_offset(heavy_corpus, tokenizer):
-    """5 steps at seq_len 31, then 5 at 15: the tokens laid end to end are the stream of
-    an uninterrupted run (nothing skipped or read twice at the change)."""
+    """5 steps at seq_len 31, then 5 at 15: every lane goes on where it stopped (nothing
+    skipped or read twice at the change), and the second leg equals a run at 15 resumed
+    from the same position."""
+    lengths = {k: len(v) for k, v in doc_tokens(heavy_corpus, tokenizer).items()}
     (first,) = loaders(heavy_corpus, tokenizer)
-    tokens = [t for step in global_steps([first], 5) for w, _ in step for t in w]
+    spans = [s for step in global_steps([first], 5) for _, s in step]
     (second,) = loaders(heavy_corpus, tokenizer, 1, seq=15)
     second.load_state_dict(first.state_dict())
-    tokens += [t for step in global_steps([second], 5) for w, _ in step for t in w]
-    (reference,) = loaders(heavy_corpus, tokenizer, 1, seq=len(tokens) - 1, batch=1)
-    assert tokens == window_of(next(reference), 0)
+    spans += [s for step in global_steps([second], 5) for _, s in step]
+    assert_units_read_in_order(spans, lengths)
     # Negative control: resuming at the saved window count in windows of the new length
-    # (not at the token offsets) skips tokens.
+    # (not at the lanes' positions) skips and repeats tokens.
     (windows_based,) = loaders(heavy_corpus, tokenizer, 1, seq=15)
-    windows_based.seek(Position(20, [20 * 16]))
-    skipped = [t for step in global_steps([windows_based], 5) for w, _ in step for t in w]
-    assert tokens[20 * 32 :] != skipped
+    windows_based.seek(windows_based.stream.position_after(20))
+    skipped = spans[:20] + [s for step in global_steps([windows_based], 5) for _, s in step]
+    with pytest.raises(AssertionError, match="gap or overlap"):
+        assert_units_read_in_order(skipped, lengths)
 
 
 def test_unequal_splits_weigh_every_sequence_alike(tiny_corpus, tokenizer):
@@ -268,7 +276,7 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
     (loader,) = loaders(None, tokenizer, 1, datasets=mix, global_batch_size=8)
     big = {k: len(v) for k, v in doc_tokens(small_corpus, tokenizer).items()}
     sequences = []
-    while loader.position.offsets[0] < sum(big.values()) + 8 * (SEQ + 1):
+    while loader.position.tokens()[0] < sum(big.values()) + 8 * (SEQ + 1):
         sequences += [spans for b in loader.next_step() for spans in b["spans"]]
     assert_spans_tile_every_document(
         [[s for s in sp if s[0] == "shakespeare"] for sp in sequences], big
@@ -277,8 +285,8 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
     assert len(passes) > 2
     by_source = loader.tokens_by_source()
     assert by_source == {
-        "shakespeare": loader.position.offsets[0],
-        "few": loader.position.offsets[1],
+        "shakespeare": loader.position.tokens()[0],
+        "few": loader.position.tokens()[1],
     }
     assert abs(by_source["shakespeare"] / sum(by_source.values()) - 0.9) < 0.02
 
@@ -294,9 +302,8 @@ def test_passes_begun_are_reported_once_each(tiny_corpus, second_corpus, tokeniz
         events += loader.take_epoch_starts()
     for name, s in (("shakespeare", 0), ("kjv", 1)):
         passes = [e for src, e in events if src == name]
-        assert passes == list(
-            range(1, loader.stream.orders[s].epoch_of(loader.position.offsets[s]) + 1)
-        )
+        cursor = loader.position.cursors[s]
+        assert passes == list(range(1, cursor.pass_ + (1 if cursor.lanes else 0)))
     assert len([e for e in events if e[0] == "shakespeare"]) >= 3
     from torchtitan.metrics import passes_begun
 
@@ -317,7 +324,8 @@ def test_workers_give_the_batches_of_the_main_process(
 
 
 @pytest.mark.time_limit(20)  # the bug it guards against hangs the close
-def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenizer, monkeypatch):
+def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenizer, monkeypatch,
+                                                           tmp_path):  # fmt: skip
     """A worker that does not stop when its loader closes (busy in an endless loop, its
     iterator held by a thread still waiting in it, as a failed test's traceback holds
     one) is ended: it ignores SIGTERM, so multiprocessing's stop at exit (SIGTERM, then
@@ -335,7 +343,9 @@ def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenize
     main, read = os.getpid(), DocumentReader.document
 
     def endless(self, *args):
-        while os.getpid() != main:  # in the workers only
+        if os.getpid() != main:  # in the workers only
+            (tmp_path / f"busy-{os.getpid()}").touch()
+        while os.getpid() != main:
             pass
         return read(self, *args)
 
@@ -353,6 +363,10 @@ def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenize
             assert waiting.is_alive()
             waiting.join(0.05)
         assert all(p in multiprocessing.active_children() for p in workers)
+        # Both busy in the endless loop (not still measuring, or starting).
+        while not all((tmp_path / f"busy-{p.pid}").exists() for p in workers):
+            assert waiting.is_alive()
+            waiting.join(0.05)
         return loader, workers, waiting
 
     monkeypatch.setattr(DocumentReader, "document", endless)
@@ -433,8 +447,10 @@ def test_bad_documents_are_skipped_and_counted(tmp_path, tokenizer):
     seen = {sp[1] for _ in range(3) for b in loader.next_step() for s in b["spans"] for sp in s}
     assert seen == {"d0", "d1", "d3", "d5", "d7"}
     assert loader.skipped_documents() == 3
+    (strict,) = loaders(tmp_path, tokenizer, 1, shuffle="false", bad_data="error")
     with pytest.raises(DataError, match="'d2'.*empty or whitespace-only"):
-        loaders(tmp_path, tokenizer, 1, shuffle="false", bad_data="error")
+        for _ in range(3):  # the counts are measured as the stream reaches each unit
+            strict.next_step()
 
 
 # ---- bad data and dying ranks -------------------------------------------------------------
@@ -468,8 +484,9 @@ def test_null_missing_and_non_string_text_are_skipped_and_counted(tmp_path, toke
     assert passes >= 1
     assert 2 * passes <= loader.skipped_documents() <= 2 * passes + 2  # 2 skips in every pass
     ints = write_jsonl_file(tmp_path / "i" / "a.jsonl", [{"text": 5}, {"text": 7}])
+    (nothing,) = loaders(ints, tokenizer, 1)
     with pytest.raises(DataError, match="no usable document"):
-        loaders(ints, tokenizer, 1)
+        nothing.next_step()
 
 
 def test_a_5_mb_document_packs_and_restores(tmp_path, tokenizer):

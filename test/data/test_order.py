@@ -1,33 +1,117 @@
 """torchtitan/data/order.py: the global order of a source's tokens (units shuffled per
-pass, located by offset) and the mix of several sources (which source each window reads).
+pass, dealt round the files, read by lanes) and the mix of several sources (which source
+each window reads).
 
-The order is computed from a length index and a seed, never from the ranks: the unit
-tests build a ``SourceIndex`` by hand; the loader-level ones read through real loaders.
+The order is computed from the units' token counts and a seed, never from the ranks: the
+unit tests walk a simulated source (helpers.SimulatedSource: units, counts, no data);
+the loader-level ones read through real loaders.
 """
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
-from helpers import loaders
+from helpers import SimulatedCounts, SimulatedSource, loaders
 
-from torchtitan.data.index import SourceIndex
-from torchtitan.data.order import MixSchedule, SourceOrder
+from torchtitan.data.order import LANES, Cursor, MixSchedule, SourceOrder, pass_order
 
 
-def test_the_order_locates_tokens_and_counts_skipped_documents_inside_units():
-    """Two streaming units of rows [5, 0, 3] and [0, 4] tokens, unshuffled: every offset
-    locates the right row and token (rows of no tokens are never located), and the
-    skipped documents before an offset count the empty rows the stream has passed, in
-    this pass and the ones before."""
-    index = SourceIndex(np.array([5, 0, 3, 0, 4], np.int32), np.array([0, 3, 5]),
-                        np.arange(5))  # fmt: skip
-    order = SourceOrder(index, "s", 0, "s", shuffle=False)
-    assert order.epoch_tokens == 12 and order.epoch_skipped == 2
-    rows = [order.locate(o)[3] for o in range(24)]
-    assert rows == ([0] * 5 + [2] * 3 + [4] * 4) * 2
-    assert [order.locate(o)[4] for o in (0, 4, 5, 7, 8, 11)] == [0, 4, 0, 2, 0, 3]
-    skipped = [order.skipped_before(o) for o in (0, 4, 5, 8, 12, 17)]
-    assert skipped == [0, 0, 1, 2, 2, 3]
+def walk(order: SourceOrder, windows: int, size: int, cursor: Cursor | None = None):
+    """The pieces of ``windows`` windows of ``size`` tokens from ``cursor`` (or the start)."""
+    cursor = cursor or Cursor()
+    return [order.fill(cursor, size) for _ in range(windows)], cursor
+
+
+def test_lanes_read_every_token_of_every_unit_once_per_pass():
+    """Over 3 passes of 12 files x 20 documents (windows of 7 tokens): each pass reads
+    every unit whole, each token once, in the lanes' order (a lane's unit from token 0
+    to its end); a pass begins only when the last ended; empty documents are counted as
+    skipped once per pass."""
+    source, counts = SimulatedSource(12, 20), SimulatedCounts()
+    order = SourceOrder(source, counts, 3, "s", shuffle=True)
+    units = source.units()
+    totals = [counts.counts(u).total for u in units]
+    windows, cursor = walk(order, 3 * sum(totals) // 7, 7)
+    read: dict[tuple, int] = {}
+    last_pass = 0
+    for pieces in windows:
+        assert sum(p[4] - p[3] for p in pieces) == 7
+        for pass_, _, u, lo, hi, unit in pieces:
+            assert pass_ >= last_pass and unit == tuple(units[u])
+            last_pass = pass_
+            assert read.get((pass_, u), 0) == lo, "a gap or an overlap in a unit"
+            read[(pass_, u)] = hi
+    for p in range(2):
+        assert [read.get((p, u), 0) for u in range(len(units))] == totals
+    skipped = sum(int((counts.counts(u).lengths == 0).sum()) for u in units)
+    assert order.skipped_before(cursor) >= 2 * skipped
+
+
+def test_consecutive_windows_come_from_as_many_files_as_lanes():
+    """128 one-domain files of 400 documents of ~350 tokens: 64 consecutive windows read
+    from at least 32 distinct files (median over 20 steps). Negative control: one lane (the old order, a
+    window after another in one stream) reads 1 or 2 files a step."""
+
+    def median_files(lanes: int) -> float:
+        source, counts = SimulatedSource(128, 400), SimulatedCounts(scale=100)
+        order = SourceOrder(source, counts, 3, "s", shuffle=True, lanes=lanes)
+        steps, cursor = [], Cursor()
+        for _ in range(20):
+            windows, cursor = walk(order, 64, 129, cursor)
+            steps.append(len({p[5][0] for pieces in windows for p in pieces}))
+        return float(np.median(steps))
+
+    assert median_files(LANES) >= 32
+    assert median_files(1) <= 2
+
+
+def test_a_pass_deals_its_units_round_the_files():
+    """``pass_order``: every unit once; consecutive units from distinct files while files
+    last; another pass or seed, another order; unshuffled, the units as they lie."""
+    files = np.repeat(np.arange(10), [1, 5, 3, 8, 2, 2, 7, 1, 4, 6])
+    order = pass_order(files, 7, "s", 0, True)
+    assert sorted(order.tolist()) == list(range(len(files)))
+    assert len(set(files[order[:10]].tolist())) == 10  # the first round: every file
+    assert not np.array_equal(order, pass_order(files, 7, "s", 1, True))
+    assert not np.array_equal(order, pass_order(files, 8, "s", 0, True))
+    assert np.array_equal(order, pass_order(files, 7, "s", 0, True))
+    assert np.array_equal(pass_order(files, 7, "s", 0, False), np.arange(len(files)))
+
+
+def test_a_cursor_is_a_seek():
+    """A cursor saved after any number of windows (as a list, as a checkpoint holds it)
+    continues exactly as the walk it was taken from, at another window size too: the
+    pieces from it are the uninterrupted walk's."""
+    source = SimulatedSource(12, 20)
+    order = SourceOrder(source, SimulatedCounts(), 3, "s", shuffle=True)
+    windows, _ = walk(order, 300, 9)
+    for k in (0, 1, 57, 299):
+        _, cursor = walk(order, k, 9)
+        resumed = SourceOrder(source, SimulatedCounts(), 3, "s", shuffle=True)
+        rest, _ = walk(resumed, 300 - k, 9, Cursor.from_list(cursor.to_list()))
+        assert rest == windows[k:], k
+
+
+def test_the_order_holds_o_units_at_a_billion_documents():
+    """A simulated source of 10^9 documents (10,000 files of 100,000): the order's memory
+    (unit list, a pass's order, the counts kept) while it walks 2,000 windows at the
+    start and 2,000 from a cursor deep in the pass is at most 256 MB, and no unit but
+    those the lanes read is measured."""
+    tracemalloc.start()
+    try:
+        source, counts = SimulatedSource(10_000, 100_000), SimulatedCounts()
+        order = SourceOrder(source, counts, 3, "s", shuffle=True)
+        walk(order, 2000, 2049)
+        deep = Cursor(extent=10_000, taken=900_000, lanes=[[s, 899_968 + s, 5] for s in range(32)])
+        walk(order, 2000, 2049, deep)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(order.units(10_000)) == 10_000 * 98
+    assert peak <= 256 << 20, peak
+    # The lanes' units and those 2 x 4.1 M tokens lie in (~3,600 a unit), of 980,000.
+    assert counts.measured < 3_000
 
 
 def test_shuffle_is_seeded_and_differs_per_pass(tiny_corpus, tokenizer):
@@ -72,58 +156,3 @@ def test_two_seeds_mix_the_sources_in_two_orders(tiny_corpus, second_corpus, tok
     at_7 = sources_read(7)
     assert len(set(at_7)) == 2 and at_7 == sources_read(7)
     assert sources_read(8) != at_7
-
-
-# ---- unit tests of SourceOrder over a hand-made index ----------------------------------
-
-
-def index_of(units: int, rows: int = 3) -> SourceIndex:
-    """A streaming-style index of ``units`` units of ``rows`` rows each, row lengths 1-7
-    with an empty (skipped) row now and then."""
-    lengths = np.array([(i * 5) % 8 for i in range(units * rows)], np.int32)
-    return SourceIndex(lengths, np.arange(0, units * rows + 1, rows), np.arange(units * rows))
-
-
-def test_each_pass_orders_every_unit_exactly_once():
-    """Shuffled, every pass is a permutation of all 40 units (none left out or read
-    twice), and passes differ; unshuffled, every pass is the units in index order."""
-    shuffled = SourceOrder(index_of(40), "s", 7, "s", shuffle=True)
-    passes = [shuffled.order(e).tolist() for e in range(4)]
-    assert all(sorted(p) == list(range(40)) for p in passes)
-    assert len({tuple(p) for p in passes}) == 4
-    assert passes[0] != list(range(40)), "a shuffled pass is not the index order"
-    plain = SourceOrder(index_of(40), "s", 7, "s", shuffle=False)
-    assert [plain.order(e).tolist() for e in range(3)] == [list(range(40))] * 3
-
-
-def test_the_order_follows_the_seed_and_the_source_identity_only():
-    """Two orders built alike give the same units in every pass (it is computed, never
-    drawn from a global RNG); another seed, or another source identity (a second source
-    of a mix), gives another order."""
-    built_alike = [SourceOrder(index_of(40), "s", 7, "s", True) for _ in range(2)]
-    same = [[o.order(e).tolist() for e in range(3)] for o in built_alike]
-    assert same[0] == same[1]
-    other_seed = SourceOrder(index_of(40), "s", 8, "s", True).order(0).tolist()
-    other_source = SourceOrder(index_of(40), "s", 7, "t", True).order(0).tolist()
-    assert other_seed != same[0][0] and other_source != same[0][0]
-
-
-def test_locate_walks_every_token_of_a_shuffled_pass_once():
-    """Offsets 0 .. 2 passes, located one by one over a shuffled order: each pass visits
-    the units in that pass's order, every row's tokens 0..length-1 in turn, every
-    non-empty row once, and never an empty one."""
-    index = index_of(12)
-    order = SourceOrder(index, "s", 3, "s", shuffle=True)
-    for epoch in range(2):
-        seen, units = [], []
-        for offset in range(epoch * order.epoch_tokens, (epoch + 1) * order.epoch_tokens):
-            e, k, unit, row, token = order.locate(offset)
-            assert (e, unit) == (epoch, int(order.order(epoch)[k]))
-            lo, hi = index.rows(unit)
-            assert lo <= row < hi and 0 <= token < index.lengths[row]
-            seen.append((row, token))
-            if not units or units[-1] != unit:
-                units.append(unit)
-        assert units == [u for u in order.order(epoch).tolist() if index.unit_totals()[0][u]]
-        expected = {(r, t) for r in range(len(index.lengths)) for t in range(index.lengths[r])}
-        assert len(seen) == len(expected) and set(seen) == expected

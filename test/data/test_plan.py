@@ -16,8 +16,6 @@ from helpers import CONFIG, REPO, shim_env
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
-from torchtitan.data.index import STREAM_UNITS
-from torchtitan.data.plan import cached_indexes, complete_indexes, measure_share
 from torchtitan.data.sources import DataError
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.io_count import counting
@@ -37,10 +35,11 @@ def tiny_parquet_corpus(folder: Path, files: int = FILES, rows: int = 4) -> Path
 
 
 def test_a_rank_opens_its_share_and_the_files_its_windows_lie_in(tmp_path):
-    """Rank 5 of 64 over 200 streaming parquet files: it inspects and measures (for the
-    length index) its 200/64 files, and its first micro-batch opens only the files its
-    windows lie in. Negative control: resolving the data in one process, as every rank
-    did before the plan, opens all 200."""
+    """Rank 5 of 64 over 200 streaming parquet files: it inspects its 200/64 files, and,
+    once the step's units are measured (by rank 0 here, as the ranks share the work), its
+    first micro-batch opens only the files its windows lie in: the counts come from the
+    shared folder. Negative control: resolving the data in one process, as every rank did
+    before the plan, opens all 200."""
     corpus = tiny_parquet_corpus(tmp_path / "corpus")
     cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
                       "--training.seq_len", "64", "--training.batch_size", "2",
@@ -49,24 +48,21 @@ def test_a_rank_opens_its_share_and_the_files_its_windows_lie_in(tmp_path):
     specs = list_sources(t)  # rank 0's, once per job
     shares = [inspect_share(specs, t, tokenizer, r, 64) for r in range(64) if r != 5]
     plan = combine(specs, [*shares, inspect_share(specs, t, tokenizer, 5, 64)], t, tokenizer)
-    found = cached_indexes(plan, t)
-    measured = [measure_share(plan, found, t, tokenizer, r, 64) for r in range(64) if r != 5]
+    next(build_dataloader(cfg, tokenizer, 0, 64, plan=plan))  # rank 0 measures the step
     with counting() as access:
         inspect_share(specs, t, tokenizer, 5, 64)
-        mine = measure_share(plan, found, t, tokenizer, 5, 64)
-        plan.indexes = complete_indexes(plan, found, [*measured, mine], t)  # rank 0's
         loader = build_dataloader(cfg, tokenizer, 5, 64, plan=plan)
         batch = next(loader)
+    assert loader.stream.orders[0].counts.measured == 0
     opened = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
     share = {os.path.abspath(specs[0].files[f]) for f in range(5, FILES, 64)}
-    source = loader.stream.sources[0]
-    units = source.units(STREAM_UNITS)
-    own = {os.path.abspath(specs[0].files[units[span[5]][0]]) for s in batch["spans"] for span in s}
+    own = {os.path.abspath(specs[0].files[unit[0]]) for s in batch["spans"] for unit in
+           [loader.stream.sources[0].units()[span[5]] for span in s]}  # fmt: skip
     assert len(share) == 4 and 1 <= len(own) <= 4
     assert share <= opened and opened <= share | own, (sorted(opened), sorted(share | own))
 
     with counting() as access:
-        local_plan(t, tokenizer)  # the index is cached now: only the signatures' reads
+        local_plan(t, tokenizer)
     parquet = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
     assert len(parquet) == FILES, "the check can fail"
 

@@ -27,6 +27,7 @@ from helpers import (
     error_lines,
     loaders,
     read_jsonl,
+    read_unit,
     train_here,
     write_jsonl,
     write_jsonl_file,
@@ -370,9 +371,9 @@ STRAYS = {  # what other tools leave in a data folder, under the names the kinds
 
 def documents(spec, streaming: bool) -> list[tuple]:
     source = open_source(spec, "text", "id", streaming)
-    if streaming:
-        return list(source.all_documents())
-    return [source.document(i) for i in range(len(source))]
+    return [
+        (doc_id, value) for unit in source.units() for _, doc_id, value in read_unit(source, unit)
+    ]
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet", "json"])

@@ -2,10 +2,11 @@
 resume decodes one block wherever it lands, and every layout of units restores at every
 step and reads each document once per pass.
 
-Layouts (``index.STREAM_UNITS`` = 64 units at least): whole files (64 files), parquet row
-groups and Arrow record batches of a ``save_to_disk`` folder (64 blocks), JSON lines byte
-ranges (2 files), and row ranges of row groups (4 row groups). Counts of decoded rows
-come from the sources' own tally (``StreamSource.rows_decoded``).
+Layouts (a file is cut into at least ``spec.MIN_FILE_UNITS`` = 16 units, of at most
+``UNIT_ROWS`` rows): 64 small JSON lines files, parquet row groups and Arrow record
+batches of a ``save_to_disk`` folder (blocks of 2 rows: a unit each), JSON lines byte
+ranges (2 files), and row ranges of row groups (row groups of 32 rows, cut in 8). Counts
+of decoded rows come from the sources' own tally (``StreamSource.rows_decoded``).
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ from helpers import (
     bundled_documents,
     global_steps,
     loaders,
+    read_unit,
     write_jsonl,
     write_parquet,
 )
 
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
-from torchtitan.data import index as length_index
 from torchtitan.data import streaming as streaming_module
-from torchtitan.data.index import STREAM_UNITS
+from torchtitan.data.index import SourceCounts
+from torchtitan.data.order import Cursor
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
+from torchtitan.data.spec import MIN_FILE_UNITS
 from torchtitan.data.streaming import StreamSource
-from torchtitan.data.windows import TokenStream
+from torchtitan.data.windows import Position, TokenStream
 
-DOCS = bundled_documents("shakespeare", 2 * STREAM_UNITS, 300)
+DOCS = bundled_documents("shakespeare", 128, 300)
 
 
 def write_parquet_files(folder: Path, docs: list[dict], files: int, row_group: int) -> Path:
@@ -70,7 +73,7 @@ def write_saved(folder: Path, docs: list[dict], batch: int) -> Path:
 
 # name -> writer: each gives the layout its name says (checked below). 128 documents.
 LAYOUTS = {
-    "whole_files": lambda d: write_jsonl(d, DOCS, files=STREAM_UNITS),
+    "small_files": lambda d: write_jsonl(d, DOCS, files=64),
     "jsonl_byte_ranges": lambda d: write_jsonl(d, DOCS, files=2),
     "parquet_row_groups": lambda d: write_parquet_files(d, DOCS, files=2, row_group=2),
     "parquet_row_ranges": lambda d: write_parquet_files(d, DOCS, files=2, row_group=32),
@@ -112,23 +115,28 @@ def lengths_of(docs: list[dict], tokenizer) -> dict[str, int]:
 
 
 def test_each_layout_is_what_its_name_says(layout):
+    """Each file's units tile it, at least MIN_FILE_UNITS (or one per row) a file, within
+    its blocks; a file's units are the same whatever other files the source holds."""
     name, folder = layout
     src = source_of(folder)
-    units = src.units(STREAM_UNITS)
+    units = src.units()
     files = len(src.spec.files)
-    if name == "whole_files":
-        assert files == len(units) == STREAM_UNITS and all(hi == -1 for _, _, hi in units)
-    elif name == "jsonl_byte_ranges":
-        assert files < STREAM_UNITS <= len(units) and src.spec.fmt == "json"
-    elif name == "parquet_row_groups":
-        assert len(units) == STREAM_UNITS and all(hi - lo == 2 for _, lo, hi in units)
-    elif name == "parquet_row_ranges":
-        blocks = sum(len(src.block_starts(f)) - 1 for f in range(files))
-        assert blocks == 4 and len(units) >= STREAM_UNITS
-        assert all(hi - lo < 32 for _, lo, hi in units)
+    per_file = [[(lo, hi) for g, lo, hi in units if g == f] for f in range(files)]
+    for ranges in per_file:
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if name in ("small_files", "jsonl_byte_ranges"):
+        assert src.spec.fmt == "json" and files == (64 if name == "small_files" else 2)
+        sizes = [Path(p).stat().st_size for p in src.spec.files]
+        assert [(r[0][0], r[-1][1]) for r in per_file] == [(0, n) for n in sizes]
+        assert all(len(r) >= MIN_FILE_UNITS for r in per_file)
+    elif name in ("parquet_row_groups", "arrow_record_batches"):
+        assert len(units) == 64 and all(hi - lo == 2 for _, lo, hi in units)
     else:
-        assert src.spec.fmt == "arrow" and len(units) == STREAM_UNITS
-        assert all(hi - lo == 2 for _, lo, hi in units)
+        blocks = sum(len(src.block_starts(f)) - 1 for f in range(files))
+        assert blocks == 4 and len(units) == 32 and all(hi - lo == 4 for _, lo, hi in units)
+    # Appending a file changes no other file's units.
+    grown = SourceSpec(src.spec.name, src.spec.files + src.spec.files[:1], root=src.spec.root)
+    assert np.array_equal(source_of(grown).units()[: len(units)], units)
 
 
 def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
@@ -137,7 +145,7 @@ def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
     check sees one unit left out of pass 0."""
     _, folder = layout
     src = source_of(folder)
-    ids = [r[1] for u in length_index.source_units(src) for r in length_index.read_unit(src, u)]
+    ids = [r[1] for u in src.units() for r in read_unit(src, u)]
     assert sorted(ids) == sorted(d["id"] for d in DOCS)
     lengths = lengths_of(DOCS, tokenizer)
     per_pass = sum(lengths.values()) // (32 * (SEQ + 1)) + 1
@@ -150,25 +158,27 @@ def test_every_document_once_per_pass_in_every_layout(layout, tokenizer):
         assert_spans_tile_every_document(left_out, lengths, epochs=(0, 1))
 
 
-def test_json_lines_ranges_are_cut_at_line_starts(tmp_path, tokenizer):
-    """Documents of very unequal length (one 40 times the others) in 2 files: the ranges
-    tile each file, every one starts at a line start and holds a line (with fewer lines
-    than STREAM_UNITS, one line each), and every document is read once in each of
-    passes 0, 1 and 2."""
+def test_json_lines_ranges_hold_the_lines_that_start_in_them(tmp_path, tokenizer):
+    """Documents of very unequal length (one 40 times the others) in 2 files: the byte
+    ranges tile each file, each holds the lines that start in it (a range inside the long
+    line holds none), every line is in one range, and every document is read once in
+    each of passes 0, 1 and 2."""
     docs = [dict(d) for d in DOCS[:24]]
     docs[5]["text"] = docs[5]["text"] * 40
     folder = write_jsonl(tmp_path / "d", docs, files=2)
     src = source_of(folder)
-    units = src.units(STREAM_UNITS)
-    assert len(units) == len(docs)
+    units = src.units()
     for f, path in enumerate(src.spec.files):
         data = Path(path).read_bytes()
         ranges = [(lo, hi) for g, lo, hi in units if g == f]
         assert ranges[0][0] == 0 and ranges[-1][1] == len(data)
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        for lo, hi in ranges:
-            assert lo == 0 or data[lo - 1 : lo] == b"\n"
-            assert data[lo:hi].strip(), (lo, hi)
+        starts = [0] + [i + 1 for i, b in enumerate(data[:-1]) if b == ord("\n")]
+        for unit in [u for u in units if u[0] == f]:
+            assert [at for at, _, _ in read_unit(src, unit)] == [
+                a for a in starts if unit[1] <= a < unit[2]
+            ]
+    assert sorted(r[1] for u in units for r in read_unit(src, u)) == sorted(d["id"] for d in docs)
+    assert any(not read_unit(src, u) for u in units)  # inside the long line
     lengths = lengths_of(docs, tokenizer)
     steps = 3 * sum(lengths.values()) // (64 * (SEQ + 1)) + 1
     sequences = spans_of(global_steps(streaming(folder, tokenizer, global_batch_size=64), steps))
@@ -182,7 +192,7 @@ def units_touched(sequences: list[list]) -> set[tuple[int, int]]:
 
 def rows_of(src: StreamSource, touched: set[tuple[int, int]]) -> int:
     """Rows of the units touched (each once per pass)."""
-    units = src.units(STREAM_UNITS)
+    units = src.units()
     return sum(units[u][2] - units[u][1] for _, u in touched)
 
 
@@ -212,15 +222,14 @@ def test_a_rank_decodes_only_the_blocks_its_windows_lie_in(folders, tokenizer, n
     (loader,) = streaming(folders["parquet_row_ranges"], tokenizer, 1, global_batch_size=16)
     touched = units_touched(step_spans(loader))
     src = loader.stream.sources[0]
-    assert src.rows_decoded >= 32 > rows_of(src, touched)
+    assert src.rows_decoded > rows_of(src, touched)
 
 
 def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, monkeypatch):
-    """One parquet file of 65 row groups and one JSON lines file of 400 lines (64 byte
-    ranges), unshuffled: a loader resumed at 1% and at 99% of the stream decodes one row
-    group (or one unit's lines, at most one read) before its first window, which starts
-    at the right document. Negative control: reaching 99% by reading decodes ~99% of
-    the rows."""
+    """One parquet file of 65 row groups and one JSON lines file of 400 lines, unshuffled
+    (one lane): a loader resumed at 1% and at 99% of the stream decodes one row group (or
+    one read of lines) before its first window, which starts at the right document.
+    Negative control: reaching 99% by reading decodes ~99% of the rows."""
     docs = [{"id": f"d{i}", "text": f"Document number {i:04d} of the corpus.\n"}
             for i in range(400)]  # fmt: skip
     write_parquet_files(tmp_path / "p", docs[:260], files=1, row_group=4)
@@ -230,13 +239,26 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
     tokens = [len(tokenizer.encode(d["text"], bos=True, eos=True)) for d in docs]
 
     for folder, rows, block in [(tmp_path / "p", 260, 4), (tmp_path / "j", 400, 1024 // line + 2)]:
-        assert len(source_of(folder).units(STREAM_UNITS)) >= STREAM_UNITS
         decoded = {}
+        (walker,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=1)
         for r in (rows // 100, rows - rows // 100):
+            # d{r}'s first token, as a checkpoint holds it: the lane in d{r}'s unit at it.
+            cursor = Cursor(extent=1, taken=0, lanes=[[0, 0, 0]])
+            order = walker.stream.orders[0]
+            while True:
+                _, unit = order.unit(cursor, cursor.lanes[0][1])
+                counts = order.counts.counts(unit)
+                if f"d{r}" in {d for _, d, _ in read_unit(order.source, unit)}:
+                    break
+                cursor.lanes[0][1] += 1
+            ids = [d for _, d, _ in read_unit(order.source, unit)]
+            cursor.lanes[0][2] = (
+                int(counts.cum[ids.index(f"d{r}") - 1]) if ids.index(f"d{r}") else 0
+            )
+            cursor.taken = cursor.lanes[0][1] + 1
+            cursor.tokens = sum(tokens[:r])
             (loader,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=1)
-            entry = from_tensor(loader.state_dict()["dp_rank_0"])
-            entry["offsets"] = [sum(tokens[:r])]  # d{r}'s first token, as a checkpoint holds it
-            loader.load_state_dict({"dp_rank_0": to_tensor(entry)})
+            loader.seek(Position(0, [cursor]))
             src = loader.stream.sources[0]
             assert src.rows_decoded == 0
             assert next(loader)["spans"][0][0][1:3] == [f"d{r}", 0]
@@ -244,7 +266,7 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
         assert all(0 < n <= block for n in decoded.values()), decoded  # 99% costs what 1% does
 
         (replay,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=32)
-        while replay.position.offsets[0] < sum(tokens[: rows - rows // 100]):
+        while replay.position.tokens()[0] < sum(tokens[: rows - rows // 100]):
             next(replay)
         assert replay.stream.sources[0].rows_decoded >= rows * 0.98
 
@@ -297,18 +319,26 @@ def test_invalid_utf8_and_json_lines_are_skipped_and_counted(tmp_path, tokenizer
     passes = max(sp[4] for sp in spans)
     assert passes >= 1
     assert 3 * passes <= loader.skipped_documents() <= 3 * passes + 3  # 3 bad lines per pass
+    (strict,) = streaming(tmp_path / "d", tokenizer, shuffle="false", bad_data="error")
     with pytest.raises(DataError, match=r"a.jsonl@\d+.*not valid UTF-8.*bad_data = 'skip'"):
-        streaming(tmp_path / "d", tokenizer, shuffle="false", bad_data="error")
+        next(strict)
 
 
-def stream_over(spec: SourceSpec, tokenizer) -> TokenStream:
-    """The unshuffled token stream of one streaming source, its length index measured
-    here by the real code (a ``tokens_field`` set by hand has no config key)."""
+def stream_over(spec: SourceSpec, tokenizer, folder: Path) -> TokenStream:
+    """The unshuffled token stream of one streaming source, its counts measured here by
+    the real code (a ``tokens_field`` set by hand has no config key)."""
     source = source_of(spec)
-    units = list(range(len(length_index.source_units(source))))
-    measured = length_index.measure(source, tokenizer, units, "skip")
-    index = length_index.assemble(len(units), True, measured)
-    return TokenStream([source], [index], tokenizer, SEQ, seed=7, shuffle=False)
+    keys = [f"file{f}" for f in range(len(spec.files))]
+    counts = SourceCounts(source, tokenizer, "skip", str(folder), keys)
+    return TokenStream([source], [counts], tokenizer, SEQ, seed=7, shuffle=False)
+
+
+def windows_of(stream: TokenStream, count: int) -> list:
+    got, position = [], stream.start()
+    for _ in range(count):
+        (window,), position = stream.advance(position, 1)
+        got.append(stream.window(*window))
+    return got
 
 
 def test_pretokenized_rows_are_token_arrays(tmp_path, tokenizer):
@@ -322,16 +352,16 @@ def test_pretokenized_rows_are_token_arrays(tmp_path, tokenizer):
                    tmp_path / "p" / "a.parquet", row_group_size=8)  # fmt: skip
     write_jsonl(tmp_path / "j", [{"id": d["id"], "tokens": t} for d, t in zip(DOCS, ids)])
     text = stream_over(resolve_source(path=str(write_parquet_files(tmp_path / "t", DOCS, 1, 8))),
-                       tokenizer)  # fmt: skip
-    reference = [text.window(0, g * (SEQ + 1)) for g in range(60)]
+                       tokenizer, tmp_path / "counts-t")  # fmt: skip
+    reference = windows_of(text, 60)
     for folder in ("p", "j"):
         spec = resolve_source(path=str(tmp_path / folder))
         spec.tokens_field = "tokens"
         src = source_of(spec)
-        value = length_index.read_unit(src, src.units(STREAM_UNITS)[0])[0][2]
+        value = read_unit(src, src.units()[0])[0][2]
         assert value.dtype == np.int32 and value.tolist() in ids
-        stream = stream_over(spec, tokenizer)
-        got = [stream.window(0, g * (SEQ + 1)) for g in range(60)]
+        stream = stream_over(spec, tokenizer, tmp_path / f"counts-{folder}")
+        got = windows_of(stream, 60)
         assert all(np.array_equal(a, b) for (a, _), (b, _) in zip(got, reference)), folder
         # The same documents and token ranges (the name and units are the folder's).
         assert [[sp[1:5] for sp in s] for _, s in got] == [
@@ -344,7 +374,7 @@ def test_compressed_json_lines_are_read_whole_and_restore(tmp_path, tokenizer):
     for f in range(2):
         with gzip.open(tmp_path / "d" / f"part-{f}.jsonl.gz", "wt") as out:
             out.writelines(json.dumps(d) + "\n" for d in DOCS[f * 64 : (f + 1) * 64])
-    assert source_of(tmp_path / "d").units(STREAM_UNITS) == [(0, 0, -1), (1, 0, -1)]
+    assert source_of(tmp_path / "d").units().tolist() == [[0, 0, -1], [1, 0, -1]]
     (loader,) = streaming(tmp_path / "d", tokenizer, global_batch_size=8)
     global_steps([loader], 30)
     state = loader.state_dict()
@@ -389,13 +419,15 @@ def test_a_compressed_file_is_decompressed_once_per_pass(tmp_path, tokenizer, mo
         of pass 1)."""
         (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", global_batch_size=64)
         src = loader.stream.sources[0]
+        total = loader.stream.orders[0].pass_tokens()  # measures the one unit: a read
+        src.rows_decoded = 0
         if forgetful:
             monkeypatch.setattr(src._reader, "_streams", _Forgetful())
         opens.clear()
         monkeypatch.setattr(streaming_module, "_open_binary",
                             lambda path: opens.append(path) or real_open(path))  # fmt: skip
         step = 64 * (SEQ + 1)
-        while loader.position.offsets[0] + step <= loader.stream.orders[0].epoch_tokens:
+        while loader.position.tokens()[0] + step <= total:
             loader.next_step()
         monkeypatch.setattr(streaming_module, "_open_binary", real_open)
         return len(opens), src.rows_decoded
@@ -438,7 +470,7 @@ def test_a_unit_of_only_bad_documents_is_stepped_over_in_every_pass(tmp_path, to
     sequences = [spans for _ in range(steps) for spans in step_spans(loader)]
     assert_spans_tile_every_document(sequences, lengths, epochs=(0, 1, 2, 3))
     assert not {sp[1] for seq in sequences for sp in seq} - set(lengths)
-    passes = loader.stream.orders[0].epoch_of(loader.position.offsets[0])
+    passes = loader.position.cursors[0].pass_
     assert 6 * passes <= loader.skipped_documents() <= 6 * passes + 6
 
 
@@ -448,7 +480,7 @@ def test_an_old_loader_state_is_refused_in_one_line(tmp_path, tokenizer):
     (loader,) = streaming(write_jsonl(tmp_path / "j", DOCS, 2), tokenizer)
     entry = from_tensor(loader.state_dict()["dp_rank_0"])
     old = {"version": 3, "shards": {0: {"epoch": 0, "unit": 0, "at": 0}}}
-    with pytest.raises(DataError, match=r"format 3, this version reads 4.*exclude_from") as e:
+    with pytest.raises(DataError, match=r"format 3, this version reads 5.*exclude_from") as e:
         loader.load_state_dict({"dp_rank_0": to_tensor(old)})
     assert "\n" not in str(e.value)
     entry["sources"] = ["another"]
@@ -456,3 +488,62 @@ def test_an_old_loader_state_is_refused_in_one_line(tmp_path, tokenizer):
         loader.load_state_dict({"dp_rank_0": to_tensor(entry)})
     (untouched,) = streaming(tmp_path / "j", tokenizer)
     assert torch.equal(next(loader)["input"], next(untouched)["input"])  # still at the start
+
+
+def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer):
+    """4 parquet files, 2 steps into pass 0, then a fifth file appended and the run
+    resumed: pass 0 goes on over the 4 files it began with and reads each of their tokens
+    once, none of the new file's; pass 1 reads all 5 files' tokens once. The data
+    fingerprints differ only by the appended file, which is no change to refuse. Negative
+    control: the cursor moved onto the grown corpus (its pass 0 over 5 files) reads
+    tokens twice or not at all."""
+    from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
+    from torchtitan.data import local_plan
+
+    folder = write_parquet_files(tmp_path / "c", DOCS[:96], files=4, row_group=8)
+    old_lengths = lengths_of(DOCS[:96], tokenizer)
+    all_lengths = lengths_of(DOCS, tokenizer)
+    kw = dict(global_batch_size=8, length_index_dir=tmp_path / "counts")
+    (loader,) = streaming(folder, tokenizer, **kw)
+    before = spans_of(global_steps([loader], 2))
+    state = loader.state_dict()
+    old_print = local_plan(loader_cfg(folder, tmp_path), tokenizer).fingerprint
+    write_parquet(folder / "part-004.parquet", DOCS[96:], row_group=8)
+    new_print = local_plan(loader_cfg(folder, tmp_path), tokenizer).fingerprint
+    assert fingerprint_diff(old_print, new_print) == []
+    assert grown_sources(old_print, new_print) == [
+        "source 'c': 1 file(s) appended (part-004.parquet)"
+    ]
+
+    def resumed(entry_change=None) -> list:
+        (grown,) = streaming(folder, tokenizer, **kw)
+        saved = {k: v for k, v in state.items()}
+        if entry_change:
+            entry = from_tensor(saved["dp_rank_0"])
+            entry_change(entry)
+            saved["dp_rank_0"] = to_tensor(entry)
+        grown.load_state_dict(saved)
+        sequences = list(before)
+        while grown.position.cursors[0].pass_ < 2:
+            sequences += spans_of(global_steps([grown], 1))
+        return sequences
+
+    sequences = resumed()
+    pass_of = lambda p: [[sp for sp in seq if sp[4] == p] for seq in sequences]  # noqa: E731
+    assert_spans_tile_every_document(pass_of(0), old_lengths, epochs=(0,))
+    assert_spans_tile_every_document(pass_of(1), all_lengths, epochs=(1,))
+
+    def onto_grown(entry):
+        entry["cursors"][0][1] = 5  # the pass's extent: all 5 files
+
+    moved = resumed(onto_grown)
+    with pytest.raises(AssertionError):
+        assert_spans_tile_every_document(
+            [[sp for sp in seq if sp[4] == 0] for seq in moved], old_lengths, epochs=(0,)
+        )
+
+
+def loader_cfg(folder, tmp_path):
+    from helpers import cfg
+
+    return cfg(folder, streaming="true", length_index_dir=tmp_path / "counts").training

@@ -25,7 +25,6 @@ from helpers import (
 
 from torchtitan.checkpoint import read_manifest
 from torchtitan.config import parse_args
-from torchtitan.data import local_plan
 from torchtitan.data.packing import LONG_DOCUMENT_CHARS, encode_document
 from torchtitan.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
@@ -337,22 +336,26 @@ def six_documents(tmp_path_factory) -> Path:
 def test_one_corpus_measured_with_two_tokenizers_keeps_two_indexes(
     six_documents, tokenizer, hf_tokenizer, tmp_path
 ):
-    """The length index's cache key holds the tokenizer: one corpus measured with two
-    tokenizers into one cache folder gives two index files, and each later start finds
-    the counts of its own tokenizer (a reused one would hold the other's)."""
+    """The token counts' key holds the tokenizer: one corpus measured with two tokenizers
+    into one folder gives two sets of count files, and each later start finds the counts
+    of its own tokenizer (a reused one would hold the other's)."""
     import datasets
+
+    from torchtitan.data import build_stream
 
     training = parse_args([*CONFIG, "--training.dataset_path", str(six_documents),
                            "--training.length_index_dir", str(tmp_path / "cache")]).training  # fmt: skip
     files = sorted(str(p) for p in six_documents.glob("*.jsonl"))
     texts = datasets.load_dataset("json", data_files=files, split="train")["text"]
     for tok in (tokenizer, hf_tokenizer):
-        local_plan(training, tok)
-    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+        build_stream(training, tok).orders[0].pass_tokens()
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
     counts = {}
     for tok in (tokenizer, hf_tokenizer):
-        (index,) = local_plan(training, tok).indexes  # from the cache now
-        counts[tok.sha256()] = index.lengths.tolist()
+        order = build_stream(training, tok).orders[0]  # from the folder now
+        units = order.units(order.source.extent())
+        counts[tok.sha256()] = [n for u in units for n in order.counts.counts(tuple(u)).lengths]
+        assert order.counts.measured == 0
         assert counts[tok.sha256()] == [len(tok.encode(t, bos=True, eos=True)) for t in texts]
     assert len(set(map(tuple, counts.values()))) == 2
 

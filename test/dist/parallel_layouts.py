@@ -25,7 +25,7 @@ is written under OUT; test_parallel.py asserts on it:
 - ``pp-chain/``: one run over pipeline layouts, global batch 12: PP 2 x DP 2 (steps
   1-3) -> FSDP 4 (4-5) -> PP 2 x TP 2 (6-8); ``pp-hf/``, the export of its step-3;
   ``pp-dropout/`` and ``pp-dropout-resumed/``: PP 2 x DP 2 with dropout, a checkpoint
-  every step, and the same resumed from step-2; ``masked-fsdp4/`` and ``masked-pp/``:
+  every step, and the same resumed from step-2; ``unmasked-fsdp4/``, ``masked-fsdp4/`` and ``masked-pp/``:
   two steps with document boundaries masked, FSDP 4 and PP 2 x DP 2;
 - stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
   per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
@@ -365,7 +365,10 @@ def main():
     pp_first = os.path.join(out, "pp-dropout")
     run("pp-dropout", pp_first, *pp_dropout, dims=dims)
     run("pp-dropout-resumed", resumable_copy(pp_first, (3, 4), dims), *pp_dropout, dims=dims)
-    masked = [*data, "--training.mask_document_boundaries", "--training.stop_at_step", 2]
+    # Unshuffled (one lane), so that the first steps' windows cross document boundaries.
+    unmasked = [*data, "--training.shuffle", "false", "--training.stop_at_step", 2]
+    masked = [*unmasked, "--training.mask_document_boundaries"]
+    run("unmasked-fsdp4", os.path.join(out, "unmasked-fsdp4"), *unmasked, dims=dims)
     run("masked-fsdp4", os.path.join(out, "masked-fsdp4"), *masked, dims=dims)
     run("masked-pp", os.path.join(out, "masked-pp"), *masked, *pp2, dims=dims)
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.checkpoint.changes import fingerprint_diff
+from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
 from torchtitan.checkpoint.compat import model_mismatch, optimizer_mismatch
 from torchtitan.checkpoint.entries import empty_like_saved, from_tensor, to_tensor
 from torchtitan.checkpoint.folder import CheckpointError
@@ -214,6 +214,12 @@ class DataLoaderState(Adapter):
                 "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
                 "positions are applied to the new data as they are",
                 saved.path, "; ".join(diffs),
+            )  # fmt: skip
+        grown = grown_sources(saved.manifest.get("data_fingerprint") or {}, self.fingerprint)
+        if grown:
+            logger.info(
+                "the corpus grew since %s: %s; the pass in progress reads on the files it began "
+                "with, the new ones join the next pass", saved.path, "; ".join(grown),
             )  # fmt: skip
         key = self.loader.entry_to_load(list(saved.entries))
         return {key: empty_like_saved(saved.entries[key])}

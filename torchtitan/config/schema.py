@@ -137,8 +137,16 @@ class Training:
     num_workers: int = _opt(0, "dataloader worker processes per rank", ge=0)
     length_index_dir: str = _opt(
         "",
-        "where each corpus's token counts are cached (measured on its first start; empty: "
-        "$TORCHTITAN_CACHE/length_index or ~/.cache/torchtitan/length_index)",
+        "where each unit's token counts are kept, measured when the order first reaches the "
+        "unit and shared by every process, job and node that reads the folder (multi-node: "
+        "a folder every node shares; empty: $TORCHTITAN_CACHE/length_index or "
+        "~/.cache/torchtitan/length_index)",
+    )
+    length_index_wait_seconds: float = _opt(
+        600.0,
+        "seconds a process waits for a unit's token counts that another process is "
+        "measuring before it stops, naming that process",
+        ge=0,
     )
     stop_at_step: int = _opt(
         -1,

@@ -11,6 +11,9 @@ plan (one resolution per job), checks (the config's data rules).
 
 from __future__ import annotations
 
+import os
+
+from torchtitan.data import index as length_index
 from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
 from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
@@ -43,9 +46,11 @@ def source_specs(training) -> list[SourceSpec]:
 
 
 def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStream:
-    """The job's token stream over the plan's sources and length indexes (resolved in this
-    process when no plan is given). Cost: opening the sources (a map-style one is
-    memory-mapped by ``datasets``; a streaming one opens no file until a window reads it)."""
+    """The job's token stream over the plan's sources (resolved in this process when no
+    plan is given), with each source's token counts read from, or measured into,
+    ``training.length_index_dir``. Cost: opening the sources (a map-style one is
+    memory-mapped by ``datasets``; a streaming one opens no file until a window reads it);
+    no token is counted until a window needs it."""
     t = training
     plan = plan or local_plan(t, tokenizer)
     documents = plan.documents or [None] * len(plan.specs)
@@ -54,7 +59,16 @@ def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStre
         open_source(s, t.text_field, t.id_field, t.streaming, n, rows)
         for s, n, rows in zip(plan.specs, documents, block_rows)
     ]
-    return TokenStream(sources, plan.indexes, tokenizer, t.seq_len, seed=t.seed,
+    folder = length_index.cache_dir(t.length_index_dir)
+    log = int(os.environ.get("RANK", "0")) == 0
+    sha = plan.fingerprint["tokenizer_sha256"]
+    counts = []
+    for spec, source, entry in zip(plan.specs, sources, plan.fingerprint["sources"]):
+        keys = length_index.file_keys(entry, len(spec.files), sha, t, t.streaming,
+                                      spec.tokens_field or t.text_field)  # fmt: skip
+        counts.append(length_index.SourceCounts(
+            source, tokenizer, t.bad_data, folder, keys, t.length_index_wait_seconds, log))  # fmt: skip
+    return TokenStream(sources, counts, tokenizer, t.seq_len, seed=t.seed,
                        shuffle=t.shuffle, bad_data=t.bad_data)  # fmt: skip
 
 
@@ -88,14 +102,19 @@ def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
             out[spec.name] = stored_lengths(spec)
             continue
         src = open_source(spec, t.text_field, t.id_field, t.streaming)
-        if src.streaming:
-            docs = src.all_documents()
-        else:
-            docs = (d for i in range(0, len(src), 256)
-                    for d in src.documents(range(i, min(i + 256, len(src)))))  # fmt: skip
+        docs = (
+            (doc_id, value) for unit in src.units() for doc_id, value in _unit_documents(src, unit)
+        )
         out[spec.name] = {
             doc_id: len(encode_document(tokenizer, text))
             for doc_id, text in docs
             if document_problem(text) is None
         }
     return out
+
+
+def _unit_documents(source, unit):
+    at = unit[1]
+    while at is not None:
+        docs, at, _ = source.read(unit, at)
+        yield from ((doc_id, value) for _, _, doc_id, value in docs)

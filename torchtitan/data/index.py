@@ -1,18 +1,36 @@
-"""The length index: every document's token count, per source, in the order of its units.
+"""Token counts: every document's token count, per unit, measured just in time and shared.
 
-Owns: the units a source is shuffled by (a map-style document, or a streaming source's
-block of rows, cut the same way for every layout), measuring a share of them (each
-document tokenized as the window reader will tokenize it, ``[BOS] + text + [EOS]``, and
-0 for a document the bad-data policy skips), putting the shares of all ranks together,
-and the cache on disk that spares later starts the measuring.
+Owns: measuring one unit (each document tokenized as the window reader tokenizes it,
+``[BOS] + text + [EOS]``, and 0 for a document the bad-data policy skips), the count
+files in ``training.length_index_dir``, and handing the measuring out among every
+process that needs counts.
 
-The global order (order.py) needs these counts to seek: the window at token offset ``o``
-of a source is found by a binary search over them, never by reading what comes before.
-Their cost is paid once per corpus and tokenizer: O(documents / ranks) tokenization per
-rank on the first start, then O(documents) integers read from the cache per start.
+- **Just in time.** The global order (order.py) asks for a unit's counts when a window
+  first reaches the unit, so a corpus's first step waits for the units its first windows
+  lie in, never for the corpus. Later units are measured as the order reaches them.
+- **Shared, and surviving.** Each unit's counts are one file, written atomically
+  (``os.replace``), named by what they depend on: the content signature of the data
+  file (size, CRC32 of its first and last MiB; not its path), the unit's range, the
+  tokenizer and the reading settings (``file_keys``). A kill -9 loses at most the units
+  being measured; a relaunch, another job, or another node reading the same folder
+  reuses the rest.
+- **Dynamic work.** A process that needs a unit no one has measured claims it (a
+  ``.claim`` file created exclusively, naming host, pid and rank, its mtime refreshed
+  while it measures) and measures it. Where another holds the claim, the process
+  measures the next unclaimed units ahead of it meanwhile (the ranks of a job split the
+  work of the steps ahead), and takes over a claim whose holder stopped refreshing it
+  (``CLAIM_STALE_S``) or is a dead process of its own host. Waiting has a limit
+  (``training.length_index_wait_seconds``) and ends in one line naming whom it waited for.
 
-Never: choose an order, pack windows, or touch torch.distributed (train.py moves the
-shares between ranks).
+Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs
+that share the folder (twice at worst, when a claim is taken over). A process keeps the
+counts of ``KEEP_UNITS`` units: O(lookahead), never O(documents). On disk, 4 bytes per
+document (12 for JSON lines, whose rows are found by byte offset): c4's 365 M documents
+take 1.5 GB in ~360 K files of ~4 KB; FineWeb's ~23 B documents about 92 GB in 22 M
+files (where a file system dislikes that many, prepare them offline with
+``scripts/prepare_data.py`` on the file system the job reads).
+
+Never: choose an order, pack windows, or touch torch.distributed.
 """
 
 from __future__ import annotations
@@ -21,164 +39,75 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from torchtitan.data.packing import document_tokens
-from torchtitan.data.spec import DataError
+from torchtitan.data.spec import UNIT_ROWS, DataError
 
 logger = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
-# A streaming source is shuffled by units: whole files when it has at least this many,
-# else blocks (row groups, record batches, byte ranges of JSON lines) cut to at least
-# this many. A constant, so the units (and the order) never depend on the layout.
-STREAM_UNITS = 64
+COUNTS_VERSION = 2
 CACHE_ENV = "TORCHTITAN_CACHE"
+CLAIM_STALE_S = 60.0  # a claim whose holder has not refreshed it for this long is taken over
+HEARTBEAT_S = 5.0  # how often a measuring process refreshes its claim
+KEEP_UNITS = 256  # units' counts a process keeps in memory (a few lanes' lookahead)
+PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
 @dataclass
-class SourceIndex:
-    """Token counts of one source's documents, units concatenated in unit order.
+class UnitCounts:
+    """The token count of each document of one unit, in reading order, and where the
+    reader finds each (a row of the file, a JSON line's byte offset, a dataset row)."""
 
-    ``unit_rows`` holds the first row of each unit and the row count (``U + 1``
-    values); None when every unit is one document (map-style). ``row_at`` holds, per
-    row, where the streaming reader finds it (a row of its file, or a JSON line's byte
-    offset); None for map-style. Memory: 4 bytes per document (+ 8 for streaming)."""
+    lengths: np.ndarray  # int32
+    ats: np.ndarray  # int64
 
-    lengths: np.ndarray
-    unit_rows: np.ndarray | None = None
-    row_at: np.ndarray | None = None
+    @cached_property
+    def cum(self) -> np.ndarray:
+        """Tokens up to and including each document."""
+        return np.cumsum(self.lengths, dtype=np.int64)
 
     @property
-    def units(self) -> int:
-        return len(self.lengths) if self.unit_rows is None else len(self.unit_rows) - 1
+    def total(self) -> int:
+        return int(self.cum[-1]) if len(self.lengths) else 0
 
-    def rows(self, unit: int) -> tuple[int, int]:
-        """The rows ``[lo, hi)`` of ``unit``."""
-        if self.unit_rows is None:
-            return unit, unit + 1
-        return int(self.unit_rows[unit]), int(self.unit_rows[unit + 1])
+    @cached_property
+    def skipped(self) -> int:
+        """Documents with no tokens (skipped by the bad-data policy)."""
+        return int((self.lengths == 0).sum())
 
-    def unit_totals(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, skipped documents) of every unit. Cost: O(documents)."""
-        if self.unit_rows is None:
-            return self.lengths.astype(np.int64), (self.lengths == 0).astype(np.int64)
-        starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
-        zeros = np.concatenate([[0], np.cumsum(self.lengths == 0, dtype=np.int64)])
-        return np.diff(starts[self.unit_rows]), np.diff(zeros[self.unit_rows])
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        out = {"lengths": self.lengths}
-        if self.unit_rows is not None:
-            out["unit_rows"], out["row_at"] = self.unit_rows, self.row_at
-        return out
+    def row_at(self, token: int) -> tuple[int, int]:
+        """(row, token within it) of the unit's ``token``-th token. Cost: O(log rows)."""
+        j = int(np.searchsorted(self.cum, token, side="right"))
+        return j, token - (int(self.cum[j - 1]) if j else 0)
 
 
-def source_units(source) -> list:
-    """The units of an opened source, in unit order: a map-style source's document
-    indices, or a streaming source's ``(file, lo, hi)`` ranges."""
-    if source.streaming:
-        return source.units(STREAM_UNITS)
-    return range(len(source))
-
-
-def read_unit(source, unit) -> list[tuple[int, str, object]]:
-    """``(at, doc_id, value)`` of every row of one unit, in order. Cost: the unit's blocks
-    decoded (a map-style unit is one document)."""
-    if not source.streaming:
-        return [(int(unit), *source.document(int(unit)))]
-    rows, at = [], unit[1]
+def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None) -> UnitCounts:
+    """Counts of one unit: its documents read from its start and tokenized (the
+    ``heartbeat`` called every ``HEARTBEAT_S`` on the way). Cost: the unit's documents
+    read and tokenized once (~1,000 documents: about a second of web text)."""
+    lengths, ats, at = [], [], unit[1]
+    beat = time.monotonic()
     while at is not None:
         docs, at, _ = source.read(unit, at)
-        rows += [(start, doc_id, value) for start, _, doc_id, value in docs]
-    return rows
+        for start, _, doc_id, value in docs:
+            tokens = document_tokens(tokenizer, doc_id, value, source.spec.name, bad_data)
+            lengths.append(0 if tokens is None else len(tokens))
+            ats.append(start)
+        if heartbeat is not None and time.monotonic() - beat > HEARTBEAT_S:
+            heartbeat()
+            beat = time.monotonic()
+    return UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64))
 
 
-MAP_BATCH = 256  # map-style documents read per call while measuring
-
-
-PROGRESS_EVERY_S = 30.0  # how often a rank that measures says how far it is
-
-
-class Progress:
-    """Says, at most every ``PROGRESS_EVERY_S`` seconds, how far one rank's measuring of
-    a source is: units done of its share, tokens a second, and the time left at that rate.
-    A corpus's first start may measure for hours; without it the log is silent."""
-
-    def __init__(self, name: str, units: int, log: bool):
-        self.name, self.units, self.log = name, units, log
-        self.done = self.tokens = 0
-        self.begin = self.last = time.monotonic()
-
-    def advance(self, units: int, tokens: int):
-        self.done, self.tokens = self.done + units, self.tokens + tokens
-        now = time.monotonic()
-        if not self.log or now - self.last < PROGRESS_EVERY_S or self.done >= self.units:
-            return
-        self.last = now
-        rate = self.done / max(now - self.begin, 1e-9)
-        logger.info(
-            "measuring the length index of %s: %d of this rank's %d units, %.0f tokens/s, "
-            "about %.0f s left (the first step waits for the slowest rank; later starts read "
-            "the counts from the cache)",
-            self.name, self.done, self.units, self.tokens / max(now - self.begin, 1e-9),
-            (self.units - self.done) / max(rate, 1e-9),
-        )  # fmt: skip
-
-
-def measure(
-    source, tokenizer, units: list[int], bad_data: str, log: bool = False
-) -> dict[int, tuple]:
-    """``unit -> (lengths, row_at)`` of the given units (indices into ``source_units``);
-    with ``log``, progress on the way (``Progress``).
-
-    Cost: every document of those units read and tokenized once."""
-    all_units = source_units(source)
-    progress = Progress(source.spec.name, len(units), log)
-    out = {}
-    if not source.streaming:
-        for i in range(0, len(units), MAP_BATCH):
-            chunk = units[i : i + MAP_BATCH]
-            for u, (doc_id, value) in zip(chunk, source.documents(chunk)):
-                out[u] = (np.array([_length(tokenizer, doc_id, value, source, bad_data)]), None)
-            progress.advance(len(chunk), sum(int(out[u][0][0]) for u in chunk))
-        return out
-    for u in units:
-        rows = read_unit(source, all_units[u])
-        lengths = [_length(tokenizer, doc_id, value, source, bad_data) for _, doc_id, value in rows]
-        out[u] = (np.array(lengths, dtype=np.int32), np.array([r[0] for r in rows], dtype=np.int64))
-        progress.advance(1, sum(lengths))
-    return out
-
-
-def _length(tokenizer, doc_id, value, source, bad_data) -> int:
-    tokens = document_tokens(tokenizer, doc_id, value, source.spec.name, bad_data)
-    return 0 if tokens is None else len(tokens)
-
-
-def assemble(source_unit_count: int, streaming: bool, measured: dict[int, tuple]) -> SourceIndex:
-    """One source's index from the measured units of every share. Raises DataError if a
-    unit is missing (a share lost on the way would otherwise shift every later count)."""
-    missing = [u for u in range(source_unit_count) if u not in measured]
-    if missing:
-        raise DataError(f"no rank measured units {missing[:5]}: the length index is incomplete")
-    parts = [measured[u] for u in range(source_unit_count)]
-    lengths = (
-        np.concatenate([p[0] for p in parts]).astype(np.int32) if parts else np.zeros(0, np.int32)
-    )
-    if not streaming:
-        return SourceIndex(lengths)
-    counts = [len(p[0]) for p in parts]
-    unit_rows = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    row_at = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-    return SourceIndex(lengths, unit_rows, row_at.astype(np.int64))
-
-
-# ---- the cache ----------------------------------------------------------------------
+# ---- where counts live ---------------------------------------------------------------
 def cache_dir(configured: str) -> str:
     """``training.length_index_dir``, else ``$TORCHTITAN_CACHE/length_index``, else
     ``~/.cache/torchtitan/length_index``."""
@@ -190,36 +119,267 @@ def cache_dir(configured: str) -> str:
     return os.path.join(root, "length_index")
 
 
-def index_key(source_fingerprint: dict, tokenizer_sha256: str, training) -> str:
-    """What a source's lengths depend on: its files' signatures, the tokenizer, the
-    column read, streaming or not (the units), the bad-data policy, this format."""
+def file_keys(source_fingerprint: dict, files: int, tokenizer_sha256: str, training,
+              streaming: bool, value_field: str) -> list[str]:  # fmt: skip
+    """The key of each data file's counts (streaming), or of the whole source's (map-style,
+    whose units are rows of all its files), from the source's fingerprint entry (its
+    ``files`` data files, then its stamps): the files' content signatures (a remote file,
+    unsigned, by its name and the source's revision stamps), the tokenizer, the column
+    read, the bad-data policy and how units are cut. Never the path: a corpus moved or
+    copied elsewhere keeps its counts."""
     t = training
-    what = [INDEX_VERSION, source_fingerprint["files"], source_fingerprint["identity"],
-            tokenizer_sha256, t.text_field, t.id_field, t.streaming, t.bad_data, STREAM_UNITS]  # fmt: skip
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+    settings = [COUNTS_VERSION, tokenizer_sha256, value_field, t.bad_data, UNIT_ROWS,
+                "stream" if streaming else "map"]  # fmt: skip
+    entries = source_fingerprint["files"]
+    files, stamps = entries[:files], entries[files:]  # per file, then the source's stamps
+
+    def key(entries) -> str:
+        content = [e[1:] if len(e) > 1 else e for e in entries]
+        what = json.dumps([settings, content, stamps], sort_keys=True)
+        return hashlib.sha256(what.encode()).hexdigest()[:32]
+
+    if not streaming:
+        return [key(files)]
+    return [key([entry]) for entry in files]
 
 
-def load_cached(folder: str, key: str) -> SourceIndex | None:
-    """The cached index of ``key``, or None. Cost: O(documents) bytes read."""
-    path = os.path.join(folder, f"{key}.npz")
-    if not os.path.exists(path):
-        return None
+class SourceCounts:
+    """One source's unit counts, read from the shared folder or measured where missing.
+
+    ``keys[f]`` names file ``f``'s counts (map-style: ``keys[0]``, the source's); a unit's
+    counts are ``<folder>/<key>/<lo>-<hi>.npz``. ``measure(unit)`` measures one unit
+    (``measure_unit`` by default). ``measured`` counts the units this process measured
+    (tests and benchmarks read it)."""
+
+    def __init__(self, source, tokenizer, bad_data: str, folder: str, keys: list[str],
+                 wait_s: float = 600.0, log: bool = False, measure=None):  # fmt: skip
+        self.source, self.tokenizer, self.bad_data = source, tokenizer, bad_data
+        self.folder, self.keys, self.wait_s, self.log = folder, keys, wait_s, log
+        self._measure = measure or self._measure_unit
+        self._mem: OrderedDict[tuple, UnitCounts] = OrderedDict()
+        self.measured = 0
+        self._writable = True
+        self._progress = _Progress(source.spec.name, log)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_mem": OrderedDict(), "measured": 0}  # a worker reads its own
+
+    def _measure_unit(self, unit, heartbeat=None) -> UnitCounts:
+        return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat)
+
+    def path(self, unit) -> str:
+        f, lo, hi = (int(x) for x in unit)
+        return os.path.join(self.folder, self.keys[f], f"{lo}-{hi}.npz")
+
+    def counts(self, unit, ahead=()) -> UnitCounts:
+        """The counts of ``unit`` (a ``(file, lo, hi)`` of the source's units). Where no one
+        measured it yet, this process measures it, or, if another holds its claim,
+        measures the first unclaimed units of ``ahead`` (the units the order reaches next,
+        or a function that lists them) while it waits. Raises DataError after ``wait_s``
+        seconds of waiting on others."""
+        if not isinstance(unit, tuple):
+            unit = tuple(int(x) for x in unit)
+        hit = self._mem.get(unit)
+        if hit is not None:
+            self._mem.move_to_end(unit)
+            return hit
+        found = self._load(unit)
+        if found is None:
+            ahead = ahead() if callable(ahead) else ahead
+            found = self._obtain(unit, [tuple(int(x) for x in u) for u in ahead])
+        self._keep(unit, found)
+        return found
+
+    def has(self, unit) -> bool:
+        """Whether the unit's counts exist (in memory or in the folder)."""
+        unit = tuple(int(x) for x in unit)
+        return unit in self._mem or os.path.exists(self.path(unit))
+
+    def _keep(self, unit, counts: UnitCounts):
+        self._mem[unit] = counts
+        self._mem.move_to_end(unit)
+        while len(self._mem) > KEEP_UNITS:
+            self._mem.popitem(last=False)
+
+    def _obtain(self, unit, ahead: list) -> UnitCounts:
+        begin = time.monotonic()
+        delay, i = 0.01, 0
+        while True:
+            if self._claim(unit):
+                return self._measure_claimed(unit)
+            found = self._load(unit)
+            if found is not None:
+                return found
+            # Another process measures it: measure what no one measures yet meanwhile.
+            while i < len(ahead):
+                other, i = ahead[i], i + 1
+                if other not in self._mem and self._claim(other):
+                    self._keep(other, self._measure_claimed(other))
+                    break
+            else:
+                waited = time.monotonic() - begin
+                if waited > self.wait_s:
+                    raise DataError(
+                        f"waited {waited:.0f} s for the token counts of unit {unit} of dataset "
+                        f"{self.source.spec.name!r}, which {self._holder(unit)} is measuring "
+                        f"({self.path(unit)}.claim); check that process, or raise "
+                        "training.length_index_wait_seconds"
+                    )
+                self._progress.waiting(unit, self._holder(unit), waited)
+                time.sleep(delay)
+                delay = min(0.5, delay * 2)
+
+    def _load(self, unit) -> UnitCounts | None:
+        path = self.path(unit)
+        try:
+            with np.load(path) as z:
+                lengths = z["lengths"]
+                ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
+            return UnitCounts(lengths, ats.astype(np.int64))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a damaged file is measured again
+            logger.warning("token counts %s are unreadable (%r): measuring them again", path, e)
+            _remove(path)
+            return None
+
+    # ---- claims ----------------------------------------------------------------------
+    def _claim(self, unit) -> bool:
+        """Claim ``unit`` for this process (True), unless its counts exist or another live
+        process holds it. Takes over a stale claim."""
+        path = self.path(unit)
+        if os.path.exists(path):
+            return False
+        claim = path + ".claim"
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "rank": os.environ.get("RANK", "0"), "since": time.time()}  # fmt: skip
+        for _ in range(2):
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if not self._stale(claim):
+                    return False
+                _remove(claim)  # its holder is gone: take it over
+                continue
+            except OSError as e:  # a read-only folder: measure here, keep it in memory
+                self._cannot_write(e)
+                return not os.path.exists(path)
+            with os.fdopen(fd, "w") as f:
+                json.dump(holder, f)
+            if os.path.exists(path):  # measured between the check and the claim
+                _remove(claim)
+                return False
+            return True
+        return False
+
+    def _stale(self, claim: str) -> bool:
+        try:
+            age = time.time() - os.stat(claim).st_mtime
+            with open(claim) as f:
+                holder = json.load(f)
+        except FileNotFoundError:
+            return False  # released: the counts are there, or the claim can be made
+        except (OSError, ValueError):
+            return False  # being written
+        if age > CLAIM_STALE_S:
+            return True
+        if holder.get("host") == socket.gethostname():
+            try:
+                os.kill(int(holder["pid"]), 0)
+            except ProcessLookupError:
+                return True
+            except (OSError, KeyError, ValueError):
+                return False
+        return False
+
+    def _holder(self, unit) -> str:
+        try:
+            with open(self.path(unit) + ".claim") as f:
+                h = json.load(f)
+            return f"rank {h.get('rank')} (pid {h.get('pid')} on {h.get('host')})"
+        except (OSError, ValueError):
+            return "another process"
+
+    def _measure_claimed(self, unit) -> UnitCounts:
+        path = self.path(unit)
+        claim = path + ".claim"
+        try:
+            counts = self._measure(unit, heartbeat=lambda: _touch(claim))
+            self._write(path, unit, counts)
+        finally:
+            _remove(claim)
+        self.measured += 1
+        self._progress.measured(counts.total)
+        return counts
+
+    def _write(self, path: str, unit, counts: UnitCounts):
+        if not self._writable:
+            return
+        arrays = {"lengths": counts.lengths}
+        if not np.array_equal(counts.ats, unit[1] + np.arange(len(counts.lengths))):
+            arrays["ats"] = counts.ats  # JSON lines: byte offsets
+        try:
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            # A unique name: writers on other hosts sharing the folder never meet.
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".npz", dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except OSError as e:
+            self._cannot_write(e)
+
+    def _cannot_write(self, error: OSError):
+        if self._writable:
+            logger.warning(
+                "cannot write token counts to %s (%s): this process measures what it reads "
+                "and keeps it in memory; set training.length_index_dir to a writable folder",
+                self.folder, error,
+            )  # fmt: skip
+        self._writable = False
+
+
+class _Progress:
+    """At most every ``PROGRESS_EVERY_S``: units this process measured and their tokens a
+    second, or whom it has been waiting on. Without it a long wait is a silent one."""
+
+    def __init__(self, name: str, log: bool):
+        self.name, self.log = name, log
+        self.units = self.tokens = 0
+        self.begin = self.last = time.monotonic()
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        if not self.log or now - self.last < PROGRESS_EVERY_S:
+            return False
+        self.last = now
+        return True
+
+    def measured(self, tokens: int):
+        self.units, self.tokens = self.units + 1, self.tokens + tokens
+        if self._due():
+            logger.info(
+                "token counts of %s: %d units measured here, %.0f tokens/s (later starts "
+                "read them from training.length_index_dir)",
+                self.name, self.units, self.tokens / max(time.monotonic() - self.begin, 1e-9),
+            )  # fmt: skip
+
+    def waiting(self, unit, holder: str, waited: float):
+        if self._due():
+            logger.info("token counts of %s: waiting %.0f s for unit %s, measured by %s",
+                        self.name, waited, unit, holder)  # fmt: skip
+
+
+def _touch(path: str):
     try:
-        with np.load(path) as z:
-            return SourceIndex(z["lengths"], z.get("unit_rows"), z.get("row_at"))
-    except Exception as e:  # noqa: BLE001 - a damaged cache file is measured again
-        logger.warning("length index %s is unreadable (%r): measuring again", path, e)
-        return None
+        os.utime(path)
+    except OSError:
+        pass
 
 
-def save_cached(folder: str, key: str, index: SourceIndex):
-    """Write atomically (a file of another pid's is never seen half-written)."""
+def _remove(path: str):
     try:
-        os.makedirs(folder, exist_ok=True)
-        # A unique name: writers on other hosts sharing the folder never meet.
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".npz", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **index.arrays())
-        os.replace(tmp, os.path.join(folder, f"{key}.npz"))
-    except OSError as e:  # a read-only cache costs the next start a measuring, nothing else
-        logger.warning("cannot write the length index to %s (%s)", folder, e)
+        os.remove(path)
+    except OSError:
+        pass

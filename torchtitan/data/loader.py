@@ -5,8 +5,8 @@ windows of a step each data-parallel rank reads and how they split into its
 micro-batches), the worker processes that read them
 (each ends with its rank, however the rank dies), and the loader state as checkpointed.
 
-A step takes the next ``G`` windows of the global order (order.py). Rank ``r`` of ``R``
-reads a contiguous slice of them, ``G // R`` windows, one more for the first ``G % R``
+A step takes the next ``G`` windows of the global order (order.py), grouped by the unit
+each starts in. Rank ``r`` of ``R`` reads a contiguous slice of them, ``G // R`` windows, one more for the first ``G % R``
 ranks, so any rank count works, and split into the step's ``A`` micro-batches (the same
 ``A`` on every rank: ``ceil((G // R) / training.batch_size)``; a rank with the one
 window more may have a micro-batch of ``batch_size + 1``). Each micro-batch
@@ -14,7 +14,7 @@ carries the weight that makes the averaged gradient the one of the global batch'
 loss, however unevenly the windows fell (``loss_weight = R * n / G``).
 
 The state is the position after the last step handed out in full: windows taken and a
-token offset per source (windows.Position), the same on every rank. Saving it costs
+cursor per source (windows.Position: a few integers per lane), the same on every rank. Saving it costs
 nothing and no worker round-trip; resuming on any layout, batch size or sequence length
 is a seek to it. Workers prefetch from there without changing it.
 
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
+from torchtitan.data.order import Cursor
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.spec import DataError
 from torchtitan.data.windows import Position, TokenStream, as_tensors, collate
@@ -53,7 +54,7 @@ from torchtitan.data.windows import Position, TokenStream, as_tensors, collate
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "dp_rank_"
-STATE_VERSION = 4  # 4: the global order's position (windows, a token offset per source)
+STATE_VERSION = 5  # 5: the global order's position (windows, a cursor of lanes per source)
 # Tokens a worker sends per message at least (in whole micro-batches, at most MAX_GROUP):
 # a message costs ~0.5 ms between pickling, queueing and polling, more than a batch of
 # 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
@@ -74,7 +75,7 @@ def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
 
 @dataclass
 class StepPlan:
-    """One step as this rank reads it: its micro-batches' windows ``(source, offset)``,
+    """One step as this rank reads it: its micro-batches' windows ``(source, pieces)``,
     their loss weights, and the position after the whole step."""
 
     step: int
@@ -87,15 +88,16 @@ class StepPlan:
 def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: int,
                position: Position):  # fmt: skip
     """This rank's steps from ``position`` on, endlessly. Cost: O(global batch) per step
-    of arithmetic; nothing is read."""
+    of arithmetic, and the token counts of the units the step's windows lie in (measured
+    just in time where no one has); no document is read."""
     while True:
         size = schedule.global_batch(step)
-        chosen, offsets, after = stream.advance(position, size)
+        windows, after = stream.advance(position, size)  # grouped by unit (see there)
         lo, hi = schedule.rank_slice(size, rank)
         sizes = schedule.micro_sizes(hi - lo, schedule.accumulation(size))
         micro, i = [], lo
         for n in sizes:
-            micro.append(list(zip(chosen[i : i + n].tolist(), offsets[i : i + n].tolist())))
+            micro.append(windows[i : i + n])
             i += n
         weights = [schedule.dp_world * n / size for n in sizes]
         yield StepPlan(step, size, micro, weights, after)
@@ -120,7 +122,7 @@ class WorkerBatches(IterableDataset):
             for windows, weight in zip(plan.micro, plan.weights):
                 if m // self.group % workers == me:
                     try:
-                        batch = self.collate([self.stream.window(s, o) for s, o in windows])
+                        batch = self.collate([self.stream.window(s, p) for s, p in windows])
                     except DataError as e:  # crosses as a value: one line, not a traceback
                         yield [{"data_error": str(e)}]
                         return
@@ -318,7 +320,7 @@ class ParallelDataLoader(Stateful):
             if not held:  # the next run is the next worker's
                 self._slot = (self._slot + 1) % self.num_workers
         else:
-            batch = self.collate([self.stream.window(s, o) for s, o in plan.micro[i]])
+            batch = self.collate([self.stream.window(s, p) for s, p in plan.micro[i]])
             batch["loss_weight"] = plan.weights[i]
         self._m += 1
         self._i += 1
@@ -356,7 +358,7 @@ class ParallelDataLoader(Stateful):
 
     def tokens_by_source(self) -> dict[str, int]:
         """Tokens read from each source since the data started (all ranks')."""
-        return dict(zip(self.stream.names, self.position.offsets))
+        return dict(zip(self.stream.names, self.position.tokens()))
 
     def take_epoch_starts(self) -> list[list]:
         """``[source, pass]`` of every pass begun since the last call."""
@@ -372,7 +374,7 @@ class ParallelDataLoader(Stateful):
         entry = {
             "version": STATE_VERSION,
             "windows": self.position.windows,
-            "offsets": list(self.position.offsets),
+            "cursors": [cursor.to_list() for cursor in self.position.cursors],
             "sources": list(self.stream.names),
             "seq_len": self.stream.seq_len,
             "step": self.step,
@@ -411,9 +413,10 @@ class ParallelDataLoader(Stateful):
             )
         if entry["seq_len"] != self.stream.seq_len:
             logger.info(
-                "sequence length %d -> %d: the stream continues at the saved token offsets",
+                "sequence length %d -> %d: the stream continues where each lane stopped",
                 entry["seq_len"], self.stream.seq_len,
             )  # fmt: skip
-        self.position = Position(int(entry["windows"]), [int(o) for o in entry["offsets"]])
+        cursors = [Cursor.from_list(values) for values in entry["cursors"]]
+        self.position = Position(int(entry["windows"]), cursors)
         self.step = int(entry["step"])
         self._restart()

@@ -1,103 +1,222 @@
 """The global order: one endless token stream per source, and which source each window reads.
 
-Owns: a source's stream (``SourceOrder``): epoch after epoch, its units in a seeded
-order per epoch (a permutation of documents, or of a streaming source's blocks), each
-unit's rows in order, each row's tokens; finding the document and token at any offset
-of it (a binary search over the length index, never a replay); and the choice of the
-source of every global window (``MixSchedule``), a function of the window's index alone.
+Owns: a source's stream (``SourceOrder``) and its position (``Cursor``), and the choice
+of the source of every global window (``MixSchedule``), a function of the window's
+index alone.
 
-The order is global: it depends on the corpus, the seed and the weights, never on the
-ranks, workers, batch size or sequence length. Every document of a source is read once
-per pass, and a pass begins only when the one before it has been read whole, so no
-document repeats before its source has been read through. A position in it is a few
-integers (the windows taken, a token offset per source), which every rank shares.
+A source's stream, pass after pass: the units of the pass (cut from the files, or rows,
+the source held when the pass began) in a seeded order per pass, read by ``LANES``
+*lanes* at once. Each lane reads one unit at a time, row after row; a lane that finishes
+its unit takes the next unit of the order. Consecutive windows of the source go round
+the lanes, one window each, so ``LANES`` consecutive windows come from as many units
+(files, where a corpus has many): a step of a corpus written a file per domain mixes
+its domains. A window that ends a lane's unit goes on in the lane's next unit, or, when
+the pass has no unit left, in the next live lane; the next pass begins when every lane
+has finished, so every token is read once per pass and nothing repeats before the pass
+is read whole.
+
+The order is global: a function of the corpus, the seed and the weights, never of the
+ranks, workers, batch size or sequence length (a window is ``seq_len + 1`` tokens taken
+where the previous one of its lane ended). The cursor is a few integers per lane: a
+resume on any layout is a seek to it, never a replay. Walking it needs the token count
+of each unit a lane takes, and only those (index.py measures them just in time): a
+corpus's first step waits for the units its windows lie in.
+
+Cost per process: the order of the pass being read (8 bytes per unit) and the unit list
+(c4's ~360 K units: ~3 MB and ~30 MB; 10^9 documents: ~1 M units), and the counts of
+the units the lanes read (index.KEEP_UNITS at most). Walking costs O(1) per window plus
+O(log rows) per unit.
 
 Never: read or tokenize documents (windows.py), or know about ranks and batches.
 """
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from torchtitan.data.index import SourceIndex
-from torchtitan.data.spec import DataError, epoch_order
+from torchtitan.data.spec import DataError
+
+LANES = 32  # units a source's stream reads at once (the mix of a step)
+LOOKAHEAD = LANES  # units ahead a process measures while it waits on another's
+
+
+@dataclass
+class Cursor:
+    """Where one source's stream stands. ``lanes`` holds ``[slot, k, token]`` per live
+    lane: the lane's slot (0 .. LANES - 1), the index in the pass order of its unit and
+    the tokens of it already read; empty before a pass begins. ``extent`` is what of the
+    source the pass reads (files, or rows: ``Source.extent``; -1 before it begins).
+    ``tokens`` and ``skipped`` are running totals of the stream (tokens read; documents
+    skipped in finished units), for the metrics."""
+
+    pass_: int = 0
+    extent: int = -1
+    taken: int = 0  # units of the pass order taken by lanes
+    turn: int = 0  # the slot the next window starts at (or the first live one after it)
+    lanes: list[list[int]] = field(default_factory=list)
+    tokens: int = 0
+    skipped: int = 0
+
+    def copy(self) -> Cursor:
+        return Cursor(self.pass_, self.extent, self.taken, self.turn,
+                      [list(lane) for lane in self.lanes], self.tokens, self.skipped)  # fmt: skip
+
+    def to_list(self) -> list[int]:
+        flat = [x for lane in self.lanes for x in lane]
+        return [self.pass_, self.extent, self.taken, self.turn, self.tokens, self.skipped, *flat]
+
+    @staticmethod
+    def from_list(values: list[int]) -> Cursor:
+        v = [int(x) for x in values]
+        lanes = [v[i : i + 3] for i in range(6, len(v), 3)]
+        return Cursor(v[0], v[1], v[2], v[3], lanes, v[4], v[5])
 
 
 class SourceOrder:
-    """The token stream of one source over its length index."""
+    """The token stream of one source: its units in pass order, read by lanes."""
 
-    EPOCHS_KEPT = 2  # epochs whose prefix sums are kept (a window may span two)
-
-    def __init__(self, index: SourceIndex, name: str, seed: int, identity: str, shuffle: bool):
-        self.index = index
-        self.name = name
+    def __init__(self, source, counts, seed: int, identity: str, shuffle: bool,
+                 lanes: int = LANES):  # fmt: skip
+        self.source, self.counts = source, counts
+        self.name = source.spec.name
+        # Unshuffled, the stream is the units as they lie, read one after another.
         self.seed, self.identity, self.shuffle = seed, identity, shuffle
-        self.unit_tokens, self.unit_skipped = index.unit_totals()
-        self.epoch_tokens = int(self.unit_tokens.sum())
-        self.epoch_skipped = int(self.unit_skipped.sum())
-        if self.epoch_tokens == 0:
-            raise DataError(
-                f"dataset {name!r} has no usable document (all {len(index.lengths)} are empty, "
-                "null or undecodable); point it at data"
-            )
-        self._epochs: dict[int, tuple] = {}
-        self._unit_cum: tuple[int, np.ndarray] | None = None
+        self.lanes = lanes if shuffle else 1
+        self._units: tuple[int, list] | None = None  # (extent, units) of the last pass
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The units of ``epoch`` in reading order."""
-        return epoch_order(self.index.units, self.seed, self.identity, epoch, self.shuffle)
+    def units(self, extent: int) -> list:
+        """The units a pass over ``extent`` reads (those of the last extent asked, kept)."""
+        if self._units is None or self._units[0] != extent:
+            self._units = (extent, self.source.units(extent))
+        return self._units[1]
 
-    def units_of(self, epoch: int) -> np.ndarray:
-        """The units of ``epoch`` in reading order, kept with the epoch's prefix sums."""
-        return self._epoch(epoch)[0]
+    def order(self, pass_: int, extent: int) -> np.ndarray:
+        """The units (indices into ``units(extent)``) of a pass over ``extent``, in reading
+        order (``pass_order``; the last two passes' kept)."""
+        key = (pass_, extent)
+        if key not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            files = np.asarray(self.units(extent))[:, 0]
+            self._orders[key] = pass_order(files, self.seed, self.identity, pass_, self.shuffle)
+        return self._orders[key]
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(unit order, tokens before each unit, skipped documents before each unit) of
-        ``epoch``. Cost: O(units), once per epoch per process."""
-        if epoch not in self._epochs:
-            if len(self._epochs) >= self.EPOCHS_KEPT:
-                self._epochs.pop(min(self._epochs))
-            order = self.order(epoch)
-            tokens = np.concatenate([[0], np.cumsum(self.unit_tokens[order])])
-            skipped = np.concatenate([[0], np.cumsum(self.unit_skipped[order])])
-            self._epochs[epoch] = (order, tokens, skipped)
-        return self._epochs[epoch]
+    def unit(self, cursor: Cursor, k: int) -> tuple[int, tuple]:
+        """(index, unit) of the ``k``-th unit of the cursor's pass."""
+        units = self.units(cursor.extent)
+        u = int(self.order(cursor.pass_, cursor.extent)[k])
+        return u, tuple(int(x) for x in units[u])
 
-    def _row_cum(self, unit: int) -> np.ndarray:
-        """Tokens up to and including each row of ``unit`` (the last unit's is kept)."""
-        if self._unit_cum is None or self._unit_cum[0] != unit:
-            lo, hi = self.index.rows(unit)
-            self._unit_cum = (unit, np.cumsum(self.index.lengths[lo:hi], dtype=np.int64))
-        return self._unit_cum[1]
+    def unit_counts(self, cursor: Cursor, k: int):
+        """The counts of the ``k``-th unit of the cursor's pass (measured now if no one has;
+        while another process measures it, this one measures the units after it)."""
+        units = self.units(cursor.extent)
+        order = self.order(cursor.pass_, cursor.extent)
 
-    def locate(self, offset: int) -> tuple[int, int, int, int, int]:
-        """``(epoch, k, unit, row, token)`` of the token at ``offset``: the ``k``-th unit of
-        the epoch's order, its document ``row`` (in index order) and the token in it.
-        Documents of no tokens (skipped ones) are never located. Cost: O(log units +
-        rows of the unit)."""
-        epoch, r = divmod(int(offset), self.epoch_tokens)
-        order, before, _ = self._epoch(epoch)
-        k = int(np.searchsorted(before, r, side="right")) - 1
-        unit = int(order[k])
-        within = r - int(before[k])
-        cum = self._row_cum(unit)
-        j = int(np.searchsorted(cum, within, side="right"))
-        token = within - (int(cum[j - 1]) if j else 0)
-        return epoch, k, unit, self.index.rows(unit)[0] + j, token
+        def ahead() -> list:
+            return [tuple(int(x) for x in units[int(u)]) for u in order[k + 1 : k + 1 + LOOKAHEAD]]
 
-    def skipped_before(self, offset: int) -> int:
-        """Documents skipped (no tokens) before ``offset`` since the stream's start."""
-        epoch, r = divmod(int(offset), self.epoch_tokens)
-        order, before, skipped = self._epoch(epoch)
-        k = int(np.searchsorted(before, r, side="right")) - 1
-        unit = int(order[k])
-        lo, _ = self.index.rows(unit)
-        j = int(np.searchsorted(self._row_cum(unit), r - int(before[k]), side="right"))
-        in_unit = int((self.index.lengths[lo : lo + j] == 0).sum())
-        return epoch * self.epoch_skipped + int(skipped[k]) + in_unit
+        return self.counts.counts(tuple(int(x) for x in units[int(order[k])]), ahead)
 
-    def epoch_of(self, offset: int) -> int:
-        return int(offset) // self.epoch_tokens
+    def _begin(self, cursor: Cursor):
+        cursor.extent = self.source.extent()
+        count = len(self.units(cursor.extent))
+        if count == 0:
+            raise DataError(f"dataset {self.name!r} has no documents; point it at data")
+        lanes = min(self.lanes, count)
+        cursor.lanes = [[slot, slot, 0] for slot in range(lanes)]
+        cursor.taken, cursor.turn = lanes, 0
+
+    def fill(self, cursor: Cursor, need: int) -> list[tuple]:
+        """Take the next window of ``need`` tokens, moving ``cursor``: its pieces
+        ``(pass, k, u, start, end, unit)``, tokens ``[start, end)`` of ``unit``, the
+        ``u``-th of the pass's units and the ``k``-th of its order. Cost: O(pieces), plus the counts
+        of any unit a lane takes."""
+        pieces, fresh, took = [], False, 0
+        if not cursor.lanes:
+            self._begin(cursor)
+            fresh = True
+        i = next((j for j, lane in enumerate(cursor.lanes) if lane[0] >= cursor.turn), 0)
+        start_slot = cursor.lanes[i][0]
+        while need:
+            lane = cursor.lanes[i]
+            _, k, token = lane
+            counts = self.unit_counts(cursor, k)
+            take = min(need, counts.total - token)
+            if take > 0:
+                u, unit = self.unit(cursor, k)
+                pieces.append((cursor.pass_, k, u, token, token + take, unit))
+                lane[2] += take
+                need -= take
+                took += take
+                cursor.tokens += take
+            if lane[2] < counts.total:
+                continue
+            cursor.skipped += counts.skipped
+            if cursor.taken < len(self.units(cursor.extent)):
+                lane[1:] = [cursor.taken, 0]  # the lane takes the next unit of the order
+                cursor.taken += 1
+                continue
+            del cursor.lanes[i]  # the pass has no unit left for it
+            if cursor.lanes:
+                i %= len(cursor.lanes)
+                continue
+            if fresh and not took:
+                raise DataError(
+                    f"dataset {self.name!r} has no usable document (every one is empty, null "
+                    "or undecodable); point it at data"
+                )
+            cursor.pass_ += 1
+            cursor.extent = -1
+            if need:
+                self._begin(cursor)
+                fresh, took, i = True, 0, 0
+        live = [lane[0] for lane in cursor.lanes]
+        cursor.turn = min((s for s in live if s > start_slot), default=0)
+        return pieces
+
+    def pass_tokens(self, extent: int | None = None) -> int:
+        """Tokens of one pass over ``extent`` (all the source holds now, by default). Cost:
+        every unit's counts, measured where missing: O(corpus) on a corpus's first start,
+        so for tools and tests, never the training path."""
+        units = self.units(self.source.extent() if extent is None else extent)
+        return sum(self.counts.counts(tuple(int(x) for x in unit)).total for unit in units)
+
+    def skipped_before(self, cursor: Cursor) -> int:
+        """Documents skipped (no tokens) before ``cursor`` since the stream's start."""
+        partial = 0
+        for _, k, token in cursor.lanes:
+            counts = self.unit_counts(cursor, k)
+            j = int(np.searchsorted(counts.cum, token, side="right"))
+            partial += int((counts.lengths[:j] == 0).sum())
+        return cursor.skipped + partial
+
+
+def pass_order(files: np.ndarray, seed: int, identity: str, pass_: int,
+               shuffle: bool) -> np.ndarray:  # fmt: skip
+    """A pass's units in reading order, given each unit's file: the files in a seeded
+    order, each file's units in a seeded order, and the units dealt round the files (the
+    first unit of every file, then the second, ...). Consecutive units, which the lanes
+    read at once, so come from distinct files while files last: a step mixes as many
+    files as it has lanes. Without ``shuffle``, the units as they lie. Cost: O(units log
+    units), once per pass and process."""
+    count = len(files)
+    if not shuffle:
+        return np.arange(count, dtype=np.int64)
+    # zlib.crc32 rather than hash(): str hashes are salted per process.
+    rng = np.random.default_rng([seed, zlib.crc32(identity.encode()), pass_])
+    file_rank = rng.permutation(int(files.max()) + 1 if count else 0)[files]
+    within = rng.permutation(count)  # a random tie-break: each file's units in random order
+    by_file = np.lexsort((within, file_rank))  # grouped by file, shuffled inside
+    round_of = np.empty(count, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, np.diff(file_rank[by_file]) != 0])
+    sizes = np.diff(np.r_[starts, count])
+    round_of[by_file] = np.arange(count) - np.repeat(starts, sizes)
+    return np.lexsort((file_rank, round_of)).astype(np.int64)
 
 
 # A Weyl sequence u_g = frac(g * alpha + beta) in 64-bit fixed point: alpha = 1/phi,

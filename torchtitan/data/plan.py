@@ -1,6 +1,6 @@
 """The data plan: what a job's data is, resolved once per job and moved as a value.
 
-Owns the three steps that resolve the configured sources without any rank reading
+Owns the steps that resolve the configured sources without any rank reading
 everyone's bytes, and the value they produce (``DataPlan``):
 
 1. ``list_sources`` (rank 0 only): registry names, paths, globs and Hub ids become
@@ -8,42 +8,44 @@ everyone's bytes, and the value they produce (``DataPlan``):
    Cost: O(files) names and sizes, no data read.
 2. ``inspect_share`` (every rank): its share of the files, every ``world``-th from
    ``rank``: each one's signature (size, CRC32 of its first and last MiB) and, for a
-   streaming source, its document count from the footer. Cost: O(files / ranks) opens.
-   Rank 0 also checks that the first file has the text column.
-3. ``combine`` (rank 0 only): the data fingerprint and the document counts of the job,
-   from every share. Cost: O(files) small values, once.
-4. The length index of every source (index.py): ``cached_indexes`` (rank 0) reads the
-   ones a start of this corpus and tokenizer already made; for the others
-   ``measure_share`` (every rank) tokenizes every ``world``-th unit, and
-   ``complete_indexes`` (rank 0) puts them together and caches them. Cost: O(documents
-   / ranks) tokenization per rank on a corpus's first start, O(documents) integers
-   moved on every start.
+   streaming source, its blocks' row counts from the footer. Cost: O(files / ranks)
+   opens. Rank 0 also checks that the first file has the text column.
+3. ``combine`` (rank 0 only): the data fingerprint and the block row counts of the job,
+   from every share. Cost: O(files + blocks) small values, once.
+4. ``check_shared_folder`` (every rank): whether every rank sees the token-count folder
+   rank 0 sees; rank 0 warns, naming the folder and the ranks that do not (their counts
+   are then measured again on their node). Cost: a small file written and looked for.
 
-``resolve_plan`` runs the four where each belongs, moving the values between the ranks
+No token is counted here: the counts of a unit are measured when the order first
+reaches it (index.py), so the plan costs the same on a corpus of any size, and nothing
+of O(documents) moves between ranks.
+
+``resolve_plan`` runs them where each belongs, moving the values between the ranks
 through the small ``Ranks`` interface it is given (``parallel.JobRanks`` in a job; in
 one process, ``OneProcess``, whose steps all run here): this module never touches
-``torch.distributed``. After the plan a rank opens
-only the files its own windows lie in (streaming; a map-style source's windows read
-documents from every file, which ``datasets`` memory-maps).
+``torch.distributed``.
 
 Never: tokenize (index.py measures), pack, or know about batches and checkpoints.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 from torchtitan.data import index as length_index
 from torchtitan.data.pretokenized_read import check_tokenizer
-from torchtitan.data.sources import DataError, SourceSpec, is_remote, open_source, resolve_source
+from torchtitan.data.sources import DataError, SourceSpec, is_remote, resolve_source
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class DataPlan:
     """The resolved sources, the fingerprint of what they hold, and (streaming) their
-    document counts (which the sources are opened with), then their length indexes.
-    Small but for the indexes: O(files) names and numbers, O(documents) integers."""
+    document counts and block row counts (which the sources are opened with): O(files +
+    blocks) names and numbers."""
 
     specs: list[SourceSpec]
     fingerprint: dict
@@ -51,8 +53,6 @@ class DataPlan:
     # Streaming: per source, file -> rows of each block (parquet, Arrow, text), so that
     # units are cut without any rank reading another rank's footers.
     block_rows: list[dict[int, list[int]]] | None = None
-    # Per source, its documents' token counts (index.py); filled by the fourth step.
-    indexes: list[length_index.SourceIndex] | None = None
 
 
 def list_sources(training) -> list[SourceSpec]:
@@ -139,64 +139,6 @@ def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) ->
     return DataPlan(specs, fingerprint, documents, block_rows)
 
 
-def _keys(plan: DataPlan, training) -> list[str]:
-    sha = plan.fingerprint["tokenizer_sha256"]
-    return [length_index.index_key(src, sha, training) for src in plan.fingerprint["sources"]]
-
-
-def cached_indexes(plan: DataPlan, training) -> list:
-    """Per source, its cached length index, or None where none is cached yet.
-    Cost: O(documents) bytes read per cached source."""
-    folder = length_index.cache_dir(training.length_index_dir)
-    return [length_index.load_cached(folder, key) for key in _keys(plan, training)]
-
-
-def _open(plan: DataPlan, s: int, training):
-    t = training
-    documents = plan.documents[s] if plan.documents else None
-    rows = plan.block_rows[s] if plan.block_rows else None
-    return open_source(plan.specs[s], t.text_field, t.id_field, t.streaming, documents, rows)
-
-
-def measure_share(plan: DataPlan, found: list, training, tokenizer, rank: int, world: int) -> dict:
-    """``(source, unit) -> (lengths, row_at)`` of this rank's share of the units of the
-    sources with no index in ``found``: every ``world``-th unit, from ``rank``.
-    Cost: those units read and tokenized, O(documents / ranks)."""
-    share = {}
-    for s, cached in enumerate(found):
-        if cached is not None:
-            continue
-        source = _open(plan, s, training)
-        mine = list(range(len(length_index.source_units(source))))[rank::world]
-        # Rank 0 says how far it is (every rank measures a share of the same size).
-        measured = length_index.measure(source, tokenizer, mine, training.bad_data, rank == 0)
-        share.update({(s, u): v for u, v in measured.items()})
-    return share
-
-
-def _unit_count(plan: DataPlan, training, s: int) -> int:
-    return len(length_index.source_units(_open(plan, s, training)))
-
-
-def complete_indexes(plan: DataPlan, found: list, shares: list[dict], training) -> list:
-    """Every source's index: the cached ones, and the rest from every rank's share,
-    written to the cache for the next start. Raises DataError if a unit is missing."""
-    folder = length_index.cache_dir(training.length_index_dir)
-    keys = _keys(plan, training)
-    measured: dict[int, dict] = {}
-    for share in shares:
-        for (s, u), value in share.items():
-            measured.setdefault(s, {})[u] = value
-    out = []
-    for s, cached in enumerate(found):
-        if cached is None:
-            count = _unit_count(plan, training, s)
-            cached = length_index.assemble(count, training.streaming, measured.get(s, {}))
-            length_index.save_cached(folder, keys[s], cached)
-        out.append(cached)
-    return out
-
-
 class Ranks(Protocol):
     """What resolving a plan needs of the job's ranks (``parallel.JobRanks`` over a
     process group; ``OneProcess`` alone): this rank and the world, ``on_main(fn,
@@ -223,15 +165,51 @@ class OneProcess:
         return [obj]
 
 
+def check_shared_folder(training, ranks: Ranks):
+    """Rank 0 warns, naming the folder and the ranks, when some rank does not see the
+    token-count folder rank 0 writes to (a node-local folder in a multi-node job: each
+    node then measures the counts its ranks need itself). Cost: one small file."""
+    import os
+    import uuid
+
+    if ranks.world == 1:
+        return
+    folder = length_index.cache_dir(training.length_index_dir)
+
+    def mark() -> str:
+        name = os.path.join(folder, f".job-{uuid.uuid4().hex}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(name, "w") as f:
+                f.write("visible\n")
+        except OSError:
+            return ""
+        return name
+
+    marker = ranks.on_main(mark)
+    if not marker:
+        return
+    seen = ranks.gather(os.path.exists(marker))
+    if ranks.rank == 0:
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            logger.warning(
+                "token-count folder %s is not shared: ranks %s do not see what rank 0 writes "
+                "there, so their nodes measure the counts again; set training.length_index_dir "
+                "to a folder every node shares", folder, blind[:16],
+            )  # fmt: skip
+        try:
+            os.remove(marker)
+        except OSError:
+            pass
+
+
 def resolve_plan(training, tokenizer, ranks: Ranks | None = None) -> DataPlan:
-    """The four steps, each where it belongs: rank 0 lists the sources, every rank
-    inspects its share of the files, rank 0 combines the shares; then the length index,
-    measured in shares where it is not cached yet. A DataError on any rank is raised on
-    every rank (rank 0 raises the first share's). Cost: O(files / ranks) file reads per
-    rank; O(documents / ranks) tokenized per rank on a corpus's first start (at 1 M
-    tokens/s per rank: c4/en's 156 B tokens about 5.4 h at 8 ranks, FineWeb's 15 T about
-    4 h at 1,024 ranks); O(documents) integers moved on every start (365 M documents of
-    c4: about 1.5 GB per rank)."""
+    """The steps, each where it belongs: rank 0 lists the sources, every rank inspects
+    its share of the files, rank 0 combines the shares; every rank checks that it sees
+    the token-count folder. A DataError on any rank is raised on every rank (rank 0
+    raises the first share's). Cost: O(files / ranks) file reads per rank, O(files +
+    blocks) values moved; nothing of O(documents), and no token counted."""
     ranks = ranks or OneProcess()
     specs = ranks.on_main(list_sources, training)
     try:
@@ -239,15 +217,7 @@ def resolve_plan(training, tokenizer, ranks: Ranks | None = None) -> DataPlan:
     except DataError as e:
         share = e  # rank 0 raises it for every rank
     plan = ranks.on_main(_on_shares(combine, specs, ranks.gather(share)), training, tokenizer)
-    found = ranks.on_main(cached_indexes, plan, training)
-    if any(index is None for index in found):
-        try:
-            share = measure_share(plan, found, training, tokenizer, ranks.rank, ranks.world)
-        except DataError as e:
-            share = e
-        complete = _on_shares(complete_indexes, plan, found, ranks.gather(share))
-        found = ranks.on_main(complete, training)
-    plan.indexes = found
+    check_shared_folder(training, ranks)
     return plan
 
 

@@ -29,6 +29,8 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
+
 from torchtitan import REPO_ROOT
 from torchtitan.data import hub, pretokenized_read
 from torchtitan.data.spec import (
@@ -39,15 +41,15 @@ from torchtitan.data.spec import (
     SourceSpec,
     _data_suffix,
     check_column,
-    epoch_order,
     is_remote,
     local_path,
+    rows_per_unit,
     text_doc_id,
     token_arrays,
 )
 from torchtitan.data.streaming import StreamSource
 
-__all__ = ["BadText", "DataError", "SourceSpec", "epoch_order", "is_remote", "local_path",
+__all__ = ["BadText", "DataError", "SourceSpec", "is_remote", "local_path",
            "text_doc_id", "token_arrays", "open_source", "resolve_source", "resolve_any"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -201,13 +203,18 @@ def _check_no_parts(where: str, config: str, split: str):
         )
 
 
+READ_ROWS = 64  # map-style documents read per call (a row at a time costs ~0.3 ms)
+
+
 def _load_kwargs(spec: SourceSpec) -> dict:
     # A plain-text file is one document, not one document per line.
     return {"sample_by": "document"} if spec.fmt == "text" else {}
 
 
 class MapSource:
-    """A map-style source: documents by index, in a seeded order per epoch.
+    """A map-style source: documents by index, through ``datasets`` (converted to Arrow,
+    or a ``save_to_disk`` folder memory-mapped), read by units of rows as a streaming
+    source is (the same protocol: ``extent``, ``units``, ``read``).
 
     A document is ``(doc_id, text)``, or ``(doc_id, int32 array)`` for a pretokenized
     source (``spec.tokens_field``; None where the text was unusable), read as Arrow,
@@ -245,6 +252,31 @@ class MapSource:
 
     def __len__(self) -> int:
         return len(self.ds)
+
+    # ---- the Source protocol (the same as a streaming source's) ----------------------
+    def extent(self) -> int:
+        """What the source holds now, in the measure a pass is cut by: its rows."""
+        return len(self.ds)
+
+    def units(self, extent: int | None = None) -> np.ndarray:
+        """Row ranges ``(0, lo, hi)`` (an int64 array ``[units, 3]``) over the first ``extent`` rows (all by default), of
+        ``spec.rows_per_unit`` rows. Cost: O(units)."""
+        rows = len(self.ds) if extent is None else extent
+        size = rows_per_unit(rows)
+        lo = np.arange(0, rows, size, dtype=np.int64)
+        return np.stack([np.zeros_like(lo), lo, np.minimum(lo + size, rows)], axis=1)
+
+    def read(self, unit: tuple[int, int, int], at: int):
+        """``(docs, next_at, None)``: up to ``READ_ROWS`` documents of ``unit`` from row
+        ``at``, as ``(at, next_at, doc_id, value)``, and the row reading goes on at (None:
+        the unit is done). Cost: one ``datasets`` read of those rows."""
+        _, _, hi = unit
+        stop = min(hi, at + READ_ROWS)
+        if at >= stop:
+            return [], None, None
+        rows = range(at, stop)
+        docs = [(r, r + 1, *doc) for r, doc in zip(rows, self.documents(rows))]
+        return docs, (stop if stop < hi else None), None
 
     def documents(self, indices: list[int]) -> list[tuple[str, object]]:
         """(doc_id, text) of several rows, read in one call (a row at a time costs ~0.3 ms)."""

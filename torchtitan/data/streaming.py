@@ -1,12 +1,19 @@
 """Streaming sources: documents read straight from their files, a few blocks at a time.
 
-Owns: cutting a source's files into *units*, the granules the global order shuffles
-(whole files when there are at least ``index.STREAM_UNITS``; otherwise parquet row
-groups, Arrow record batches or byte ranges of whole JSON lines, and row ranges of row
-groups, or finer byte ranges, if still too few), and reading a unit's documents from a
+Owns: cutting each file into *units*, the granules the global order shuffles and the
+token counts are measured by (spec.py's ``rows_per_unit``: parquet row groups and
+Arrow record batches cut into row ranges of at most ``UNIT_ROWS`` rows, and at least
+``MIN_FILE_UNITS`` ranges a file; JSON lines cut into byte ranges of ``UNIT_BYTES`` in
+the same way, a line belonging to the range its first byte lies in; a text file, or a
+compressed JSON lines file, whole), and reading a unit's documents from a
 position ``at``: a row of the unit's file (parquet, Arrow, text) or the byte offset of a
-line (JSON lines). The length index records each row's ``at``, so a read at any
+line (JSON lines). The token counts record each row's ``at``, so a read at any
 position decodes at most the one block holding it.
+
+A file's units depend on that file alone, so a file appended to a source adds units
+after the others and changes none (a corpus may grow between runs). Cutting needs no
+data read: block row counts come from the footers the data plan read once per job, a
+JSON lines file's size from a stat.
 
 Readers use pyarrow for parquet and Arrow IPC (``datasets.save_to_disk`` files) and
 read bytes through ``fsspec`` when a path is a URL, so remote files need no copy.
@@ -27,18 +34,20 @@ import weakref
 import numpy as np
 
 from torchtitan.data.spec import (
+    MIN_FILE_UNITS,
     BadText,
     DataError,
     SourceSpec,
     check_column,
     is_remote,
+    rows_per_unit,
     text_doc_id,
     token_arrays,
 )
 
-# A JSON lines unit is a byte range of whole lines, of this size at most (smaller ones when
-# a corpus has few bytes for the units it wants).
-CHUNK_BYTES = 64 << 20
+# A JSON lines unit is the lines that start in a byte range of this size (about the text
+# of UNIT_ROWS web documents: a unit is measured in about a second).
+UNIT_BYTES = 4 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
 # Bytes read from each file to estimate a JSON lines source's document count.
@@ -113,7 +122,7 @@ class StreamSource:
         self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
         for f, counts in (block_rows or {}).items():  # from the data plan: no footer to read
             self._starts[f] = _starts_of(counts)
-        self._units: dict[int, list[tuple[int, int, int]]] = {}  # units wanted -> units
+        self._units: dict[int, np.ndarray] = {}  # file -> its units
         self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
         self.rows_decoded = 0
         # From a data plan: the count and the column check were made once for the job.
@@ -130,24 +139,24 @@ class StreamSource:
         self._decoded = weakref.WeakValueDictionary()
 
     # ---- units ------------------------------------------------------------------------
-    def units(self, wanted: int) -> list[tuple[int, int, int]]:
-        """The units ``(file, lo, hi)`` each epoch orders: rows ``[lo, hi)`` of the file
-        (bytes for JSON lines; ``hi = -1`` is the file's end). A pure function of the files
-        and ``wanted`` (``index.STREAM_UNITS``), so it is the same on every start.
+    def extent(self) -> int:
+        """What the source holds now, in the measure a pass is cut by: its files (a pass
+        reads the files there were when it began; later ones join the next)."""
+        return len(self.spec.files)
 
-        Whole files when there are at least ``wanted``; else blocks (row groups,
-        record batches, byte ranges of whole lines), cut into about one row range of equal
-        rows each (JSON lines: finer byte ranges) if there are still fewer blocks than
-        wanted. Cost: O(files + blocks), once per process (JSON lines: a partial line
-        read per cut).
-        """
-        if wanted not in self._units:
-            if len(self.spec.files) >= wanted:
-                units = [(f, 0, -1) for f in range(len(self.spec.files))]
-            else:
-                units = self._reader.split(self, wanted)
-            self._units[wanted] = units
-        return self._units[wanted]
+    def units(self, extent: int | None = None) -> np.ndarray:
+        """The units ``(file, lo, hi)`` of the first ``extent`` files (all by default), in
+        file order, as an int64 array of shape ``[units, 3]`` (24 bytes a unit): rows ``[lo, hi)`` of the file (bytes for JSON lines; ``hi = -1`` is
+        the file's end). A pure function of those files, so it is the same on every start
+        and does not change when files are appended. Cost: O(blocks) once per file and
+        process (a stat per JSON lines file)."""
+        count = len(self.spec.files) if extent is None else extent
+        for f in range(count):
+            if f not in self._units:
+                units = self._reader.file_units(self, f)
+                self._units[f] = np.array(units, dtype=np.int64).reshape(len(units), 3)
+        parts = [self._units[f] for f in range(count)]
+        return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
 
     def block_starts(self, f: int) -> tuple[int, ...]:
         """First row of each block of file ``f``, then its row count (cached per file)."""
@@ -181,15 +190,6 @@ class StreamSource:
         value = block.values[i]
         doc_id = block.ids[i] if block.ids is not None else None
         return (str(doc_id) if doc_id is not None else _doc_id(value)), value
-
-    def all_documents(self):
-        """Every document once, in file order (for provenance checks). Cost: O(corpus)."""
-        for unit in self.units(len(self.spec.files)):
-            at = unit[1]
-            while at is not None:
-                docs, at, _ = self.read(unit, at)
-                for _, _, doc_id, value in docs:
-                    yield doc_id, value
 
 
 def _starts_of(counts: list[int]) -> tuple[int, ...]:
@@ -227,18 +227,13 @@ class _RowReader:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
 
-    def split(self, source: StreamSource, wanted: int) -> list[tuple[int, int, int]]:
-        blocks = []
-        for f in range(len(self.spec.files)):
-            starts = source.block_starts(f)
-            blocks += [(f, a, b) for a, b in zip(starts, starts[1:]) if b > a]
-        if len(blocks) >= wanted or not blocks:
-            return blocks
-        # Fewer blocks than wanted: cut them into about that many row ranges, of about
-        # equal rows (readers of ranges of one block share its decode: see
-        # StreamSource.block).
-        parts = _apportion([b - a for _, a, b in blocks], wanted)
-        return [unit for (f, a, b), k in zip(blocks, parts) for unit in _cut(f, a, b, k)]
+    def file_units(self, source: StreamSource, f: int) -> list[tuple[int, int, int]]:
+        """File ``f``'s blocks, each cut into row ranges of at most ``rows_per_unit`` (of
+        the file's rows) rows, of about equal size."""
+        starts = source.block_starts(f)
+        size = rows_per_unit(starts[-1])
+        return [unit for a, b in zip(starts, starts[1:]) if b > a
+                for unit in _cut(f, a, b, -(-(b - a) // size))]  # fmt: skip
 
     def read(self, source: StreamSource, unit, at: int):
         f, _, hi = unit
@@ -254,19 +249,6 @@ class _RowReader:
 
     def document_estimate(self, path: str) -> int:
         return int(sum(self.block_rows(path)))
-
-
-def _apportion(sizes: list[int], total: int) -> list[int]:
-    """Parts per item, at least one each and ``max(total, len(sizes))`` in all, in
-    proportion to ``sizes`` (largest remainders). Cost: O(items log items)."""
-    extra = max(0, total - len(sizes))
-    weight = sum(sizes) or 1
-    shares = [extra * size / weight for size in sizes]
-    parts = [1 + int(x) for x in shares]
-    rest = sorted(range(len(sizes)), key=lambda i: (int(shares[i]) - shares[i], i))
-    for i in rest[: max(0, total - sum(parts))]:
-        parts[i] += 1
-    return parts
 
 
 def _cut(f: int, lo: int, hi: int, parts: int) -> list[tuple[int, int, int]]:
@@ -443,34 +425,17 @@ class JsonLinesReader:
             lines = lines * size // max(1, len(head))
         return max(1, lines)
 
-    def split(self, source: StreamSource, wanted: int) -> list[tuple[int, int, int]]:
-        """Byte ranges cut at line starts: at most ``CHUNK_BYTES`` each, and about
-        ``wanted`` when that gives too few. A cut moves to the first line starting at or
-        after it, so no range is empty (a line longer than a range merges the cuts inside
-        it; then the cuts are made finer, up to 8 times as many, to reach ``wanted``).
-        Cost: one read of the rest of a line per cut, once per process."""
-        if any(map(_compressed, self.spec.files)):
-            return [(f, 0, -1) for f in range(len(self.spec.files))]
-        sizes = [_file_size(p) for p in self.spec.files]
-        parts = [-(-size // CHUNK_BYTES) for size in sizes]
-        target = wanted
-        while True:
-            if sum(parts) < target:
-                parts = _apportion(sizes, target)
-            units = [u for f, k in enumerate(parts) for u in self._ranges(f, sizes[f], k)]
-            if len(units) >= wanted or target >= 8 * wanted:
-                return units
-            target *= 2
-
-    def _ranges(self, f: int, size: int, parts: int) -> list[tuple[int, int, int]]:
-        cuts = {0, size}
-        with _open_binary(self.spec.files[f]) as fh:
-            for cut in sorted({size * j // parts for j in range(1, parts)} - {0}):
-                fh.seek(cut - 1)
-                fh.readline()  # to the end of the line holding the byte before the cut
-                cuts.add(min(fh.tell(), size))
-        cuts = sorted(cuts)
-        return [(f, a, b) for a, b in zip(cuts, cuts[1:])]
+    def file_units(self, source: StreamSource, f: int) -> list[tuple[int, int, int]]:
+        """Byte ranges of ``UNIT_BYTES`` (smaller in a small file: at least
+        ``MIN_FILE_UNITS`` ranges): a unit holds the lines that start in its range
+        (a line longer than a range leaves the ranges it covers empty). A compressed
+        file is one unit. Cost: a stat, no data read."""
+        path = self.spec.files[f]
+        if _compressed(path):
+            return [(f, 0, -1)]
+        size = _file_size(path)
+        step = max(1, min(UNIT_BYTES, -(-size // MIN_FILE_UNITS)))
+        return [(f, a, min(a + step, size)) for a in range(0, size, step)]
 
     def _stream(self, f: int, at: int):
         """File ``f`` open at byte ``at``. A compressed or remote file stays open between
@@ -505,8 +470,16 @@ class JsonLinesReader:
         path = self.spec.files[f]
         if 0 <= hi <= at:
             return [], None, None
-        fh = self._stream(f, at)  # at a line start: ranges are cut at line starts
-        data = fh.read(READ_BYTES if hi < 0 else min(READ_BYTES, hi - at))
+        fh = self._stream(f, at)
+        if at == lo and lo > 0:  # a range's first line is the first to start in it
+            fh.seek(lo - 1)
+            fh.readline()  # to the end of the line holding the byte before the range
+            at = fh.tell()
+            if 0 <= hi <= at:
+                fh.close()
+                self._streams.pop(f, None)
+                return [], None, None
+        data = fh.read(READ_BYTES if hi < 0 else max(1, min(READ_BYTES, hi - at)))
         if data and not data.endswith(b"\n"):
             data += fh.readline()  # finish the last line
         if f not in self._streams or not data:

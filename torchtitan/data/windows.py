@@ -1,15 +1,21 @@
 """The token stream: windows of ``seq_len + 1`` tokens read at positions of the global order.
 
-Owns: reading a window (``TokenStream.window``): from the source and token offset the
-order gives it, the documents that hold those tokens, tokenized, and the provenance
-span of every piece; the read-ahead and the few tokenized documents a process keeps;
-where a given number of windows leaves the stream (``TokenStream.advance``); and the
-check that a document still has the token count the length index holds (a stale index
-would shift every later window, so it stops the run).
+Owns: the job's position (``Position``: windows taken and each source's cursor), where
+a given number of windows leaves it (``TokenStream.advance``: which source each window
+reads, by the mix, and its pieces, by the source's order), reading a window's pieces
+(the documents that hold those tokens, tokenized, and the provenance span of every
+piece), the documents a process keeps read ahead, and the check that a document still
+has the token count its unit's counts hold (a stale count would shift every later
+window, so it stops the run).
 
-Window ``g`` of the job reads ``seq_len + 1`` tokens of source ``mix(g)``, at the
-offset where that source's previous window ended. Which rank reads window ``g`` is the
-loader's concern: any process can read any window, knowing only the position.
+Which rank reads window ``g`` is the loader's concern: any process can read any window,
+knowing only the position.
+
+A process holds, per source, the undecoded-no-more rows of at most ``KEEP_READS``
+units (each read is the rest of a unit's block, at most ``UNIT_ROWS`` rows, or
+``READ_BYTES`` of JSON lines, or ``READ_ROWS`` dataset rows), consumed rows dropped as
+the lanes move on: with 32 lanes of 1,024-row units, about 32 x 512 documents; and the
+tokens of ``KEEP_TOKENS`` documents.
 
 Never: touch torch.distributed, the DataLoader or checkpoint files; decide which rank
 reads which window.
@@ -24,8 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchtitan.data.index import SourceIndex, source_units
-from torchtitan.data.order import MixSchedule, SourceOrder
+from torchtitan.data.order import LANES, Cursor, MixSchedule, SourceOrder
 from torchtitan.data.packing import document_tokens
 from torchtitan.data.spec import DataError
 
@@ -34,125 +39,116 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Position:
-    """Where the job's stream stands: windows taken, and each source's token offset
-    (tokens read from its stream since the data started). The whole loader state."""
+    """Where the job's stream stands: windows taken, and each source's cursor. The whole
+    loader state: a few integers per lane, the same on every rank."""
 
     windows: int = 0
-    offsets: list[int] = field(default_factory=list)
+    cursors: list[Cursor] = field(default_factory=list)
 
     def copy(self) -> Position:
-        return Position(self.windows, list(self.offsets))
+        return Position(self.windows, [c.copy() for c in self.cursors])
 
-
-READ_AHEAD = 16  # map-style documents read per call (a row at a time costs ~0.3 ms)
+    def tokens(self) -> list[int]:
+        """Tokens read from each source since the data started."""
+        return [c.tokens for c in self.cursors]
 
 
 class DocumentReader:
-    """One source's documents by position, read ahead in order, a few kept tokenized."""
+    """One source's documents by (unit, row), read ahead in order, a few kept tokenized."""
 
-    KEEP_RAW = 256  # map-style documents kept untokenized
-    KEEP_TOKENS = 8
+    KEEP_READS = LANES + 8  # units whose rows read ahead are kept (one per lane, and some)
+    KEEP_TOKENS = 2 * LANES  # documents kept tokenized (a lane's may span its windows)
+    TRIM = 64  # rows a kept read drops at once once they are behind the lane
 
     def __init__(self, source, order: SourceOrder, tokenizer, bad_data: str):
         self.source, self.order = source, order
         self.tokenizer, self.bad_data = tokenizer, bad_data
         self.name = source.spec.name
-        self._raw: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (epoch, row) -> doc
-        self._tokens: OrderedDict[tuple[int, int], tuple] = OrderedDict()
-        self._units = None  # a streaming source's unit list (derived)
-        self._held = None  # the streaming block last read
+        self._reads: OrderedDict[int, list] = OrderedDict()  # unit -> [first row, docs]
+        self._tokens: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (unit, row) ->
 
     def __getstate__(self):
         # A worker starts with no documents of its own process's reads.
-        return {**self.__dict__, "_raw": OrderedDict(), "_tokens": OrderedDict(), "_held": None}
+        return {**self.__dict__, "_reads": OrderedDict(), "_tokens": OrderedDict()}
 
-    def document(self, epoch: int, k: int, unit: int, row: int) -> tuple[str, np.ndarray]:
-        """(doc_id, tokens) of ``row``, the ``k``-th unit of ``epoch``'s order."""
-        key = (epoch, row)
+    def document(self, u: int, unit: tuple, row: int, counts) -> tuple[str, np.ndarray]:
+        """(doc_id, tokens) of ``row`` of unit ``u`` (``unit`` its range), whose counts
+        are ``counts``."""
+        key = (u, row)
         hit = self._tokens.get(key)
         if hit is not None:
             return hit
-        if key not in self._raw:
-            self._read(epoch, k, unit, row)
-        doc_id, value = self._raw[key]
+        doc_id, value = self._raw(u, unit, row, counts)
         tokens = document_tokens(self.tokenizer, doc_id, value, self.name, self.bad_data)
-        expected = int(self.order.index.lengths[row])
+        expected = int(counts.lengths[row])
         if (0 if tokens is None else len(tokens)) != expected:
             raise DataError(
                 f"document {doc_id!r} of dataset {self.name!r} has "
-                f"{0 if tokens is None else len(tokens)} tokens, the length index {expected}: "
-                "the data or the tokenizer changed since the index was made; delete the "
-                "cached index (training.length_index_dir) or resume with the original data"
+                f"{0 if tokens is None else len(tokens)} tokens, its unit's token counts "
+                f"{expected}: the data or the tokenizer changed behind the counts; delete "
+                f"{self.order.counts.path(unit)} (or training.length_index_dir) to measure it "
+                "again, or resume with the original data"
             )
         self._tokens[key] = (doc_id, tokens)
         if len(self._tokens) > self.KEEP_TOKENS:
             self._tokens.popitem(last=False)
         return doc_id, tokens
 
-    def _read(self, epoch: int, k: int, unit: int, row: int):
-        if self.source.streaming:
-            self._read_block(epoch, unit, row)
-            return
-        order = self.order.units_of(epoch)  # cached by the order, not the process-wide lru
-        rows = [int(u) for u in order[k : k + READ_AHEAD]]
-        for r, doc in zip(rows, self.source.documents(rows)):
-            self._raw[(epoch, r)] = doc
-            self._raw.move_to_end((epoch, r))
-            if len(self._raw) > self.KEEP_RAW:
-                self._raw.popitem(last=False)
+    def _raw(self, u: int, unit: tuple, row: int, counts) -> tuple[str, object]:
+        kept = self._reads.get(u)
+        if kept is not None and kept[0] <= row < kept[0] + len(kept[1]):
+            self._reads.move_to_end(u)
+        else:
+            kept = self._read(u, unit, row, counts)
+        first, docs = kept
+        if row - first >= self.TRIM:  # the lane is past these rows
+            kept[0], kept[1] = row, docs[row - first :]
+            first, docs = kept
+        return docs[row - first]
 
-    def _read_block(self, epoch: int, unit: int, row: int):
-        """The rows of one streaming read from ``row`` on (to the end of its block, or of
-        ``READ_BYTES`` of JSON lines), all kept, in place of the last read's: a reader
-        holds one block, and reads on where the last read ended (a compressed file's
-        stream stays open for it)."""
-        if self._units is None:
-            self._units = source_units(self.source)
-        index = self.order.index
-        lo, hi = index.rows(unit)
-        # The decoded block stays held while its rows are read: a neighbouring row range
-        # of the same row group decodes nothing.
-        docs, _, self._held = self.source.read(self._units[unit], int(index.row_at[row]))
-        self._raw = OrderedDict()
+    def _read(self, u: int, unit: tuple, row: int, counts) -> list:
+        """The rows of one read of ``unit`` from ``row`` on, kept in place of the unit's
+        last read. Checked against the counts' positions: a file that changed under the
+        same signature stops the run here."""
+        docs, _, _ = self.source.read(unit, int(counts.ats[row]))
         if not docs:
             raise DataError(
-                f"dataset {self.name!r}: unit {unit} has no document at row {row - lo}, which "
-                "the length index holds: the data changed since the index was made; delete "
-                "the cached index (training.length_index_dir)"
+                f"dataset {self.name!r}: unit {unit} has no document at row {row}, which its "
+                "token counts hold: the data changed behind the counts; delete "
+                f"{self.order.counts.path(unit)} (or training.length_index_dir)"
             )
-        for i, (at, _, doc_id, value) in enumerate(docs[: hi - row]):
-            if at != int(index.row_at[row + i]):
+        docs = docs[: len(counts.ats) - row]
+        for i, (at, *_) in enumerate(docs):
+            if at != int(counts.ats[row + i]):
                 raise DataError(
-                    f"dataset {self.name!r}: a document of unit {unit} starts at {at}, the "
-                    f"length index says {int(index.row_at[row + i])}: the data changed since "
-                    "the index was made; delete the cached index (training.length_index_dir)"
+                    f"dataset {self.name!r}: a document of unit {unit} starts at {at}, its "
+                    f"token counts say {int(counts.ats[row + i])}: the data changed behind "
+                    f"the counts; delete {self.order.counts.path(unit)} (or "
+                    "training.length_index_dir)"
                 )
-            self._raw[(epoch, row + i)] = (doc_id, value)
+        kept = [row, [(doc_id, value) for _, _, doc_id, value in docs]]
+        self._reads[u] = kept
+        self._reads.move_to_end(u)
+        if len(self._reads) > self.KEEP_READS:
+            self._reads.popitem(last=False)
+        return kept
 
 
 class TokenStream:
     """The job's windows: every source's stream, and the mix that interleaves them."""
 
-    def __init__(self, sources: list, indexes: list[SourceIndex], tokenizer, seq_len: int, *,
+    def __init__(self, sources: list, counts: list, tokenizer, seq_len: int, *,
                  seed: int = 0, shuffle: bool = True, bad_data: str = "skip"):  # fmt: skip
         if not sources:
             raise DataError(
                 "no data source configured; set training.dataset or training.dataset_path"
             )
-        for src, index in zip(sources, indexes):
-            units = len(source_units(src))
-            if index.units != units:
-                raise DataError(
-                    f"the length index of dataset {src.spec.where!r} holds {index.units} units, "
-                    f"the data {units}: the data changed behind the cache; delete the cached "
-                    "index (training.length_index_dir) to measure it again"
-                )
         self.sources = sources
         self.seq_len = seq_len
         self.seed = seed
         self.orders = [
-            SourceOrder(index, src.spec.name, seed, src._identity, shuffle)
-            for src, index in zip(sources, indexes)
+            SourceOrder(src, c, seed, src.spec.identity(), shuffle)
+            for src, c in zip(sources, counts)
         ]
         self.names = [src.spec.name for src in sources]
         self.mix = MixSchedule([src.spec.weight for src in sources], seed)
@@ -160,59 +156,89 @@ class TokenStream:
             DocumentReader(src, order, tokenizer, bad_data)
             for src, order in zip(sources, self.orders)
         ]
+        self._last = None  # the last advance: (its key, its result)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_last": None}
 
     @property
     def window_size(self) -> int:
         return self.seq_len + 1
 
     def start(self) -> Position:
-        return Position(0, [0] * len(self.sources))
+        return Position(0, [Cursor() for _ in self.sources])
 
-    def advance(self, position: Position, count: int) -> tuple[np.ndarray, np.ndarray, Position]:
-        """(source, offset) of the next ``count`` windows from ``position``, and the
-        position after them. Cost: O(count), nothing read."""
-        chosen = self.mix.sources(position.windows, count)
-        offsets = np.zeros(count, dtype=np.int64)
+    def advance(self, position: Position, count: int) -> tuple[list, Position]:
+        """``(source, pieces)`` of the next ``count`` windows from ``position``, grouped by
+        the unit each starts in, and the position after them. Cost: O(count) and the counts of the units the lanes take;
+        nothing read."""
+        key = (position.windows, count, self.seq_len,
+               tuple(tuple(c.to_list()) for c in position.cursors))  # fmt: skip
+        if self._last is not None and self._last[0] == key:
+            windows, after = self._last[1]
+            return windows, after.copy()
+        chosen = self.mix.sources(position.windows, count).tolist()
         after = position.copy()
         after.windows += count
         w = self.window_size
-        for s in range(len(self.sources)):
-            mine = np.flatnonzero(chosen == s)
-            offsets[mine] = position.offsets[s] + w * np.arange(len(mine), dtype=np.int64)
-            after.offsets[s] += w * len(mine)
-        return chosen, offsets, after
+        windows = [(s, self.orders[s].fill(after.cursors[s], w)) for s in chosen]
+        # Grouped by the unit each starts in, in reading order: a rank's slice of a step
+        # then reads a few units whole, not a window of every lane (each unit decoded, and
+        # a document at a window boundary tokenized, by one rank, not by many). The step
+        # holds the same windows on any layout; only who reads which follows this.
+        windows.sort(key=_unit_first)
+        # Every rank's plan walks the whole step: kept, the next rank's (a simulation of
+        # many ranks in one process) costs a lookup.
+        self._last = (key, (windows, after.copy()))
+        return windows, after
 
-    def window(self, source: int, offset: int) -> tuple[np.ndarray, list[list]]:
-        """``seq_len + 1`` tokens of ``source`` from ``offset`` (int64), and their spans
-        ``[source, doc_id, start, end, epoch, unit]``. Cost: the documents they lie in,
+    def position_after(self, windows: int) -> Position:
+        """The position ``windows`` windows from the start (tools and tests that need a
+        far-along position). Cost: O(windows) arithmetic over the counts, nothing read."""
+        position = self.start()
+        while position.windows < windows:
+            _, position = self.advance(position, min(4096, windows - position.windows))
+        return position
+
+    def window(self, source: int, pieces: list) -> tuple[np.ndarray, list[list]]:
+        """``seq_len + 1`` tokens of ``source``'s ``pieces`` (int64), and their spans
+        ``[source, doc_id, start, end, pass, unit]``. Cost: the documents they lie in,
         read and tokenized unless this process has them."""
         order, reader = self.orders[source], self.readers[source]
-        need, parts, spans = self.window_size, [], []
-        while need:
-            epoch, k, unit, row, token = order.locate(offset)
-            doc_id, tokens = reader.document(epoch, k, unit, row)
-            take = min(need, len(tokens) - token)
-            if take <= 0:  # unreachable while the length check in DocumentReader holds
-                raise DataError(f"dataset {reader.name!r}: no token at offset {offset}")
-            parts.append(tokens[token : token + take])
-            spans.append([reader.name, doc_id, token, token + take, epoch, unit])
-            offset += take
-            need -= take
+        parts, spans = [], []
+        for pass_, _, u, lo, hi, unit in pieces:
+            counts = order.counts.counts(unit)
+            at = lo
+            while at < hi:
+                row, token = counts.row_at(at)
+                doc_id, tokens = reader.document(u, unit, row, counts)
+                take = min(hi - at, len(tokens) - token)
+                if take <= 0:  # unreachable while the length check in DocumentReader holds
+                    raise DataError(f"dataset {reader.name!r}: no token at {at} of unit {unit}")
+                parts.append(tokens[token : token + take])
+                spans.append([reader.name, doc_id, token, token + take, pass_, u])
+                at += take
         window = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return window.astype(np.int64), spans
 
     def skipped_before(self, position: Position) -> int:
         """Documents skipped (unusable) before ``position``, over all sources."""
-        return sum(o.skipped_before(off) for o, off in zip(self.orders, position.offsets))
+        return sum(o.skipped_before(c) for o, c in zip(self.orders, position.cursors))
 
     def epoch_starts(self, before: Position, after: Position) -> list[list]:
-        """``[source, epoch]`` of every pass (after the first) that began between the two."""
+        """``[source, pass]`` of every pass (after the first) that began between the two."""
         out = []
-        for order, a, b in zip(self.orders, before.offsets, after.offsets):
-            t = order.epoch_tokens
-            first, last = max(1, -(-a // t)), -(-b // t) - 1
-            out += [[order.name, e] for e in range(first, last + 1)]
+        for order, a, b in zip(self.orders, before.cursors, after.cursors):
+            first = a.pass_ + 1 if a.lanes else max(a.pass_, 1)
+            last = b.pass_ if b.lanes else b.pass_ - 1
+            out += [[order.name, p] for p in range(max(first, 1), last + 1)]
         return out
+
+
+def _unit_first(window) -> tuple[int, int, int, int]:
+    source, pieces = window
+    pass_, k, _, start, _, _ = pieces[0]
+    return source, pass_, k, start
 
 
 def document_positions(spans: list[list], length: int) -> tuple[np.ndarray, np.ndarray]:
