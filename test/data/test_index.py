@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import cfg, write_jsonl
+from helpers import cfg, write_parquet
 
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data import index as length_index
@@ -26,10 +26,12 @@ from torchtitan.data.sources import DataError
 
 
 def corpus(folder, files: int = 8, docs: int = 32):
-    """``files`` JSON lines files of ``docs`` short documents (16 units a file)."""
-    rows = [{"id": f"d{f}-{i}", "text": f"File {f}, document {i}. " * (3 + i % 5)}
-            for f in range(files) for i in range(docs)]  # fmt: skip
-    return write_jsonl(folder, rows, files=files)
+    """``files`` parquet files of ``docs`` short documents (16 units a file)."""
+    for f in range(files):
+        rows = [{"id": f"d{f}-{i}", "text": f"File {f}, document {i}. " * (3 + i % 5)}
+                for i in range(docs)]  # fmt: skip
+        write_parquet(folder / f"part-{f:03d}.parquet", rows)
+    return folder
 
 
 @pytest.mark.parametrize("workers,delta", [(0, 1), (0, -1), (2, 1)])
@@ -66,14 +68,14 @@ def test_stale_counts_stop_with_one_clear_error(tmp_path, tokenizer, workers, de
 
 
 def test_the_first_step_measures_only_the_units_its_windows_lie_in(tmp_path, tokenizer):
-    """A never-seen corpus of 1,024 units: the first step (8 windows) measures the units
+    """A never-seen corpus of 512 units: the first step (8 windows) measures the units
     its windows lie in (at most 2 a window), and nothing more is on disk; later steps
-    measure as they go. Negative control: the probe sees all 1,024 when every unit is
+    measure as they go. Negative control: the probe sees all 512 when every unit is
     asked for (``pass_tokens``, what the old first start did)."""
-    folder = corpus(tmp_path / "c", files=64, docs=16)
+    folder = corpus(tmp_path / "c", files=32, docs=16)
     c = cfg(folder, length_index_dir=tmp_path / "counts", global_batch_size=8, streaming="true")
     loader = build_dataloader(c, tokenizer, 0, 1)
-    assert len(loader.stream.orders[0].units(64)) == 1024
+    assert len(loader.stream.orders[0].units(32)) == 512
     loader.next_step()
     measured = loader.stream.orders[0].counts.measured
     on_disk = len(list((tmp_path / "counts").rglob("*.npz")))
@@ -84,7 +86,7 @@ def test_the_first_step_measures_only_the_units_its_windows_lie_in(tmp_path, tok
     everything = build_stream(replace(c.training, length_index_dir=str(tmp_path / "all")),
                               tokenizer)  # fmt: skip
     everything.orders[0].pass_tokens()
-    assert everything.orders[0].counts.measured == 1024
+    assert everything.orders[0].counts.measured == 512
 
 
 def test_counts_are_keyed_by_content_not_by_path(tmp_path, tokenizer):
@@ -147,38 +149,38 @@ def _measurer(folder, counts, delay: float) -> subprocess.Popen:
 
 
 def test_a_kill_during_measuring_loses_only_the_units_in_flight(tmp_path, tokenizer):
-    """A process measuring a corpus (128 units) is killed -9 part way: the units it wrote
+    """A process measuring a corpus (64 units) is killed -9 part way: the units it wrote
     stay, and a relaunch measures only the rest, taking over the dead process's claim.
-    Negative control: the relaunch in an empty folder measures all 128."""
-    folder = corpus(tmp_path / "c", files=8, docs=16)
+    Negative control: the relaunch in an empty folder measures all 64."""
+    folder = corpus(tmp_path / "c", files=4, docs=16)
     counts = tmp_path / "counts"
     proc = _measurer(folder, counts, 0.05)
     deadline = time.monotonic() + 60
-    while len(list(counts.rglob("*.npz"))) < 20 and time.monotonic() < deadline:
+    while len(list(counts.rglob("*.npz"))) < 10 and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     kept = len(list(counts.rglob("*.npz")))
-    assert 20 <= kept < 128 and list(counts.rglob("*.claim"))  # killed inside a unit
+    assert 10 <= kept < 64 and list(counts.rglob("*.claim"))  # killed inside a unit
     relaunch = build_stream(cfg(folder, length_index_dir=counts, streaming="true").training,
                             tokenizer)  # fmt: skip
     relaunch.orders[0].pass_tokens()
-    assert relaunch.orders[0].counts.measured == 128 - kept
+    assert relaunch.orders[0].counts.measured == 64 - kept
     assert not list(counts.rglob("*.claim"))
     fresh = build_stream(cfg(folder, length_index_dir=tmp_path / "empty", streaming="true").training,
                          tokenizer)  # fmt: skip
     fresh.orders[0].pass_tokens()
-    assert fresh.orders[0].counts.measured == 128
+    assert fresh.orders[0].counts.measured == 64
 
 
 def test_two_processes_share_the_measuring_each_unit_once(tmp_path):
     """Two processes measuring one corpus at once hand the units out between them through
-    the claims: together they measure each of the 128 units once."""
-    folder = corpus(tmp_path / "c", files=8, docs=16)
+    the claims: together they measure each of the 64 units once."""
+    folder = corpus(tmp_path / "c", files=4, docs=16)
     procs = [_measurer(folder, tmp_path / "counts", 0.02) for _ in range(2)]
     measured = [int(p.communicate(timeout=120)[0].split()[-1]) for p in procs]
-    assert sum(measured) == 128, measured
-    assert len(list((tmp_path / "counts").rglob("*.npz"))) == 128
+    assert sum(measured) == 64, measured
+    assert len(list((tmp_path / "counts").rglob("*.npz"))) == 64
 
 
 def _claim(counts, unit, pid: int, host: str):

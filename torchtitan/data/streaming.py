@@ -48,6 +48,8 @@ from torchtitan.data.spec import (
 # A JSON lines unit is the lines that start in a byte range of this size (about the text
 # of UNIT_ROWS web documents: a unit is measured in about a second).
 UNIT_BYTES = 4 << 20
+# And of at least this many bytes: a small file's ranges would mostly hold no line.
+MIN_UNIT_BYTES = 4 << 10
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
 # Bytes read from each file to estimate a JSON lines source's document count.
@@ -427,14 +429,15 @@ class JsonLinesReader:
 
     def file_units(self, source: StreamSource, f: int) -> list[tuple[int, int, int]]:
         """Byte ranges of ``UNIT_BYTES`` (smaller in a small file: at least
-        ``MIN_FILE_UNITS`` ranges): a unit holds the lines that start in its range
+        ``MIN_FILE_UNITS`` ranges, of ``MIN_UNIT_BYTES`` at least): a unit holds the lines
+        that start in its range
         (a line longer than a range leaves the ranges it covers empty). A compressed
         file is one unit. Cost: a stat, no data read."""
         path = self.spec.files[f]
         if _compressed(path):
             return [(f, 0, -1)]
         size = _file_size(path)
-        step = max(1, min(UNIT_BYTES, -(-size // MIN_FILE_UNITS)))
+        step = max(MIN_UNIT_BYTES, min(UNIT_BYTES, -(-size // MIN_FILE_UNITS)))
         return [(f, a, min(a + step, size)) for a in range(0, size, step)]
 
     def _stream(self, f: int, at: int):
