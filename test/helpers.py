@@ -15,7 +15,6 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import train as train_script
@@ -379,56 +378,3 @@ def read_unit(source, unit) -> list[tuple[int, str, object]]:
         docs, at, _ = source.read(unit, at)
         rows += [(start, doc_id, value) for start, _, doc_id, value in docs]
     return rows
-
-
-class SimulatedSource:
-    """A source of ``files`` files of ``rows`` documents each, cut as a streaming source
-    cuts them (``spec.rows_per_unit``), with no data behind it: for the order's unit
-    tests and its memory at 10^9 documents. ``read`` is never called."""
-
-    def __init__(self, files: int, rows: int, name: str = "sim"):
-        from types import SimpleNamespace
-
-        from torchtitan.data.spec import rows_per_unit
-
-        self.spec = SimpleNamespace(name=name, weight=1.0, identity=lambda: f"name:{name}")
-        self.files, self.rows, self.per_unit = files, rows, rows_per_unit(rows)
-
-    def extent(self) -> int:
-        return self.files
-
-    def units(self, extent: int | None = None) -> np.ndarray:
-        count = self.files if extent is None else extent
-        lo = np.arange(0, self.rows, self.per_unit, dtype=np.int64)
-        per_file = np.stack([lo, np.minimum(lo + self.per_unit, self.rows)], axis=1)
-        files = np.repeat(np.arange(count, dtype=np.int64), len(lo))
-        return np.concatenate([files[:, None], np.tile(per_file, (count, 1))], axis=1)
-
-
-class SimulatedCounts:
-    """Token counts computed from a unit's range (lengths 1-7 times ``scale``, an empty,
-    skipped, document now and then), kept like ``index.SourceCounts`` keeps them; ``measured``
-    counts the units asked for the first time."""
-
-    def __init__(self, scale: int = 1):
-        from collections import OrderedDict
-
-        self._mem, self.measured, self.scale = OrderedDict(), 0, scale
-
-    def counts(self, unit, ahead=()):
-        from torchtitan.data.index import KEEP_UNITS, UnitCounts
-
-        unit = tuple(int(x) for x in unit)
-        hit = self._mem.get(unit)
-        if hit is None:
-            f, lo, hi = unit
-            rows = np.arange(lo, hi, dtype=np.int64)
-            lengths = ((rows * 5 + f * 3) % 8 * self.scale).astype(np.int32)
-            hit = self._mem[unit] = UnitCounts(lengths, rows)
-            self.measured += 1
-            while len(self._mem) > KEEP_UNITS:
-                self._mem.popitem(last=False)
-        return hit
-
-    def path(self, unit) -> str:
-        return f"sim/{unit}"

@@ -173,6 +173,9 @@ def test_a_kill_during_measuring_loses_only_the_units_in_flight(tmp_path, tokeni
     assert fresh.orders[0].counts.measured == 64
 
 
+# Slow tier (two interpreter launches, 5 s): the ranks of every multi-rank launch in the
+# fast tier share their measuring through the same claims.
+@pytest.mark.slow
 def test_two_processes_share_the_measuring_each_unit_once(tmp_path):
     """Two processes measuring one corpus at once hand the units out between them through
     the claims: together they measure each of the 64 units once."""

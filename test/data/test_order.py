@@ -3,7 +3,7 @@ pass, dealt round the files, read by lanes) and the mix of several sources (whic
 each window reads).
 
 The order is computed from the units' token counts and a seed, never from the ranks: the
-unit tests walk a simulated source (helpers.SimulatedSource: units, counts, no data);
+unit tests walk a simulated source (data/simulate.py: units, counts, no data);
 the loader-level ones read through real loaders.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
-from helpers import SimulatedCounts, SimulatedSource, loaders
+from helpers import loaders
 
 from torchtitan.data.order import LANES, Cursor, MixSchedule, SourceOrder, pass_order
+from torchtitan.data.simulate import SimulatedCounts, SimulatedSource
 
 
 def walk(order: SourceOrder, windows: int, size: int, cursor: Cursor | None = None):

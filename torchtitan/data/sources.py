@@ -221,8 +221,6 @@ class MapSource:
     never as Python lists.
     """
 
-    streaming = False
-
     def __init__(self, spec: SourceSpec, text_field: str, id_field: str):
         import datasets
 

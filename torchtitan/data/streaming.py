@@ -108,8 +108,6 @@ class StreamSource:
     this process decoded, for tests and benchmarks.
     """
 
-    streaming = True
-
     def __init__(
         self, spec: SourceSpec, text_field: str, id_field: str,
         documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
