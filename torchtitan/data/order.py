@@ -22,10 +22,11 @@ resume on any layout is a seek to it, never a replay. Walking it needs the token
 of each unit a lane takes, and only those (index.py measures them just in time): a
 corpus's first step waits for the units its windows lie in.
 
-Cost per process: the order of the pass being read (8 bytes per unit) and the unit list
-(c4's ~360 K units: ~3 MB and ~30 MB; 10^9 documents: ~1 M units), and the counts of
-the units the lanes read (index.KEEP_UNITS at most). Walking costs O(1) per window plus
-O(log rows) per unit.
+Cost per process: the order of the pass being read (4 bytes a unit, 8 kept for two
+passes; c4's ~1.4 M units: 11 MB; 10^9 documents, ~3.9 M units: 31 MB, and about 150 MB
+while a pass's order is made), the units computed from the blocks (O(blocks)), and the
+counts of the units the lanes read (index.KEEP_UNITS at most). Walking costs O(1) per
+window plus O(log rows) per unit.
 
 Never: read or tokenize documents (windows.py), or know about ranks and batches.
 """
@@ -101,7 +102,7 @@ class SourceOrder:
         if key not in self._orders:
             if len(self._orders) >= 2:
                 self._orders.pop(next(iter(self._orders)))
-            files = np.asarray(self.units(extent))[:, 0]
+            files = self.units(extent).files()
             self._orders[key] = pass_order(files, self.seed, self.identity, pass_, self.shuffle)
         return self._orders[key]
 
@@ -109,7 +110,7 @@ class SourceOrder:
         """(index, unit) of the ``k``-th unit of the cursor's pass."""
         units = self.units(cursor.extent)
         u = int(self.order(cursor.pass_, cursor.extent)[k])
-        return u, tuple(int(x) for x in units[u])
+        return u, units[u]
 
     def unit_counts(self, cursor: Cursor, k: int):
         """The counts of the ``k``-th unit of the cursor's pass (measured now if no one has;
@@ -118,9 +119,9 @@ class SourceOrder:
         order = self.order(cursor.pass_, cursor.extent)
 
         def ahead() -> list:
-            return [tuple(int(x) for x in units[int(u)]) for u in order[k + 1 : k + 1 + LOOKAHEAD]]
+            return [units[u] for u in order[k + 1 : k + 1 + LOOKAHEAD]]
 
-        return self.counts.counts(tuple(int(x) for x in units[int(order[k])]), ahead)
+        return self.counts.counts(units[order[k]], ahead)
 
     def _begin(self, cursor: Cursor):
         cursor.extent = self.source.extent()
@@ -184,7 +185,7 @@ class SourceOrder:
         every unit's counts, measured where missing: O(corpus) on a corpus's first start,
         so for tools and tests, never the training path."""
         units = self.units(self.source.extent() if extent is None else extent)
-        return sum(self.counts.counts(tuple(int(x) for x in unit)).total for unit in units)
+        return sum(self.counts.counts(unit).total for unit in units)
 
     def skipped_before(self, cursor: Cursor) -> int:
         """Documents skipped (no tokens) before ``cursor`` since the stream's start."""
@@ -206,17 +207,21 @@ def pass_order(files: np.ndarray, seed: int, identity: str, pass_: int,
     units), once per pass and process."""
     count = len(files)
     if not shuffle:
-        return np.arange(count, dtype=np.int64)
+        return np.arange(count, dtype=np.int32)
     # zlib.crc32 rather than hash(): str hashes are salted per process.
     rng = np.random.default_rng([seed, zlib.crc32(identity.encode()), pass_])
-    file_rank = rng.permutation(int(files.max()) + 1 if count else 0)[files]
-    within = rng.permutation(count)  # a random tie-break: each file's units in random order
-    by_file = np.lexsort((within, file_rank))  # grouped by file, shuffled inside
-    round_of = np.empty(count, dtype=np.int64)
-    starts = np.flatnonzero(np.r_[True, np.diff(file_rank[by_file]) != 0])
-    sizes = np.diff(np.r_[starts, count])
-    round_of[by_file] = np.arange(count) - np.repeat(starts, sizes)
-    return np.lexsort((file_rank, round_of)).astype(np.int64)
+    file_rank = rng.permutation(int(files.max()) + 1 if count else 0).astype(np.int32)[files]
+    # Grouped by file (in the files' order), each file's units in a random order.
+    by_file = np.lexsort((rng.random(count, dtype=np.float32), file_rank)).astype(np.int32)
+    ranked = file_rank[by_file]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]]).astype(np.int32)
+    del ranked
+    round_of = np.empty(count, dtype=np.int32)
+    round_of[by_file] = np.arange(count, dtype=np.int32) - np.repeat(
+        starts, np.diff(np.r_[starts, count]).astype(np.int64)
+    )
+    del by_file, starts
+    return np.lexsort((file_rank, round_of)).astype(np.int32)
 
 
 # A Weyl sequence u_g = frac(g * alpha + beta) in 64-bit fixed point: alpha = 1/phi,

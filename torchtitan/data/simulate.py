@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from torchtitan.data.index import KEEP_UNITS, UnitCounts
-from torchtitan.data.spec import rows_per_unit
+from torchtitan.data.spec import Units, rows_per_unit
 
 
 class SimulatedSource:
@@ -31,12 +31,11 @@ class SimulatedSource:
     def extent(self) -> int:
         return self.files
 
-    def units(self, extent: int | None = None) -> np.ndarray:
+    def units(self, extent: int | None = None) -> Units:
         count = self.files if extent is None else extent
-        lo = np.arange(0, self.rows, self.per_unit, dtype=np.int64)
-        per_file = np.stack([lo, np.minimum(lo + self.per_unit, self.rows)], axis=1)
-        files = np.repeat(np.arange(count, dtype=np.int64), len(lo))
-        return np.concatenate([files[:, None], np.tile(per_file, (count, 1))], axis=1)
+        parts = -(-self.rows // self.per_unit)
+        return Units(np.arange(count), np.zeros(count), np.full(count, self.rows),
+                     np.full(count, parts))  # fmt: skip
 
 
 class SimulatedCounts:

@@ -29,8 +29,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
-
 from torchtitan import REPO_ROOT
 from torchtitan.data import hub, pretokenized_read
 from torchtitan.data.spec import (
@@ -39,6 +37,7 @@ from torchtitan.data.spec import (
     BadText,
     DataError,
     SourceSpec,
+    Units,
     _data_suffix,
     check_column,
     is_remote,
@@ -256,13 +255,11 @@ class MapSource:
         """What the source holds now, in the measure a pass is cut by: its rows."""
         return len(self.ds)
 
-    def units(self, extent: int | None = None) -> np.ndarray:
-        """Row ranges ``(0, lo, hi)`` (an int64 array ``[units, 3]``) over the first ``extent`` rows (all by default), of
-        ``spec.rows_per_unit`` rows. Cost: O(units)."""
+    def units(self, extent: int | None = None) -> Units:
+        """Row ranges ``(0, lo, hi)`` over the first ``extent`` rows (all by default), of
+        ``spec.rows_per_unit`` rows (``spec.Units``). Cost: O(1)."""
         rows = len(self.ds) if extent is None else extent
-        size = rows_per_unit(rows)
-        lo = np.arange(0, rows, size, dtype=np.int64)
-        return np.stack([np.zeros_like(lo), lo, np.minimum(lo + size, rows)], axis=1)
+        return Units([0], [0], [rows], [-(-rows // rows_per_unit(rows))] if rows else [0])
 
     def read(self, unit: tuple[int, int, int], at: int):
         """``(docs, next_at, None)``: up to ``READ_ROWS`` documents of ``unit`` from row

@@ -38,6 +38,7 @@ from torchtitan.data.spec import (
     BadText,
     DataError,
     SourceSpec,
+    Units,
     check_column,
     is_remote,
     rows_per_unit,
@@ -122,7 +123,7 @@ class StreamSource:
         self._starts: dict[int, tuple[int, ...]] = {}  # file -> first row of each block, total
         for f, counts in (block_rows or {}).items():  # from the data plan: no footer to read
             self._starts[f] = _starts_of(counts)
-        self._units: dict[int, np.ndarray] = {}  # file -> its units
+        self._units: dict[int, Units] = {}  # file -> its units
         self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
         self.rows_decoded = 0
         # From a data plan: the count and the column check were made once for the job.
@@ -144,19 +145,17 @@ class StreamSource:
         reads the files there were when it began; later ones join the next)."""
         return len(self.spec.files)
 
-    def units(self, extent: int | None = None) -> np.ndarray:
+    def units(self, extent: int | None = None) -> Units:
         """The units ``(file, lo, hi)`` of the first ``extent`` files (all by default), in
-        file order, as an int64 array of shape ``[units, 3]`` (24 bytes a unit): rows ``[lo, hi)`` of the file (bytes for JSON lines; ``hi = -1`` is
+        file order (``spec.Units``: O(blocks) integers): rows ``[lo, hi)`` of the file (bytes for JSON lines; ``hi = -1`` is
         the file's end). A pure function of those files, so it is the same on every start
         and does not change when files are appended. Cost: O(blocks) once per file and
         process (a stat per JSON lines file)."""
         count = len(self.spec.files) if extent is None else extent
         for f in range(count):
             if f not in self._units:
-                units = self._reader.file_units(self, f)
-                self._units[f] = np.array(units, dtype=np.int64).reshape(len(units), 3)
-        parts = [self._units[f] for f in range(count)]
-        return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
+                self._units[f] = self._reader.file_units(self, f)
+        return Units.join([self._units[f] for f in range(count)])
 
     def block_starts(self, f: int) -> tuple[int, ...]:
         """First row of each block of file ``f``, then its row count (cached per file)."""
@@ -232,8 +231,9 @@ class _RowReader:
         the file's rows) rows, of about equal size."""
         starts = source.block_starts(f)
         size = rows_per_unit(starts[-1])
-        return [unit for a, b in zip(starts, starts[1:]) if b > a
-                for unit in _cut(f, a, b, -(-(b - a) // size))]  # fmt: skip
+        blocks = [(a, b) for a, b in zip(starts, starts[1:]) if b > a]
+        return Units([f] * len(blocks), [a for a, _ in blocks], [b for _, b in blocks],
+                     [-(-(b - a) // size) for a, b in blocks])  # fmt: skip
 
     def read(self, source: StreamSource, unit, at: int):
         f, _, hi = unit
@@ -249,12 +249,6 @@ class _RowReader:
 
     def document_estimate(self, path: str) -> int:
         return int(sum(self.block_rows(path)))
-
-
-def _cut(f: int, lo: int, hi: int, parts: int) -> list[tuple[int, int, int]]:
-    """``[lo, hi)`` of file ``f`` as ``parts`` ranges of equal size (empty ones dropped)."""
-    cuts = [lo + (hi - lo) * j // parts for j in range(parts + 1)]
-    return [(f, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 class ParquetReader(_RowReader):
@@ -433,10 +427,10 @@ class JsonLinesReader:
         file is one unit. Cost: a stat, no data read."""
         path = self.spec.files[f]
         if _compressed(path):
-            return [(f, 0, -1)]
+            return Units([f], [0], [-1], [1])
         size = _file_size(path)
         step = max(MIN_UNIT_BYTES, min(UNIT_BYTES, -(-size // MIN_FILE_UNITS)))
-        return [(f, a, min(a + step, size)) for a in range(0, size, step)]
+        return Units([f], [0], [size], [max(1, -(-size // step))])
 
     def _stream(self, f: int, at: int):
         """File ``f`` open at byte ``at``. A compressed or remote file stays open between
