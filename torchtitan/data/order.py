@@ -191,6 +191,8 @@ class SourceOrder:
         """Documents skipped (no tokens) before ``cursor`` since the stream's start."""
         partial = 0
         for _, k, token in cursor.lanes:
+            if token == 0:  # a lane not begun on its unit: nothing passed (and nothing
+                continue  # to measure here: its counts may not exist yet)
             counts = self.unit_counts(cursor, k)
             j = int(np.searchsorted(counts.cum, token, side="right"))
             partial += int((counts.lengths[:j] == 0).sum())
