@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from torchtitan.data.spec import (
 UNIT_BYTES = 4 << 20
 # And of at least this many bytes: a small file's ranges would mostly hold no line.
 MIN_UNIT_BYTES = 4 << 10
+# Decoded blocks a process keeps (by their values' size), per source: a row group's units
+# are read one after another by the lanes, each decoding it again without this.
+KEEP_BLOCK_BYTES = 256 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
 # Bytes read from each file to estimate a JSON lines source's document count.
@@ -125,6 +129,8 @@ class StreamSource:
             self._starts[f] = _starts_of(counts)
         self._units: dict[int, Units] = {}  # file -> its units
         self._decoded = weakref.WeakValueDictionary()  # (file, block) -> _Block held by a reader
+        self._kept: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # the last read
+        self._kept_bytes = 0
         self.rows_decoded = 0
         # From a data plan: the count and the column check were made once for the job.
         self._documents = documents
@@ -133,7 +139,8 @@ class StreamSource:
 
     def __getstate__(self):
         # Loader workers decode their own blocks; a weak cache does not pickle.
-        return {**self.__dict__, "_decoded": None, "rows_decoded": 0}
+        return {**self.__dict__, "_decoded": None, "rows_decoded": 0, "_kept": OrderedDict(),
+                "_kept_bytes": 0}  # fmt: skip
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -183,12 +190,34 @@ class StreamSource:
             block = self._reader.decode(self, self.spec.files[f], b)
             self._decoded[(f, b)] = block
             self.rows_decoded += len(block.values)
+        self._keep(f, b, block)
         return block
+
+    def _keep(self, f: int, b: int, block: _Block):
+        """Keep the blocks last read, up to ``KEEP_BLOCK_BYTES`` of their values: a block's
+        units are taken by lanes one after the other, and decoding it again for each
+        would cost a row group per unit."""
+        kept = self._kept
+        if (f, b) in kept:
+            kept.move_to_end((f, b))
+            return
+        size = _block_bytes(block)
+        kept[(f, b)] = (block, size)
+        self._kept_bytes += size
+        while self._kept_bytes > KEEP_BLOCK_BYTES and len(kept) > 1:
+            _, (_, gone) = kept.popitem(last=False)
+            self._kept_bytes -= gone
 
     def document(self, block: _Block, i: int) -> tuple[str, object]:
         value = block.values[i]
         doc_id = block.ids[i] if block.ids is not None else None
         return (str(doc_id) if doc_id is not None else _doc_id(value)), value
+
+
+def _block_bytes(block: _Block) -> int:
+    """About what a decoded block holds: its texts' characters (or token arrays' bytes)."""
+    return sum(v.nbytes if isinstance(v, np.ndarray) else len(v) if isinstance(v, str) else 64
+               for v in block.values) + 64 * len(block.values)  # fmt: skip
 
 
 def _starts_of(counts: list[int]) -> tuple[int, ...]:

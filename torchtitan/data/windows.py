@@ -57,7 +57,8 @@ class DocumentReader:
     """One source's documents by (unit, row), read ahead in order, a few kept tokenized."""
 
     KEEP_READS = LANES + 8  # units whose rows read ahead are kept (one per lane, and some)
-    KEEP_TOKENS = 2 * LANES  # documents kept tokenized (a lane's may span its windows)
+    KEEP_TOKENS = 8 * LANES  # documents kept tokenized: a lane's last ones outlive a round
+    # of the other lanes (each window touches about two)
     TRIM = 64  # rows a kept read drops at once once they are behind the lane
 
     def __init__(self, source, order: SourceOrder, tokenizer, bad_data: str):
