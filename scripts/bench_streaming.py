@@ -164,7 +164,8 @@ def our_rate(tokenizer, where: str, streaming: bool, workers: int, seq_len: int,
     for _ in range(batches):
         next(loader)
     rate = batches * seq_len * BATCH / (time.perf_counter() - start)
-    units = loader.stream.orders[0].index.units  # what the order shuffles (documents, blocks)
+    order = loader.stream.orders[0]
+    units = len(order.units(order.source.extent()))  # what the order shuffles
     del loader
     return rate, {"units": units, "warmup_batches": warmup}
 

@@ -11,11 +11,12 @@ window, so it stops the run).
 Which rank reads window ``g`` is the loader's concern: any process can read any window,
 knowing only the position.
 
-A process holds, per source, the undecoded-no-more rows of at most ``KEEP_READS``
-units (each read is the rest of a unit's block, at most ``UNIT_ROWS`` rows, or
-``READ_BYTES`` of JSON lines, or ``READ_ROWS`` dataset rows), consumed rows dropped as
-the lanes move on: with 32 lanes of 1,024-row units, about 32 x 512 documents; and the
-tokens of ``KEEP_TOKENS`` documents.
+A process holds, per source, the decoded rows of at most ``KEEP_READS`` units (each
+read is the rest of a unit's rows in its block, at most ``UNIT_ROWS``, or ``READ_BYTES``
+of JSON lines, or ``READ_ROWS`` dataset rows), consumed rows dropped as the lanes move
+on: with 32 lanes of 256-row units, about 32 x 128 documents; the tokens of
+``KEEP_TOKENS`` documents; and, for parquet and Arrow, the blocks last decoded
+(streaming.KEEP_BLOCK_BYTES).
 
 Never: touch torch.distributed, the DataLoader or checkpoint files; decide which rank
 reads which window.
