@@ -132,9 +132,19 @@ def check_gpu_check(r: dict):
             assert row["note"].startswith("not run: CPU"), row
 
 
+def check_order(r: dict):
+    mix = r["mix"]
+    for world in (1, 2):
+        lanes, one = mix[f"lanes, {world} ranks"], mix[f"one lane (control), {world} ranks"]
+        assert lanes["files_per_step_median"] > one["files_per_step_median"], mix
+    assert positive(r["memory"]["peak_mb"]) and r["memory"]["units_asked"] < r["memory"]["units"]
+    assert positive(r["throughput"]["ours"]["median"])
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
     "bench_data.py": check_data,
+    "bench_order.py": check_order,
     "bench_pretokenized.py": check_pretokenized,
     "bench_resume.py": check_resume,
     "bench_step.py": check_step,
