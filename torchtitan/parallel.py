@@ -111,12 +111,14 @@ def init_distributed(timeout_s: int = 300) -> ParallelDims:
         dist.init_process_group(pg_backend, timeout=timedelta(seconds=timeout_s))
     if not dist.is_initialized():
         return ParallelDims(rank, world, local_rank, device, backend)
-    return ParallelDims(
-        rank, world, local_rank, device, backend,
-        cpu_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
-        control_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
-        store=_job_store(),
-    )  # fmt: skip
+    cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # Every rank has connected both groups before any goes on: a rank that then stops
+    # at once (a bad config) and closes its sockets would otherwise break a slower
+    # peer's connecting with "Connection closed by peer", not the one-line error.
+    dist.barrier(group=control_group)
+    return ParallelDims(rank, world, local_rank, device, backend, cpu_group=cpu_group,
+                        control_group=control_group, store=_job_store())  # fmt: skip
 
 
 def device_type() -> str:
