@@ -243,12 +243,6 @@ def inspect_file(spec: SourceSpec, path: str) -> tuple[int, list[int] | None]:
     return reader.document_estimate(path), None
 
 
-def document_estimate(spec: SourceSpec, path: str) -> int:
-    """Documents in one file of a streaming source (parquet and Arrow footers' row counts;
-    an estimate for JSON lines)."""
-    return inspect_file(spec, path)[0]
-
-
 class _RowReader:
     """Formats whose blocks' row counts are known without decoding (parquet, Arrow, text)."""
 
