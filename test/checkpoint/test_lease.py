@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -95,24 +94,48 @@ def test_a_stale_lease_is_taken_over_with_a_warning_a_fresh_one_is_not(tmp_path,
     lease.release()
 
 
-def test_a_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
-    """A holder on this host and pid namespace whose process is gone (kill -9, then a
-    relaunch on the same node) is taken over without waiting for the timeout; the same
-    record with a live pid (this process) is waited for."""
-    from torchtitan.checkpoint.lease import _pid_namespace
+def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path):
+    """A holder on this machine (boot id) and pid namespace whose process is gone (kill
+    -9, then a relaunch on the same node), or whose pid a later process took, is taken
+    over without waiting for the timeout. Waited for: the same record with a live pid
+    (this process), and a dead pid of another pid namespace (another container, which
+    may share the host name) or of another machine (another boot id)."""
+    from torchtitan import claims
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    record = foreign_lease(tmp_path, age_s=0.0, timeout_s=600)
-    here = {**record, "host": socket.gethostname(), "pid_ns": _pid_namespace()}
-    (tmp_path / LEASE).write_text(json.dumps({**here, "pid": os.getpid()}))
-    with pytest.raises(CheckpointError, match="in use by another job"):
-        Lease(str(tmp_path), timeout_s=600, wait_s=0).acquire()
-    (tmp_path / LEASE).write_text(json.dumps({**here, "pid": dead.pid}))
-    lease = Lease(str(tmp_path), timeout_s=600, wait_s=0)
-    lease.acquire()
-    assert json.loads((tmp_path / LEASE).read_text())["token"] == lease.token
-    lease.release()
+    here = {**claims.record(), "job_id": "4242", "timeout_s": 600, "token": "theirs"}
+    waited = [
+        {**here, "pid": os.getpid()},
+        {**here, "pid": dead.pid, "pid_ns": "pid:[1]"},
+        {**here, "pid": dead.pid, "boot_id": "another-machine"},
+    ]
+    for record in waited:
+        (tmp_path / LEASE).write_text(json.dumps(record))
+        with pytest.raises(CheckpointError, match="in use by another job"):
+            Lease(str(tmp_path), timeout_s=600, wait_s=0).acquire()
+    for record in ({**here, "pid": dead.pid}, {**here, "pid": os.getpid(), "start": 1}):
+        (tmp_path / LEASE).write_text(json.dumps(record))
+        lease = Lease(str(tmp_path), timeout_s=600, wait_s=0)
+        lease.acquire()
+        assert json.loads((tmp_path / LEASE).read_text())["token"] == lease.token
+        lease.release()
+
+
+def test_a_torn_lease_is_judged_by_its_age(tmp_path):
+    """A lease left empty or half-written (a kill -9 between a create and its write, on a
+    file system without links) names no holder: within this job's timeout it is waited
+    for, past it taken over. A new lease is never seen torn: it is published whole."""
+    for torn in ("", '{"host": "elsewh'):
+        (tmp_path / LEASE).write_text(torn)
+        with pytest.raises(CheckpointError, match="whose claim is torn"):
+            Lease(str(tmp_path), timeout_s=2, wait_s=0.3).acquire()
+        old = time.time() - 3
+        os.utime(tmp_path / LEASE, (old, old))
+        lease = Lease(str(tmp_path), timeout_s=2, wait_s=0)
+        lease.acquire()
+        assert json.loads((tmp_path / LEASE).read_text())["token"] == lease.token
+        lease.release()
 
 
 def test_the_heartbeat_is_renewed_off_the_training_thread_and_a_loss_is_noticed(tmp_path):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import cfg, write_parquet
 
+from torchtitan import claims
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data import index as length_index
 from torchtitan.data.plan import check_shared_folder
@@ -187,34 +188,135 @@ def test_two_processes_share_the_measuring_each_unit_once(tmp_path):
     assert len(list((tmp_path / "counts").rglob("*.npz"))) == 64
 
 
-def _claim(counts, unit, pid: int, host: str):
+def _claim(counts, unit, pid: int, **fields) -> str:
+    """A claim on ``unit`` of a process ``pid`` of this machine (as ``claims.record``
+    writes it, ``fields`` changed), as rank 7."""
     path = counts.path(unit) + ".claim"
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"host": host, "pid": pid, "rank": "7", "since": time.time()}, f)
+        json.dump({**claims.record(rank="7"), "pid": pid, **fields}, f)
+    return path
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    return dead.pid
 
 
 def test_waiting_on_another_process_has_a_limit_and_names_it(tmp_path, tokenizer):
     """A unit claimed by a live process that never finishes: the wait ends after
     ``length_index_wait_seconds`` in one line naming rank, pid and host (and the units
     ahead are measured meanwhile). Negative control: a claim of a dead process of this
-    host is taken over at once."""
+    machine is taken over at once."""
     folder = corpus(tmp_path / "c", files=1)
     c = cfg(folder, length_index_dir=tmp_path / "counts", length_index_wait_seconds=0.5,
             streaming="true")  # fmt: skip
     order = build_stream(c.training, tokenizer).orders[0]
     units = order.units(1)
     host = socket.gethostname()
-    _claim(order.counts, units[0], os.getpid(), host)
+    _claim(order.counts, units[0], os.getpid())
     with pytest.raises(
-        DataError, match=rf"waited \d+ s for .* rank 7 \(pid {os.getpid()} on {host}\)"
+        DataError, match=rf"waited \d+ s for .* rank 7, host {host}, pid {os.getpid()}"
     ):
         order.counts.counts(units[0], units[1:4])
     assert order.counts.measured == 3  # the units ahead, measured while it waited
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    _claim(order.counts, units[5], dead.pid, host)
+    _claim(order.counts, units[5], _dead_pid())
     assert order.counts.counts(units[5]).total > 0
+
+
+def test_a_dead_pid_of_another_container_or_machine_is_waited_for(tmp_path, tokenizer):
+    """The same host name is no evidence: a claim whose pid is free here but which was
+    made in another pid namespace (another container on this machine) or on another
+    machine (another boot id) may be a live measurer, judged by its heartbeat alone:
+    waited for until ``length_index_wait_seconds``. Negative control: the same dead pid
+    of this namespace is taken over at once."""
+    folder = corpus(tmp_path / "c", files=1)
+    c = cfg(folder, length_index_dir=tmp_path / "counts", length_index_wait_seconds=0.3,
+            streaming="true")  # fmt: skip
+    order = build_stream(c.training, tokenizer).orders[0]
+    units = order.units(1)
+    dead = _dead_pid()
+    for u, other in ((0, {"pid_ns": "pid:[1]"}), (1, {"boot_id": "another-machine"})):
+        _claim(order.counts, units[u], dead, **other)
+        with pytest.raises(DataError, match="waited"):
+            order.counts.counts(units[u])
+    _claim(order.counts, units[2], dead)
+    assert order.counts.counts(units[2]).total > 0 and order.counts.measured == 1
+
+
+def test_a_torn_claim_is_judged_by_its_age(tmp_path, tokenizer, monkeypatch):
+    """A claim left empty or half-written names no holder to ask: it is waited for while
+    it is younger than ``CLAIM_STALE_S`` (1.5 s here) and taken over once it is older, so a
+    later process never waits out ``length_index_wait_seconds`` on nobody. Negative
+    control: a fresh one is not taken over before the limit."""
+    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 1.5)
+    folder = corpus(tmp_path / "c", files=1)
+    c = cfg(folder, length_index_dir=tmp_path / "counts", length_index_wait_seconds=30,
+            streaming="true")  # fmt: skip
+    order = build_stream(c.training, tokenizer).orders[0]
+    units = order.units(1)
+    for u, torn in ((0, ""), (1, '{"host": "h')):
+        path = order.counts.path(units[u]) + ".claim"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(torn)
+        old = time.time() - 5
+        os.utime(path, (old, old))
+        begin = time.monotonic()
+        assert order.counts.counts(units[u]).total > 0
+        assert time.monotonic() - begin < 1.0  # older than the limit: taken over at once
+    path = order.counts.path(units[2]) + ".claim"
+    open(path, "w").close()
+    begin = time.monotonic()
+    assert order.counts.counts(units[2]).total > 0
+    assert 1.0 < time.monotonic() - begin < 10
+    assert order.counts.measured == 3 and not list((tmp_path / "counts").rglob("*.claim"))
+
+
+KILLED_AT_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    from helpers import cfg
+    from torchtitan import claims
+    from torchtitan.data import build_stream
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    stream = build_stream(cfg(sys.argv[1], length_index_dir=sys.argv[2], streaming="true").training,
+                          Tokenizer(DEFAULT_TOKENIZER_PATH))
+    def no_links(*_):
+        raise PermissionError("this file system has no hard links")
+    os.link = no_links  # the fallback: an exclusive create, then the write
+    dump, calls = claims.json.dump, []
+    def killed(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the write after the create: killed right before it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return dump(*args, **kw)
+    claims.json.dump = killed
+    order = stream.orders[0]
+    order.counts.counts(order.units(1)[0])
+""")
+
+
+def test_a_measurer_killed_between_create_and_write_is_taken_over(tmp_path, tokenizer,
+                                                                   monkeypatch):  # fmt: skip
+    """A process killed -9 between a claim's exclusive create and its write leaves an
+    empty claim; the next process takes the unit over within ``CLAIM_STALE_S`` (1.5 s
+    here) and measures it, instead of waiting ``length_index_wait_seconds`` for nobody."""
+    folder = corpus(tmp_path / "c", files=1)
+    counts = tmp_path / "counts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["test", "."])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_WRITE, str(folder), str(counts)],
+                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (torn,) = counts.rglob("*.claim")
+    assert torn.read_text() == ""
+    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 1.5)
+    c = cfg(folder, length_index_dir=counts, length_index_wait_seconds=30, streaming="true")
+    order = build_stream(c.training, tokenizer).orders[0]
+    begin = time.monotonic()
+    assert order.counts.counts(order.units(1)[0]).total > 0
+    assert time.monotonic() - begin < 1.5 + 5
+    assert order.counts.measured == 1 and not torn.exists()
 
 
 def test_measuring_and_waiting_say_how_far_they_are(tmp_path, tokenizer, monkeypatch):

@@ -9,12 +9,16 @@ A job that finds a live holder waits up to ``wait_s`` for it to go (the requeue 
 a preempted job still writing its last checkpoint while its successor starts), then
 stops with one line naming the holder. A lease whose heartbeat is older than the
 holder's own timeout is stale (its job was killed) and is taken over with a warning;
-so is, at once, one whose holder ran on this host, in this pid namespace, and whose
-process is gone (a ``kill -9`` relaunched on the same node need not wait the timeout).
-The live holder is never touched: a job only replaces a lease it has seen go stale,
-under a short-lived takeover file created with ``O_EXCL``.
+so is, at once, one whose holder ran on this machine (its boot id), in this pid
+namespace, and whose process is gone (a ``kill -9`` relaunched on the same node need
+not wait the timeout).
+The live holder is never touched: a job only replaces a lease it has seen go stale.
+Creating, judging and taking over are ``torchtitan.claims``'s, the same rule the count
+claims follow: the record is published whole (written aside, then linked onto
+``lease.json``), a torn lease (empty or half-written) is judged by its age, and "its
+process is gone" needs this kernel's boot id and pid namespace, never the host name.
 
-Cost: taking it: one ``O_EXCL`` create (plus polls of one small file while waiting);
+Cost: taking it: one small file written and linked (plus polls of it while waiting);
 holding it: one small read and one ``utime`` per heartbeat, off the training thread.
 
 Never: read or write checkpoints, or stop the holder's job.
@@ -23,14 +27,12 @@ Never: read or write checkpoints, or stop the holder's job.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 
+from torchtitan import claims
 from torchtitan.checkpoint.folder import CheckpointError
 
 logger = logging.getLogger("torchtitan")
@@ -49,9 +51,7 @@ def job_id() -> str | None:
 
 
 def describe(holder: dict) -> str:
-    job = f"job {holder['job_id']}, " if holder.get("job_id") else ""
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return f"{job}host {holder.get('host')}, pid {holder.get('pid')}, started {started}"
+    return claims.describe(holder)
 
 
 class Lease:
@@ -60,7 +60,9 @@ class Lease:
     def __init__(self, folder: str, timeout_s: float, wait_s: float):
         self.folder, self.timeout_s, self.wait_s = folder, timeout_s, wait_s
         self.path = os.path.join(folder, LEASE)
-        self.token = uuid.uuid4().hex
+        self.record = claims.record(job_id=job_id(), timeout_s=timeout_s)
+        self.record["started"] = self.record["since"]
+        self.token = self.record["token"]
         self.held = False
         self.lost: dict | None = None  # the holder that took it over, if one did
         self._stop = threading.Event()
@@ -70,39 +72,40 @@ class Lease:
     def heartbeat_s(self) -> float:
         return max(0.05, min(10.0, self.timeout_s / 6))
 
-    def _record(self) -> dict:
-        return {"host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
-                "job_id": job_id(), "started": time.time(), "timeout_s": self.timeout_s,
-                "token": self.token}  # fmt: skip
-
     def acquire(self):
         """Take the lease, waiting up to ``wait_s`` for a live holder; raise if it stays."""
         os.makedirs(self.folder, exist_ok=True)
         deadline = time.monotonic() + self.wait_s
         said = False
         while True:
-            if self._create():
+            if claims.create(self.path, self.record, durable=True):
                 break
-            holder, age = self._read()
-            if holder is None:  # released meanwhile: create it again
+            seen = claims.read(self.path)
+            if seen is None:  # released meanwhile: create it again
                 continue
-            why = self._gone(holder, age)
+            why = claims.gone(seen, self._stale_s(seen.record))
             if why is not None:
-                if self._take_over(holder, why):
+                if claims.take_over(self.path, seen, self.record, self._stale_s(seen.record),
+                                    durable=True):  # fmt: skip
+                    logger.warning(
+                        "taking over the lease on %s from %s: %s, so that job is gone",
+                        self.folder, describe(seen.record), why,
+                    )  # fmt: skip
                     break
+                time.sleep(_POLL_S / 5)
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CheckpointError(
-                    f"checkpoint folder {self.folder} is in use by another job ({describe(holder)}, "
-                    f"heartbeat {age:.0f}s ago); waited {self.wait_s:g}s "
-                    f"(checkpoint.lease_wait_seconds) for it to exit. Stop that job, or give "
-                    f"this one its own --job.dump_folder"
+                    f"checkpoint folder {self.folder} is in use by another job "
+                    f"({describe(seen.record)}, heartbeat {seen.age:.0f}s ago); waited "
+                    f"{self.wait_s:g}s (checkpoint.lease_wait_seconds) for it to exit. Stop "
+                    f"that job, or give this one its own --job.dump_folder"
                 )
             if not said:
                 logger.warning(
                     "checkpoint folder %s is held by %s: waiting up to %gs for it to exit",
-                    self.folder, describe(holder), self.wait_s,
+                    self.folder, describe(seen.record), self.wait_s,
                 )  # fmt: skip
                 said = True
             time.sleep(min(_POLL_S, left))
@@ -110,79 +113,18 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name="ckpt-lease", daemon=True)
         self._thread.start()
 
-    def _gone(self, holder: dict, age: float) -> str | None:
-        """Why the holder's job is gone (so its lease may be taken over), or None."""
-        timeout = float(holder.get("timeout_s", self.timeout_s))
-        if age > timeout:
-            return f"its heartbeat is {age:.0f}s old (timeout {timeout:g}s)"
-        if _process_gone(holder):
-            return "its process is gone"
-        return None
-
-    def _create(self) -> bool:
-        """Create the lease file if there is none (atomic: O_EXCL)."""
+    def _stale_s(self, holder: dict) -> float:
+        """The holder's own timeout (a torn lease, which names none: this job's)."""
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._record(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
-
-    def _read(self) -> tuple[dict | None, float]:
-        """The holder's record and its heartbeat's age in seconds; (None, 0) if there is no
-        lease, ``{}`` for one not written yet (or whose writer was killed mid-write)."""
-        try:
-            with open(self.path) as f:
-                age = time.time() - os.fstat(f.fileno()).st_mtime
-                try:
-                    return json.load(f), age
-                except ValueError:
-                    return {}, age
-        except FileNotFoundError:
-            return None, 0.0
-
-    def _take_over(self, holder: dict, why: str) -> bool:
-        """Replace a lease seen stale, under ``lease.json.takeover`` (O_EXCL) so that two
-        jobs taking over at once cannot both win, nor replace a fresh lease."""
-        lock = self.path + ".takeover"
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            with contextlib.suppress(FileNotFoundError):  # left by a job killed right there
-                if time.time() - os.stat(lock).st_mtime > max(self.timeout_s, 5.0):
-                    os.remove(lock)
-            time.sleep(_POLL_S / 5)
-            return False
-        os.close(fd)
-        try:
-            now, age = self._read()
-            if now is None or now.get("token") != holder.get("token"):
-                return False  # released or taken meanwhile: start over
-            if self._gone(now, age) is None:
-                return False  # its holder renewed it meanwhile: it is live
-
-            tmp = f"{self.path}.{self.token}"
-            with open(tmp, "w") as f:
-                json.dump(self._record(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        finally:
-            os.remove(lock)
-        logger.warning(
-            "taking over the lease on %s from %s: %s, so that job is gone",
-            self.folder, describe(holder), why,
-        )  # fmt: skip
-        return True
+            return float(holder.get("timeout_s", self.timeout_s))
+        except (TypeError, ValueError):
+            return self.timeout_s
 
     def _beat(self):
         renewed = time.monotonic()
         while not self._stop.wait(self.heartbeat_s):
             try:
-                holder, _ = self._read()
+                seen = claims.read(self.path)
             except OSError as e:  # a network filesystem's hiccup (ESTALE, EIO): try again
                 if time.monotonic() - renewed > self.timeout_s:
                     self.lost = {}
@@ -190,18 +132,17 @@ class Lease:
                                  "job stops at its next save", self.folder, self.timeout_s, e)  # fmt: skip
                     return
                 continue
-            if holder == {}:  # being written this instant (a takeover): look next beat
+            if seen is not None and seen.torn:  # a fallback file system's write: look again
                 continue
-            if holder is None or holder.get("token") != self.token:
-                self.lost = holder or {}
+            if seen is None or seen.record.get("token") != self.token:
+                self.lost = seen.record if seen is not None else {}
                 logger.error(
                     "the lease on %s was lost (%s): another job may write there; this job "
                     "stops at its next save", self.folder,
-                    describe(holder) if holder else "the file was removed",
+                    describe(seen.record) if seen is not None else "the file was removed",
                 )  # fmt: skip
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            if claims.touch(self.path):
                 renewed = time.monotonic()
 
     def check(self):
@@ -221,33 +162,5 @@ class Lease:
             self._thread = None
         if self.held:
             self.held = False
-            holder, _ = self._read()
-            if holder is not None and holder.get("token") == self.token:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
-
-
-def _pid_namespace() -> str | None:
-    """This process's pid namespace (Linux), so that a pid is only compared within one."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _process_gone(holder: dict) -> bool:
-    """Whether the holder ran on this host, in this pid namespace, and its pid is free.
-
-    Anything less certain (another host, another container, no namespace) says False:
-    only the heartbeat's age decides then. A recycled pid also says False (the wait).
-    """
-    same = holder.get("host") == socket.gethostname() and holder.get("pid_ns")
-    if not same or holder["pid_ns"] != _pid_namespace():
-        return False
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, TypeError):
-        return False
-    return False
+            with contextlib.suppress(OSError):
+                claims.release(self.path, self.token)

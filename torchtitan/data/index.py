@@ -15,11 +15,13 @@ process that needs counts.
   being measured; a relaunch, another job, or another node reading the same folder
   reuses the rest.
 - **Dynamic work.** A process that needs a unit no one has measured claims it (a
-  ``.claim`` file created exclusively, naming host, pid and rank, its mtime refreshed
-  while it measures) and measures it. Where another holds the claim, the process
-  measures the next unclaimed units ahead of it meanwhile (the ranks of a job split the
-  work of the steps ahead), and takes over a claim whose holder stopped refreshing it
-  (``CLAIM_STALE_S``) or is a dead process of its own host. Waiting has a limit
+  ``.claim`` file published whole, naming host, pid and rank, its mtime refreshed
+  while it measures: ``torchtitan.claims``, the lease's rule) and measures it. Where
+  another holds the claim, the process measures the next unclaimed units ahead of it
+  meanwhile (the ranks of a job split the work of the steps ahead), and takes over a
+  claim whose holder stopped refreshing it (``CLAIM_STALE_S``; a torn claim, empty or
+  half-written, is judged by that age alone) or is a dead process of this machine and
+  pid namespace. Waiting has a limit
   (``training.length_index_wait_seconds``) and ends in one line naming whom it waited for.
 
 Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs
@@ -39,7 +41,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 from collections import OrderedDict
@@ -48,6 +49,7 @@ from functools import cached_property
 
 import numpy as np
 
+from torchtitan import claims
 from torchtitan.data.packing import document_tokens
 from torchtitan.data.spec import UNIT_ROWS, DataError
 
@@ -159,10 +161,12 @@ class SourceCounts:
         self._mem: OrderedDict[tuple, UnitCounts] = OrderedDict()
         self.measured = 0
         self._writable = True
+        self._tokens: dict[tuple, str] = {}  # unit -> the token of this process's claim
         self._progress = _Progress(source.spec.name, log)
 
     def __getstate__(self):
-        return {**self.__dict__, "_mem": OrderedDict(), "measured": 0}  # a worker reads its own
+        # A worker reads its own, and holds no claim of its parent's.
+        return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {}}
 
     def _measure_unit(self, unit, heartbeat=None) -> UnitCounts:
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat)
@@ -243,72 +247,61 @@ class SourceCounts:
             _remove(path)
             return None
 
-    # ---- claims ----------------------------------------------------------------------
+    # ---- claims (torchtitan.claims: the lease's rule) -------------------------------
     def _claim(self, unit) -> bool:
         """Claim ``unit`` for this process (True), unless its counts exist or another live
-        process holds it. Takes over a stale claim."""
+        process holds it. Takes over a claim whose holder is gone (``claims.gone``: not
+        refreshed for ``CLAIM_STALE_S``, a torn claim included, or a dead process of this
+        machine and pid namespace)."""
         path = self.path(unit)
         if os.path.exists(path):
             return False
         claim = path + ".claim"
-        holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "rank": os.environ.get("RANK", "0"), "since": time.time()}  # fmt: skip
-        for _ in range(2):
+        record = claims.record(rank=os.environ.get("RANK", "0"))
+        for _ in range(3):
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if not self._stale(claim):
-                    return False
-                _remove(claim)  # its holder is gone: take it over
-                continue
+                if claims.create(claim, record):
+                    break
+                seen = claims.read(claim)
             except OSError as e:  # a read-only folder: measure here, keep it in memory
                 self._cannot_write(e)
                 return not os.path.exists(path)
-            with os.fdopen(fd, "w") as f:
-                json.dump(holder, f)
-            if os.path.exists(path):  # measured between the check and the claim
-                _remove(claim)
+            if seen is None:
+                continue  # released meanwhile: the counts are there, or it can be made
+            why = claims.gone(seen, CLAIM_STALE_S)
+            if why is None:
                 return False
-            return True
-        return False
+            if claims.take_over(claim, seen, record, CLAIM_STALE_S):
+                logger.warning("token counts %s: taking over the claim of %s: %s", path,
+                               claims.describe(seen.record), why)  # fmt: skip
+                break
+        else:
+            return False
+        self._tokens[unit] = record["token"]
+        if os.path.exists(path):  # measured between the check and the claim
+            self._release(unit)
+            return False
+        return True
 
-    def _stale(self, claim: str) -> bool:
-        try:
-            age = time.time() - os.stat(claim).st_mtime
-            with open(claim) as f:
-                holder = json.load(f)
-        except FileNotFoundError:
-            return False  # released: the counts are there, or the claim can be made
-        except (OSError, ValueError):
-            return False  # being written
-        if age > CLAIM_STALE_S:
-            return True
-        if holder.get("host") == socket.gethostname():
-            try:
-                os.kill(int(holder["pid"]), 0)
-            except ProcessLookupError:
-                return True
-            except (OSError, KeyError, ValueError):
-                return False
-        return False
+    def _release(self, unit):
+        claims.release(self.path(unit) + ".claim", self._tokens.pop(unit, ""))
 
     def _holder(self, unit) -> str:
         try:
-            with open(self.path(unit) + ".claim") as f:
-                h = json.load(f)
-            return f"rank {h.get('rank')} (pid {h.get('pid')} on {h.get('host')})"
-        except (OSError, ValueError):
-            return "another process"
+            seen = claims.read(self.path(unit) + ".claim")
+        except OSError:
+            seen = None
+        return claims.describe(seen.record) if seen is not None else "another process"
 
     def _measure_claimed(self, unit) -> UnitCounts:
         path = self.path(unit)
         claim = path + ".claim"
         try:
-            counts = self._measure(unit, heartbeat=lambda: _touch(claim))
+            counts = self._measure(unit, heartbeat=lambda: claims.touch(claim))
             self._write(path, unit, counts)
         finally:
-            _remove(claim)
+            self._release(unit)
         self.measured += 1
         self._progress.measured(counts.total)
         return counts
@@ -369,13 +362,6 @@ class _Progress:
         if self._due():
             logger.info("token counts of %s: waiting %.0f s for unit %s, measured by %s",
                         self.name, waited, unit, holder)  # fmt: skip
-
-
-def _touch(path: str):
-    try:
-        os.utime(path)
-    except OSError:
-        pass
 
 
 def _remove(path: str):
