@@ -492,13 +492,16 @@ def test_an_old_loader_state_is_refused_in_one_line(tmp_path, tokenizer):
     assert torch.equal(next(loader)["input"], next(untouched)["input"])  # still at the start
 
 
-def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer):
+@pytest.mark.parametrize("mode", ["true", "false"], ids=["streaming", "map-style"])
+def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer, mode):
     """4 parquet files, 2 steps into pass 0, then a fifth file appended and the run
     resumed: pass 0 goes on over the 4 files it began with and reads each of their tokens
-    once, none of the new file's; pass 1 reads all 5 files' tokens once. The data
-    fingerprints differ only by the appended file, which is no change to refuse. Negative
-    control: the cursor moved onto the grown corpus (its pass 0 over 5 files) reads
-    tokens twice or not at all."""
+    once, none of the new file's; pass 1 reads all 5 files' tokens once, from the
+    provenance spans. The data fingerprints differ only by the appended file, which is no
+    change to refuse. Map-style, pass 1 cuts other row ranges (8-row units over 128 rows,
+    6-row ones over 96), so a reader that kept pass 0's rows by a unit's index in the pass
+    reads stale rows there. Negative control: the cursor moved onto the grown corpus (its
+    pass 0 over 5 files, or 128 rows) reads tokens twice or not at all."""
     from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
     from torchtitan.data import local_plan
 
@@ -506,19 +509,19 @@ def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer
     old_lengths = lengths_of(DOCS[:96], tokenizer)
     all_lengths = lengths_of(DOCS, tokenizer)
     kw = dict(global_batch_size=8, length_index_dir=tmp_path / "counts")
-    (loader,) = streaming(folder, tokenizer, **kw)
+    (loader,) = loaders(folder, tokenizer, streaming=mode, **kw)
     before = spans_of(global_steps([loader], 2))
     state = loader.state_dict()
-    old_print = local_plan(loader_cfg(folder, tmp_path), tokenizer).fingerprint
+    old_print = local_plan(loader_cfg(folder, tmp_path, mode), tokenizer).fingerprint
     write_parquet(folder / "part-004.parquet", DOCS[96:], row_group=8)
-    new_print = local_plan(loader_cfg(folder, tmp_path), tokenizer).fingerprint
+    new_print = local_plan(loader_cfg(folder, tmp_path, mode), tokenizer).fingerprint
     assert fingerprint_diff(old_print, new_print) == []
     assert grown_sources(old_print, new_print) == [
         "source 'c': 1 file(s) appended (part-004.parquet)"
     ]
 
     def resumed(entry_change=None) -> list:
-        (grown,) = streaming(folder, tokenizer, **kw)
+        (grown,) = loaders(folder, tokenizer, streaming=mode, **kw)
         saved = {k: v for k, v in state.items()}
         if entry_change:
             entry = from_tensor(saved["dp_rank_0"])
@@ -536,7 +539,7 @@ def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer
     assert_spans_tile_every_document(pass_of(1), all_lengths, epochs=(1,))
 
     def onto_grown(entry):
-        entry["cursors"][0][1] = 5  # the pass's extent: all 5 files
+        entry["cursors"][0][1] = 5 if mode == "true" else 128  # all 5 files, or 128 rows
 
     moved = resumed(onto_grown)
     with pytest.raises(AssertionError):
@@ -545,7 +548,7 @@ def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer
         )
 
 
-def loader_cfg(folder, tmp_path):
+def loader_cfg(folder, tmp_path, mode="true"):
     from helpers import cfg
 
-    return cfg(folder, streaming="true", length_index_dir=tmp_path / "counts").training
+    return cfg(folder, streaming=mode, length_index_dir=tmp_path / "counts").training

@@ -66,21 +66,23 @@ class DocumentReader:
         self.source, self.order = source, order
         self.tokenizer, self.bad_data = tokenizer, bad_data
         self.name = source.spec.name
-        self._reads: OrderedDict[int, list] = OrderedDict()  # unit -> [first row, docs]
-        self._tokens: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (unit, row) ->
+        # Keyed by what a unit is, its range (file, lo, hi), never by its index in a pass:
+        # a map-style pass over a grown corpus cuts other ranges, so the same index of
+        # another pass is other rows.
+        self._reads: OrderedDict[tuple, list] = OrderedDict()  # unit -> [first row, docs]
+        self._tokens: OrderedDict[tuple, tuple] = OrderedDict()  # (unit, row) -> document
 
     def __getstate__(self):
         # A worker starts with no documents of its own process's reads.
         return {**self.__dict__, "_reads": OrderedDict(), "_tokens": OrderedDict()}
 
-    def document(self, u: int, unit: tuple, row: int, counts) -> tuple[str, np.ndarray]:
-        """(doc_id, tokens) of ``row`` of unit ``u`` (``unit`` its range), whose counts
-        are ``counts``."""
-        key = (u, row)
+    def document(self, unit: tuple, row: int, counts) -> tuple[str, np.ndarray]:
+        """(doc_id, tokens) of ``row`` of ``unit`` (its range), whose counts are ``counts``."""
+        key = (unit, row)
         hit = self._tokens.get(key)
         if hit is not None:
             return hit
-        doc_id, value = self._raw(u, unit, row, counts)
+        doc_id, value = self._raw(unit, row, counts)
         tokens = document_tokens(self.tokenizer, doc_id, value, self.name, self.bad_data)
         expected = int(counts.lengths[row])
         if (0 if tokens is None else len(tokens)) != expected:
@@ -96,19 +98,19 @@ class DocumentReader:
             self._tokens.popitem(last=False)
         return doc_id, tokens
 
-    def _raw(self, u: int, unit: tuple, row: int, counts) -> tuple[str, object]:
-        kept = self._reads.get(u)
+    def _raw(self, unit: tuple, row: int, counts) -> tuple[str, object]:
+        kept = self._reads.get(unit)
         if kept is not None and kept[0] <= row < kept[0] + len(kept[1]):
-            self._reads.move_to_end(u)
+            self._reads.move_to_end(unit)
         else:
-            kept = self._read(u, unit, row, counts)
+            kept = self._read(unit, row, counts)
         first, docs = kept
         if row - first >= self.TRIM:  # the lane is past these rows
             kept[0], kept[1] = row, docs[row - first :]
             first, docs = kept
         return docs[row - first]
 
-    def _read(self, u: int, unit: tuple, row: int, counts) -> list:
+    def _read(self, unit: tuple, row: int, counts) -> list:
         """The rows of one read of ``unit`` from ``row`` on, kept in place of the unit's
         last read. Checked against the counts' positions: a file that changed under the
         same signature stops the run here."""
@@ -129,8 +131,8 @@ class DocumentReader:
                     "training.length_index_dir)"
                 )
         kept = [row, [(doc_id, value) for _, _, doc_id, value in docs]]
-        self._reads[u] = kept
-        self._reads.move_to_end(u)
+        self._reads[unit] = kept
+        self._reads.move_to_end(unit)
         if len(self._reads) > self.KEEP_READS:
             self._reads.popitem(last=False)
         return kept
@@ -213,7 +215,7 @@ class TokenStream:
             at = lo
             while at < hi:
                 row, token = counts.row_at(at)
-                doc_id, tokens = reader.document(u, unit, row, counts)
+                doc_id, tokens = reader.document(unit, row, counts)
                 take = min(hi - at, len(tokens) - token)
                 if take <= 0:  # unreachable while the length check in DocumentReader holds
                     raise DataError(f"dataset {reader.name!r}: no token at {at} of unit {unit}")
