@@ -28,6 +28,7 @@ from torchtitan.data import (
 from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
+from torchtitan.launcher import watch_launcher
 from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     restarted = parallel.torchrun_restart_problem()
     if restarted:  # before the process groups, which is where it would fail
         return _one_line(int(os.environ.get("RANK", "0")), restarted)
+    launcher = watch_launcher()  # a rank whose torchrun died stops as on SIGTERM
     dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
     setup_logging(dims.rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         raise  # a bug, or a failure of this rank's own: keep the traceback
     finally:
         parallel.destroy_distributed()
+        if launcher is not None:
+            launcher.close()
     return 0
 
 

@@ -593,6 +593,39 @@ def _wait(condition, seconds: float) -> float | None:
 
 
 @pytest.mark.slow
+def test_a_killed_launcher_stops_its_ranks_and_the_relaunch_is_exact(tmp_path, uninterrupted):
+    """torchrun alone is killed -9 after step 4 of 10 (2 ranks, each with a loader worker):
+    its ranks, each in a session of its own, notice within a second, stop after the same
+    step as on SIGTERM, write that step's checkpoint and exit; no process of the job is
+    left within 15 s. The relaunch resumes from that step, not from the last one, to
+    losses equal to an uninterrupted run's. Negative control (the launcher watch off):
+    the orphaned ranks train on to step 10, so no step before it is the newest."""
+    dump = tmp_path / "job"
+    log = tmp_path / "job.log"
+    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    try:
+        assert _wait(lambda: _steps_logged(dump) >= 4, 240) is not None, log.read_text()
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        took = _wait(lambda: not _job_processes(dump), 15)
+        assert took is not None, f"left after 15 s: {_job_processes(dump)}\n{log.read_text()}"
+    finally:
+        for pid in _job_processes(dump):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    step = preempted_step(text)
+    assert 4 <= step < 10 and "the launcher (pid" in text, text[-3000:]
+    assert complete_steps(str(dump / "checkpoint"))[-1] == step
+    relaunch = torchrun([*FAULT_JOB, "--job.dump_folder", dump])
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert f"step-{step}" in relaunch.stderr.split("loaded checkpoint", 1)[1][:300]
+    assert losses(dump) == uninterrupted
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
 def test_a_stopped_or_killed_rank_ends_the_job_promptly_and_the_relaunch_is_exact(
     tmp_path, uninterrupted, fault
