@@ -319,6 +319,46 @@ def test_a_measurer_killed_between_create_and_write_is_taken_over(tmp_path, toke
     assert order.counts.measured == 1 and not torn.exists()
 
 
+KILLED_IN_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    from helpers import cfg
+    from torchtitan.data import build_stream
+    from torchtitan.data import index
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    stream = build_stream(cfg(sys.argv[1], length_index_dir=sys.argv[2], streaming="true").training,
+                          Tokenizer(DEFAULT_TOKENIZER_PATH))
+    def killed(f, **arrays):  # half a file written, then kill -9
+        f.write(b"PK" + bytes(100))
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    index.np.savez = killed
+    order = stream.orders[0]
+    order.counts.counts(order.units(1)[0])
+""")
+
+
+def test_a_kill_while_counts_are_written_leaves_no_partial_file(tmp_path, tokenizer, caplog):
+    """Counts are written aside and renamed into place: a process killed -9 half way
+    through writing a unit's counts leaves no file under the unit's name (at most a
+    stray temporary one), so the next process measures the unit without meeting a
+    damaged file. (Written in place, the next process would find half a file there, warn
+    and measure it again: a fallback that hides the partial write, so this test looks at
+    the folder itself.)"""
+    folder = corpus(tmp_path / "c", files=1)
+    counts = tmp_path / "counts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["test", "."])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_WRITE, str(folder), str(counts)],
+                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    written = [p for p in counts.rglob("*.npz") if not p.name.startswith(".")]
+    assert written == [] and list(counts.rglob(".*.npz")), list(counts.rglob("*"))
+    order = build_stream(cfg(folder, length_index_dir=counts, streaming="true").training,
+                         tokenizer).orders[0]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger=length_index.logger.name):
+        assert order.counts.counts(order.units(1)[0]).total > 0
+    assert order.counts.measured == 1 and "unreadable" not in caplog.text
+
+
 def test_measuring_and_waiting_say_how_far_they_are(tmp_path, tokenizer, monkeypatch):
     """Every PROGRESS_EVERY_S, a process that measures says how many units and tokens a
     second, and one that waits says on whom. Negative control: without ``log`` (every

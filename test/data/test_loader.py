@@ -37,7 +37,7 @@ from helpers import (
     write_jsonl_file,
 )
 
-from torchtitan.checkpoint.entries import from_tensor
+from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.loader import plan_steps
 from torchtitan.data.schedule import BatchSchedule
@@ -289,6 +289,66 @@ def test_a_mix_loses_nothing_of_either_source(tmp_path, small_corpus, tokenizer)
         "few": loader.position.tokens()[1],
     }
     assert abs(by_source["shakespeare"] / sum(by_source.values()) - 0.9) < 0.02
+
+
+def test_a_mixed_run_resumes_its_mix_where_it_stopped(tiny_corpus, second_corpus, tokenizer):
+    """Two sources at 0.5: the state after each of steps 1-5, loaded into a fresh loader,
+    gives exactly the next 3 steps (tokens and spans, so the same source for each
+    window). Negative control: the position with its window count moved by one (the
+    mix's place, not the sources' cursors) gives other steps."""
+    mix = f"{tiny_corpus}:0.5,{second_corpus}:0.5"
+
+    def build():
+        return loaders(None, tokenizer, 1, datasets=mix, global_batch_size=4)
+
+    ranks = build()
+    reference, states = [], []
+    for _ in range(8):
+        states.append([r.state_dict() for r in ranks])
+        reference += global_steps(ranks, 1)
+    read = {s for step in reference for _, spans in step for s, *_ in spans}
+    assert read == {"shakespeare", "kjv"}
+
+    def resumed(k, state) -> list:
+        (fresh,) = build()
+        fresh.load_state_dict(state)
+        return global_steps([fresh], 3)
+
+    for k in range(1, 6):
+        assert resumed(k, states[k][0]) == reference[k : k + 3], k
+    entry = from_tensor(states[3][0]["dp_rank_0"])
+    entry["windows"] += 1
+    assert resumed(3, {"dp_rank_0": to_tensor(entry)}) != reference[3:6]
+
+
+def test_a_pass_that_ends_on_a_step_boundary_is_reported_once(tmp_path, tokenizer):
+    """A window size that divides a pass's tokens, one window a step: every pass ends
+    exactly at a step's end, before the next step begins the next pass. Each pass that
+    began is still reported once, at the step that begins it: passes 1 and 2 over three
+    passes' steps. Negative control: one window more begins pass 3."""
+    from helpers import write_jsonl
+
+    for n in range(12, 40):  # a corpus whose pass has a divisor to be the window size
+        docs = [{"id": f"d{i}", "text": f"Line {i} of a short corpus. " * (2 + i % 3)}
+                for i in range(n)]  # fmt: skip
+        folder = write_jsonl(tmp_path / f"c{n}" / "c", docs, 2)
+        total = build_stream(cfg(folder).training, tokenizer).orders[0].pass_tokens()
+        window = next((d for d in range(9, total // 4) if total % d == 0), None)
+        if window is not None:
+            break
+
+    def passes_begun(steps: int) -> list[int]:
+        (loader,) = loaders(folder, tokenizer, 1, seq=window - 1, batch=1,
+                            global_batch_size=1, length_index_dir=tmp_path / "counts")  # fmt: skip
+        events = []
+        for _ in range(steps):
+            loader.next_step()
+            events += loader.take_epoch_starts()
+        assert all(name == "c" for name, _ in events)
+        return [p for _, p in events]
+
+    assert passes_begun(3 * total // window) == [1, 2]
+    assert passes_begun(3 * total // window + 1) == [1, 2, 3]
 
 
 def test_passes_begun_are_reported_once_each(tiny_corpus, second_corpus, tokenizer):

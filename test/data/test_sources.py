@@ -337,11 +337,14 @@ def test_fingerprint_follows_the_data_not_its_location(kind, kind_folders, tmp_p
     assert any(changed in d for d in diffs), diffs
 
 
-def test_a_file_edited_in_place_is_refused_on_resume(tmp_path, small_corpus):
+@pytest.mark.parametrize("append", [False, True], ids=["edited", "edited-and-appended"])
+def test_a_file_edited_in_place_is_refused_on_resume(tmp_path, small_corpus, append):
     """Through train.py's plan, whose ranks sign their shares of the files: a corpus file
     edited in place between a save and a resume (its size unchanged, so only its bytes'
     CRC tells) stops the resume with one line naming the file and the way on;
-    ``--checkpoint.accept_data_change`` resumes on the edited data."""
+    ``--checkpoint.accept_data_change`` resumes on the edited data. An edit is refused
+    as well when a file is appended at the same time: growth is only growth when every
+    saved file is unchanged."""
     corpus = shutil.copytree(small_corpus, tmp_path / "corpus")
     dump = tmp_path / "run"
     args = ["--training.dataset_path", corpus, "--checkpoint.enable_checkpoint",
@@ -352,6 +355,8 @@ def test_a_file_edited_in_place_is_refused_on_resume(tmp_path, small_corpus):
     text = edited.read_text()
     assert " the " in text
     edited.write_text(text.replace(" the ", " thy ", 1))  # same size, other bytes
+    if append:
+        (corpus / "part-999.jsonl").write_text(text)
     status, log = train_here(dump, *args, "--training.steps", 3, expect_ok=False)
     errors = error_lines(log)
     assert status == 1 and len(errors) == 1, log[-2000:]
