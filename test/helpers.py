@@ -18,15 +18,16 @@ from pathlib import Path
 import torch
 
 import train as train_script
+from harness.jobs import torchrun as _torchrun
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
 from torchtitan.data.sources import resolve_source
 from torchtitan.provenance import check_exactly_once, read_provenance
-from torchtitan.runs import DEBUG_CONFIG, read_records
 from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
-from torchtitan.runs import torchrun as _torchrun
+from torchtitan.runs import read_records
+from torchtitan.tools.launch import DEBUG_CONFIG
 
 REPO = REPO_ROOT  # the repository's root, wherever the test file lies under test/
 CONFIG = ["--job.config_file", DEBUG_CONFIG]
@@ -115,7 +116,7 @@ def shim_env(folder: Path, code: str, **env: str) -> dict:
     count or slow it, never a stand-in for it."""
     import os
 
-    from torchtitan.runs import run_env
+    from torchtitan.tools.launch import run_env
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(code)

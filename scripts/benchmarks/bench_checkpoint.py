@@ -1,6 +1,6 @@
 """How long CheckpointManager makes the training loop wait, as train.py drives it.
 
-    python scripts/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--interval 6[,12]]
+    python scripts/benchmarks/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--interval 6[,12]]
                                        [--saves 3] [--smoke] [--json out.json]
 
 For each rank count (a torchrun job of that many CPU ranks, gloo, FSDP2), builds the
@@ -37,8 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
 from torchtitan import REPO_ROOT
-from torchtitan.runs import run_env, torchrun_command
+from torchtitan.tools.launch import run_env, torchrun_command
 
 VOCAB = {"debugmodel": 4096, "125M": 32000}
 
@@ -147,7 +149,7 @@ def run_job(ranks: int, interval: int, args, root: str) -> dict:
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", root, "--json", str(out)]  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
-    proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/bench_checkpoint.py"),
+    proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/benchmarks/bench_checkpoint.py"),
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])

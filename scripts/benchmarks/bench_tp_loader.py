@@ -1,6 +1,6 @@
 """Feeding tensor-parallel peers: every TP rank builds the same loader, or one broadcasts.
 
-    python scripts/bench_tp_loader.py [--batches 200] [--shapes 4x128,8x2048] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_tp_loader.py [--batches 200] [--shapes 4x128,8x2048] [--smoke] [--json out.json]
 
 A torchrun job of 4 CPU ranks (gloo) laid out as 2 DP x 2 TP. For each batch shape
 (micro-batch x seq_len), on the bundled corpus, through the project's own data path as
@@ -30,8 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
 from torchtitan import REPO_ROOT
-from torchtitan.runs import run_env, torchrun_command
+from torchtitan.tools.launch import run_env, torchrun_command
 
 TENSORS = ("input", "label")
 
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
         out = Path(root) / "rows.json"
         argv = ["--rank-main", "--batches", str(args.batches), "--shapes", args.shapes,
                 "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(torchrun_command(4, argv, script="scripts/bench_tp_loader.py"),
+        proc = subprocess.run(torchrun_command(4, argv, script="scripts/benchmarks/bench_tp_loader.py"),
                               cwd=REPO_ROOT, env=run_env(), capture_output=True, text=True)  # fmt: skip
         if proc.returncode != 0:
             raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])

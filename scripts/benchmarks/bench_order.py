@@ -1,7 +1,7 @@
 """The global order at corpus scale: the mix of a step, memory at 10^9 documents, and
 streaming throughput side by side with a baseline checkout.
 
-    python scripts/bench_order.py [--baseline-repo DIR] [--rounds 3] [--tokens 2000000]
+    python scripts/benchmarks/bench_order.py [--baseline-repo DIR] [--rounds 3] [--tokens 2000000]
                                   [--smoke] [--json out.json]
 
 1. Mix: a streaming parquet corpus of 128 files, one domain each (each file one bundled
@@ -11,7 +11,7 @@ streaming throughput side by side with a baseline checkout.
    steps, for the whole step and per rank. Control: the same order with one lane (a
    window after the other in one stream, as before).
 2. Memory: ``SourceOrder`` over a simulated source of 10^9 documents (10,000 files of
-   100,000; ``data/simulate.py``), walking 2,000 windows of 2,048 tokens from the start
+   100,000; ``harness/simulate.py``), walking 2,000 windows of 2,048 tokens from the start
    and 2,000 from a cursor deep in the pass: the peak of Python allocations
    (``tracemalloc``), the units in the order and the units whose counts were asked for.
 3. Throughput (``--baseline-repo``: a checkout of the code before the change): the
@@ -34,7 +34,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_domain_corpus(folder: Path, files: int, docs: int) -> Path:
@@ -90,8 +92,8 @@ def mix(work: Path, ranks: list[int], steps: int, files: int) -> dict:
 
 
 def memory(files: int, rows: int, windows: int) -> dict:
+    from harness.simulate import SimulatedCounts, SimulatedSource
     from torchtitan.data.order import Cursor, SourceOrder
-    from torchtitan.data.simulate import SimulatedCounts, SimulatedSource
 
     tracemalloc.start()
     begin = time.perf_counter()

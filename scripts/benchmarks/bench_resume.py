@@ -1,6 +1,6 @@
 """Resume cost versus position in the data: seek, don't skip.
 
-    python scripts/bench_resume.py [--size-mb 520] [--shards 120] [--repeats 3] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_resume.py [--size-mb 520] [--shards 120] [--repeats 3] [--smoke] [--json out.json]
 
 1. Builds (once) a large parquet corpus from the bundled text under
    ``outputs/bench_corpus`` (never committed): the bundled documents repeated with new
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 
 from torchtitan import REPO_ROOT as REPO
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import DEBUG_CONFIG, losses, run_env
+from torchtitan.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 
 @dataclass

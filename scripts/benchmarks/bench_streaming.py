@@ -1,6 +1,6 @@
 """Streaming at full speed: this project's loader side by side with torchtitan 0.3.0's.
 
-    python scripts/bench_streaming.py --peer-python /path/to/venv/bin/python \\
+    python scripts/benchmarks/bench_streaming.py --peer-python /path/to/venv/bin/python \\
         [--rounds 3] [--tokens 7000000] [--resume-mb 512] [--smoke] [--json out.json]
 
 Same documents, same SentencePiece model (data/tokenizer/tokenizer.model), one rank,
@@ -41,6 +41,8 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 
 from torchtitan import REPO_ROOT
 from torchtitan.config import parse_args

@@ -1,7 +1,7 @@
 """The first start on a never-seen corpus: launch to step 1 as the corpus grows, side by
 side with torchtitan 0.3.0's trainer launched the same way, and with its loader alone.
 
-    python scripts/bench_coldstart.py [--peer-python /path/to/venv/bin/python] [--work DIR]
+    python scripts/benchmarks/bench_coldstart.py [--peer-python /path/to/venv/bin/python] [--work DIR]
         [--rounds 2] [--sizes 1,8] [--base-mb 20] [--seq-len 128] [--json out.json]
 
 Corpora, built once under --work (default: the temporary folder's ``bench_coldstart``)
@@ -108,11 +108,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# bench_streaming imports torchtitan: this checkout's, the one whose train.py is measured,
-# not whichever checkout is installed (its data package may be mid-change).
-sys.path.insert(1, str(REPO))
-from bench_streaming import PEER_SETUP, PeerUnavailable  # noqa: E402
+import _root  # the repository's root on the path: harness, this torchtitan
+from bench_streaming import PEER_SETUP, PeerUnavailable
+
+REPO = _root.ROOT
 
 CONFIG = "train_configs/debug_model.toml"
 TOKENIZER = REPO / "data" / "tokenizer" / "tokenizer.model"  # debug_model.toml's

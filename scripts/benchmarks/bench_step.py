@@ -1,7 +1,7 @@
 """Per-step cost of checkpointing and data loading in the training loop, and the step
 itself side by side with torchtitan 0.3.0's.
 
-    python scripts/bench_step.py [--steps 300] [--rounds 2] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_step.py [--steps 300] [--rounds 2] [--smoke] [--json out.json]
         [--peer-python /path/to/venv/bin/python] [--baseline-repo DIR] [--peer-only]
 
 Trains the debug model (one process, one thread) alternately with checkpointing off
@@ -42,8 +42,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness.jobs import torchrun
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import read_records, torchrun
+from torchtitan.runs import read_records
 
 
 def run(steps: int, checkpoint: bool, folder: Path, interval: int) -> tuple[list[dict], int]:

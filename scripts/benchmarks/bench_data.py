@@ -1,6 +1,6 @@
 """Data pipeline throughput and state size, measured side by side in one run.
 
-    python scripts/bench_data.py [--tokens 3000000] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_data.py [--tokens 3000000] [--smoke] [--json out.json]
 
 Measures, on the bundled corpus, through the loader as training builds and pulls it
 (``build_dataloader`` from a config, seq_len 2048, batch 8):
@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader

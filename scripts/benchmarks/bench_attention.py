@@ -1,6 +1,6 @@
 """Step time with document-aware attention: block_causal versus causal, side by side.
 
-    python scripts/bench_attention.py [--rounds 2] [--steps 12] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_attention.py [--rounds 2] [--steps 12] [--smoke] [--json out.json]
 
 Trains through ``train.py`` (one process, all cores) the debug model and the 125M flavor
 (with the bundled 4,096-token vocab), alternating ``--model.attention_mask causal`` and
@@ -19,8 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
 from torchtitan import REPO_ROOT
-from torchtitan.runs import DEBUG_CONFIG, read_records, run_env
+from torchtitan.runs import read_records
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 MODELS = {"debugmodel": ["--training.batch_size", "4"], "125M": ["--training.batch_size", "2"]}
 

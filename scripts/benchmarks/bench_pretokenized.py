@@ -1,6 +1,6 @@
 """Pretokenized data against on-the-fly tokenization of the same corpus, side by side.
 
-    python scripts/bench_pretokenized.py [--tokens 3000000] [--rounds 3] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_pretokenized.py [--tokens 3000000] [--rounds 3] [--smoke] [--json out.json]
 
 Pretokenizes the bundled corpus (timed, every core) into a temporary folder, then pulls
 batches through the loader as training builds and pulls it (``build_dataloader`` from a
@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 import torch
 
 from torchtitan.config import parse_args

@@ -1,6 +1,6 @@
 """Sampling quality of the global order: coverage, mix shares, balance after a resume.
 
-    python scripts/bench_sampling.py [--seq-len 128] [--mix-sequences 10000] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_sampling.py [--seq-len 128] [--mix-sequences 10000] [--smoke] [--json out.json]
 
 Over a heavy-tailed corpus shaped like the one of issue #20 (1,094 documents of 81 to
 20,362 tokens, median 681), cut as token slices from the bundled text and written as
@@ -41,6 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import NormalDist
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 import datasets
 import numpy as np
 
@@ -49,7 +50,7 @@ from torchtitan.data import build_dataloader, build_stream, local_plan
 from torchtitan.data.loader import plan_steps
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.runs import DEBUG_CONFIG
+from torchtitan.tools.launch import DEBUG_CONFIG
 
 # Quoted from issue #20 for the design before the global order (not re-measured here).
 BEFORE = {

@@ -1,6 +1,6 @@
 """Start-up at scale: what one rank of R opens and reads before its first batch.
 
-    python scripts/bench_startup.py [--files 10000] [--ranks 1,64,1024] [--json out.json]
+    python scripts/benchmarks/bench_startup.py [--files 10000] [--ranks 1,64,1024] [--json out.json]
 
 One process simulates rank r of R (r = R // 2; R = 1, 64, 1,024) over a streaming
 parquet corpus of --files tiny files (4 documents each, generated under the temporary
@@ -29,10 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness.io_count import counting
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.io_count import counting
 
 
 def build_corpus(folder: Path, files: int) -> Path:
