@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import train as train_script
+from harness.corpus import write_jsonl, write_parquet  # noqa: F401 - re-exported for the tests
 from harness.jobs import torchrun as _torchrun
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
@@ -64,17 +65,6 @@ def heavy_tailed_documents(count: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def write_jsonl(folder: Path, docs: list[dict], files: int = 2) -> Path:
-    """``docs`` as JSON lines in ``files`` files ``part-NNN.jsonl`` of ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    per_file = (len(docs) + files - 1) // files
-    for f in range(files):
-        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
-            for doc in docs[f * per_file : (f + 1) * per_file]:
-                out.write(json.dumps(doc) + "\n")
-    return folder
-
-
 def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | None = None) -> Path:
     """One file at ``path``: ``rows`` as JSON lines, or the bytes ``raw`` as they are (bad
     data); returns its folder."""
@@ -87,17 +77,6 @@ def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | No
 
 
 GOOD_DOCUMENTS = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
-
-
-def write_parquet(path: Path, docs: list[dict], row_group: int | None = None) -> Path:
-    """``docs`` as one parquet file at ``path``, in row groups of ``row_group`` rows
-    (pyarrow's default where None)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(docs), path, row_group_size=row_group)
-    return path
 
 
 # ---- runs -------------------------------------------------------------------------------
