@@ -174,10 +174,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(BENCHMARKS / script), "--smoke", "--json", str(out)]
-    if script == "bench_resume.py":
-        cmd += ["--corpus", str(tmp_path / "corpus")]
-    if script == "bench_streaming.py":  # no --peer-python: the peer is not installed here
-        cmd += ["--work", str(tmp_path / "work")]
+    if script in ("bench_resume.py", "bench_streaming.py"):  # their corpora are kept
+        cmd += ["--work", str(tmp_path / "work")]  # bench_streaming: no --peer-python here
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
