@@ -1,6 +1,6 @@
 """Preempt training with SIGTERM / SIGUSR1 at random moments, relaunch, compare to a clean run.
 
-    python scripts/preemption_campaign.py --trials 24 --seed 0
+    python scripts/campaigns/preemption_campaign.py --trials 24 --seed 0
 
 The SIGKILL campaign (fault_injection.py) covers kills; this one covers the signal a
 scheduler sends before it kills, which the job must act on by itself:
