@@ -18,15 +18,17 @@ from pathlib import Path
 import torch
 
 import train as train_script
+from harness.corpus import write_jsonl, write_parquet  # noqa: F401 - re-exported for the tests
+from harness.jobs import torchrun as _torchrun
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
 from torchtitan.data.sources import resolve_source
 from torchtitan.provenance import check_exactly_once, read_provenance
-from torchtitan.runs import DEBUG_CONFIG, read_records
 from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
-from torchtitan.runs import torchrun as _torchrun
+from torchtitan.runs import read_records
+from torchtitan.tools.launch import DEBUG_CONFIG
 
 REPO = REPO_ROOT  # the repository's root, wherever the test file lies under test/
 CONFIG = ["--job.config_file", DEBUG_CONFIG]
@@ -63,17 +65,6 @@ def heavy_tailed_documents(count: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def write_jsonl(folder: Path, docs: list[dict], files: int = 2) -> Path:
-    """``docs`` as JSON lines in ``files`` files ``part-NNN.jsonl`` of ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    per_file = (len(docs) + files - 1) // files
-    for f in range(files):
-        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
-            for doc in docs[f * per_file : (f + 1) * per_file]:
-                out.write(json.dumps(doc) + "\n")
-    return folder
-
-
 def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | None = None) -> Path:
     """One file at ``path``: ``rows`` as JSON lines, or the bytes ``raw`` as they are (bad
     data); returns its folder."""
@@ -86,17 +77,6 @@ def write_jsonl_file(path: Path, rows: list[dict] | None = None, raw: bytes | No
 
 
 GOOD_DOCUMENTS = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} for i in range(4)]
-
-
-def write_parquet(path: Path, docs: list[dict], row_group: int | None = None) -> Path:
-    """``docs`` as one parquet file at ``path``, in row groups of ``row_group`` rows
-    (pyarrow's default where None)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(docs), path, row_group_size=row_group)
-    return path
 
 
 # ---- runs -------------------------------------------------------------------------------
@@ -115,7 +95,7 @@ def shim_env(folder: Path, code: str, **env: str) -> dict:
     count or slow it, never a stand-in for it."""
     import os
 
-    from torchtitan.runs import run_env
+    from torchtitan.tools.launch import run_env
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(code)

@@ -14,6 +14,8 @@ import sys
 import pytest
 from helpers import REPO
 
+BENCHMARKS = REPO / "scripts" / "benchmarks"
+
 
 def positive(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
@@ -171,11 +173,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
 @pytest.mark.parametrize("script", sorted(CHECKS))
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", "--json", str(out)]
-    if script == "bench_resume.py":
-        cmd += ["--corpus", str(tmp_path / "corpus")]
-    if script == "bench_streaming.py":  # no --peer-python: the peer is not installed here
-        cmd += ["--work", str(tmp_path / "work")]
+    cmd = [sys.executable, str(BENCHMARKS / script), "--smoke", "--json", str(out)]
+    if script in ("bench_resume.py", "bench_streaming.py"):  # their corpora are kept
+        cmd += ["--work", str(tmp_path / "work")]  # bench_streaming: no --peer-python here
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -276,14 +276,16 @@ def check_sampling(r: dict):
         assert row["warned"] == (row["schedule_imbalance"] > IMBALANCE_WARNING), row
 
 
-def test_sampling_benchmark_smoke(tmp_path, capsys):
-    """scripts/bench_sampling.py --smoke, in this process (a few seconds: no interpreter
-    start-up): its figures hold what the global order promises, and the check rejects an
-    early repeat, a simulation that differs from the loaders, and a skewed mix."""
+def test_sampling_benchmark_smoke(tmp_path, capsys, monkeypatch):
+    """scripts/benchmarks/bench_sampling.py --smoke, in this process (a few seconds: no
+    interpreter start-up): its figures hold what the global order promises, and the
+    check rejects an early repeat, a simulation that differs from the loaders, and a
+    skewed mix."""
     import copy
     import importlib.util
 
-    script = REPO / "scripts" / "bench_sampling.py"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as a script has its own folder: _root
+    script = BENCHMARKS / "bench_sampling.py"
     spec = importlib.util.spec_from_file_location("bench_sampling", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

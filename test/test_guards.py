@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import REPO
 
-from torchtitan.runs import run_env
+from torchtitan.tools.launch import run_env
 
 PLANTED = """
 import subprocess, sys, time

@@ -307,7 +307,7 @@ def test_the_wait_for_rank_0_is_sized_from_the_folder_and_says_when_storage_is_s
     from helpers import error_lines, shim_env
 
     from torchtitan.initial_weights import load_timeout_s
-    from torchtitan.runs import torchrun_command
+    from torchtitan.tools.launch import torchrun_command
 
     assert load_timeout_s(16e9) == 120 + 640  # an 8B folder
     _, folder, _ = exported

@@ -1,4 +1,5 @@
-"""No import cycle in the torchtitan package, counting imports inside functions.
+"""No import cycle in the torchtitan package, counting imports inside functions, and no
+import of the test support (harness/) from it.
 
 The graph is read from the source with ``ast`` (nothing is imported): every ``import``
 and ``from ... import``, at module level or in a function, relative ones resolved, and
@@ -180,3 +181,30 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     (pkg / "e.py").write_text("import planted.sub.c\n")
     cycles = find_cycles(import_graph(pkg))
     assert ["planted.e", "planted.sub", "planted.sub.d", "planted.e"] in cycles
+
+
+TEST_SUPPORT = ("harness", "helpers", "test", "scripts")
+
+
+def imports_of_test_support(root: Path) -> list[str]:
+    """'file:line name' of each import in the package at ``root`` of a module that only
+    the tests and benchmarks have (``harness``, ``test/helpers.py``, ``scripts``)."""
+    found = []
+    for name, path in module_files(root).items():
+        tree = ast.parse(path.read_text(), str(path))
+        for candidates, line in _imported_names(tree, name, path.name == "__init__.py"):
+            top = candidates[-1].split(".")[0]
+            if top in TEST_SUPPORT:
+                found.append(f"{path.relative_to(root.parent)}:{line} {candidates[-1]}")
+    return found
+
+
+def test_the_product_imports_none_of_its_test_support(tmp_path):
+    """torchtitan stands without harness/ (the tests' and benchmarks' support): no module
+    imports it, at module level or in a function. Negative control: a planted one does."""
+    assert not imports_of_test_support(REPO_ROOT / "torchtitan")
+    pkg = tmp_path / "planted"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from harness.io_count import counting\n")
+    assert imports_of_test_support(pkg) == ["planted/a.py:2 harness.io_count"]

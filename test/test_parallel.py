@@ -492,7 +492,7 @@ def test_comm_timeouts_reach_every_process_group(monkeypatch):
     timeout (a one-rank gloo job in this process: the groups are real)."""
     from torchtitan import parallel
     from torchtitan.config import parse_args
-    from torchtitan.runs import free_port
+    from torchtitan.tools.launch import free_port
 
     status, log = run_main([*CONFIG, "--comm.train_timeout_seconds", 0])
     assert status == 2 and "comm.train_timeout_seconds" in log

@@ -42,9 +42,10 @@ from torchtitan.checkpoint import complete_steps, own_files, read_manifest
 from torchtitan.config import parse_args, resolve_path
 from torchtitan.data import document_lengths
 from torchtitan.provenance import check_complete, read_provenance, sequences_by_step
-from torchtitan.runs import RunRecordError, run_env, torchrun_command
+from torchtitan.runs import RunRecordError
 from torchtitan.tools.check_provenance import main as provenance_check
 from torchtitan.tools.deterministic_resume import main as resume_check
+from torchtitan.tools.launch import run_env, torchrun_command
 
 
 def in_process(nproc: int, argv: list[str]) -> tuple[int, str]:
@@ -489,7 +490,7 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_
     """CI-sized fault injection with async saves: 1 trial, 2 kills, the first during a
     checkpoint write (the slow campaign covers sync saves too). On a 12-document corpus
     epochs end, so the provenance check proves nothing was skipped across the kills."""
-    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "1", "--kills", "2",
+    cmd = [sys.executable, str(REPO / "scripts" / "campaigns" / "fault_injection.py"), "--trials", "1", "--kills", "2",
            "--steps", "6", "--interval", "2", "--seed", "1", "--dump-folder", str(tmp_path / "fi"),
            "--checkpoint.async_mode", "async", "--training.dataset_path", str(dozen_corpus),
            "--training.seq_len", "64"]  # fmt: skip
@@ -505,7 +506,7 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tmp_path, dozen_
 @pytest.mark.parametrize("mode", ["disabled", "async"], ids=["sync", "async"])
 def test_fault_injection_campaign(tmp_path, mode):
     """3 trials x 3 kills at random moments (all ranks or one, in a step or a save)."""
-    cmd = [sys.executable, str(REPO / "scripts" / "fault_injection.py"), "--trials", "3", "--kills", "3",
+    cmd = [sys.executable, str(REPO / "scripts" / "campaigns" / "fault_injection.py"), "--trials", "3", "--kills", "3",
            "--steps", "12", "--interval", "3", "--seed", "0", "--dump-folder", str(tmp_path),
            "--checkpoint.async_mode", mode]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -525,7 +526,7 @@ def test_preemption_campaign(tmp_path):
     each stops by itself within 3 steps with its newest checkpoint at the stop, and its
     relaunch is bit-equal to an uninterrupted run."""
     compile_trials = "1" if shutil.which("g++") else "0"
-    cmd = [sys.executable, str(REPO / "scripts" / "preemption_campaign.py"), "--trials", "24",
+    cmd = [sys.executable, str(REPO / "scripts" / "campaigns" / "preemption_campaign.py"), "--trials", "24",
            "--compile-trials", compile_trials, "--seed", "0", "--dump-folder", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -30,7 +30,7 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     # fused=True: one kernel for the whole update of every parameter (CPU and CUDA,
     # sharded DTensors included), the same arithmetic on every run. foreach on CPU is a
     # loop of seven ops per parameter: 15 ms of a 1.45 s step of the 7 M-parameter
-    # benchmark model against 6 ms fused (scripts/bench_step.py).
+    # benchmark model against 6 ms fused (scripts/benchmarks/bench_step.py).
     return _OPTIMIZERS[opt.name](
         model.parameters(),
         lr=opt.lr,

@@ -22,7 +22,7 @@ from helpers import CONFIG, REPO, error_lines
 
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.checkpoint.lease import LEASE, Lease
-from torchtitan.runs import run_env
+from torchtitan.tools.launch import run_env
 
 
 def foreign_lease(folder, age_s: float, timeout_s: float = 2.0) -> dict:

@@ -3,7 +3,7 @@ pass, dealt round the files, read by lanes) and the mix of several sources (whic
 each window reads).
 
 The order is computed from the units' token counts and a seed, never from the ranks: the
-unit tests walk a simulated source (data/simulate.py: units, counts, no data);
+unit tests walk a simulated source (harness/simulate.py: units, counts, no data);
 the loader-level ones read through real loaders.
 """
 
@@ -14,8 +14,8 @@ import tracemalloc
 import numpy as np
 from helpers import loaders
 
+from harness.simulate import SimulatedCounts, SimulatedSource
 from torchtitan.data.order import LANES, Cursor, MixSchedule, SourceOrder, pass_order
-from torchtitan.data.simulate import SimulatedCounts, SimulatedSource
 
 
 def walk(order: SourceOrder, windows: int, size: int, cursor: Cursor | None = None):

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import CONFIG, REPO, shim_env
 
+from harness.io_count import counting
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.sources import DataError
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.io_count import counting
-from torchtitan.runs import torchrun_command
+from torchtitan.tools.launch import torchrun_command
 
 FILES = 200
 

@@ -17,7 +17,7 @@ from torchtitan.checkpoint.entries import empty_like_saved
 from torchtitan.config import parse_args
 from torchtitan.data import ParallelDataLoader, build_dataloader
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.runs import DEBUG_CONFIG
+from torchtitan.tools.launch import DEBUG_CONFIG
 
 
 def loader(corpus: str, workers: int) -> ParallelDataLoader:

@@ -57,7 +57,7 @@ from torchtitan.data import ParallelDataLoader
 from torchtitan.hf import export, read_dcp_model
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.models import build_model
-from torchtitan.runs import free_port
+from torchtitan.tools.launch import free_port
 from torchtitan.step import BatchLoss, TrainStep
 
 CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]

@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from torchtitan import REPO_ROOT
 from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
-from torchtitan.runs import DEBUG_CONFIG, losses, run_env, torchrun_command, validation_losses
+from torchtitan.runs import losses, validation_losses
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env, torchrun_command
 
 # launcher(nproc, argv) -> (exit status, log text): how one training job is run.
 Launcher = Callable[[int, list[str]], tuple[int, str]]

@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 from torchtitan import REPO_ROOT
-from torchtitan.runs import read_records, run_env
+from torchtitan.runs import read_records
+from torchtitan.tools.launch import run_env
 
 # Tokens per micro-batch of an eager throughput row (batch = TOKENS // seq_len).
 TOKENS = 16384
@@ -213,7 +214,7 @@ def _checkpoint_text(smoke: bool) -> str:
 def _async_checkpoint(check: Check, work: Path, smoke: bool):
     out = work / "checkpoint.json"
     flavor = ["--flavor", "debugmodel", "--saves", "2", "--interval", "2"] if smoke else []
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_checkpoint.py"), "--ranks", "1",
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "benchmarks" / "bench_checkpoint.py"), "--ranks", "1",
            *flavor, "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env(), capture_output=True, text=True)
     (work / "checkpoint.log").write_text(proc.stdout + proc.stderr)

@@ -1,8 +1,8 @@
 """The global order at corpus scale: the mix of a step, memory at 10^9 documents, and
 streaming throughput side by side with a baseline checkout.
 
-    python scripts/bench_order.py [--baseline-repo DIR] [--rounds 3] [--tokens 2000000]
-                                  [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_order.py [--baseline-repo DIR] [--rounds 3] [--tokens 2000000]
+                                  [--work DIR] [--smoke] [--json out.json]
 
 1. Mix: a streaming parquet corpus of 128 files, one domain each (each file one bundled
    text, 64 documents), read with global batches of 64 sequences of 128 tokens. For
@@ -11,7 +11,7 @@ streaming throughput side by side with a baseline checkout.
    steps, for the whole step and per rank. Control: the same order with one lane (a
    window after the other in one stream, as before).
 2. Memory: ``SourceOrder`` over a simulated source of 10^9 documents (10,000 files of
-   100,000; ``data/simulate.py``), walking 2,000 windows of 2,048 tokens from the start
+   100,000; ``harness/simulate.py``), walking 2,000 windows of 2,048 tokens from the start
    and 2,000 from a cursor deep in the pass: the peak of Python allocations
    (``tracemalloc``), the units in the order and the units whose counts were asked for.
 3. Throughput (``--baseline-repo``: a checkout of the code before the change): the
@@ -24,31 +24,29 @@ streaming throughput side by side with a baseline checkout.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from harness.corpus import write_parquet
+from torchtitan import REPO_ROOT as REPO
 
 
 def one_domain_corpus(folder: Path, files: int, docs: int) -> Path:
-    import pyarrow as pa
+    """``files`` parquet files of ``docs`` documents, each file from one bundled text."""
     import pyarrow.parquet as pq
 
     texts = sorted((REPO / "data" / "corpus").rglob("*.parquet"))
-    folder.mkdir(parents=True, exist_ok=True)
     for f in range(files):
-        table = pq.read_table(texts[f % len(texts)], columns=["text"])
-        rows = table.column("text").to_pylist()
-        body = [f"[domain {f}] " + rows[(f * 7 + i) % len(rows)][:2000] for i in range(docs)]
-        pq.write_table(pa.table({"id": [f"f{f}-{i}" for i in range(docs)], "text": body}),
-                       folder / f"domain-{f:03d}.parquet")  # fmt: skip
+        rows = pq.read_table(texts[f % len(texts)], columns=["text"]).column("text").to_pylist()
+        write_parquet(folder / f"domain-{f:03d}.parquet",
+                      [{"id": f"f{f}-{i}", "text": f"[domain {f}] " + rows[(f * 7 + i) % len(rows)][:2000]}
+                       for i in range(docs)])  # fmt: skip
     return folder
 
 
@@ -90,8 +88,8 @@ def mix(work: Path, ranks: list[int], steps: int, files: int) -> dict:
 
 
 def memory(files: int, rows: int, windows: int) -> dict:
+    from harness.simulate import SimulatedCounts, SimulatedSource
     from torchtitan.data.order import Cursor, SourceOrder
-    from torchtitan.data.simulate import SimulatedCounts, SimulatedSource
 
     tracemalloc.start()
     begin = time.perf_counter()
@@ -133,17 +131,16 @@ for _ in range(2):
 begin, tokens = time.perf_counter(), 0
 while tokens < args["tokens"]:
     tokens += next(loader)["input"].numel()
-print(json.dumps({"tokens_per_s": tokens / (time.perf_counter() - begin)}))
+print("RESULT", json.dumps({"tokens_per_s": tokens / (time.perf_counter() - begin)}))
 """
 
 
 def rate(repo: str, counts: Path, tokens: int) -> float:
-    args = json.dumps({"repo": repo, "counts": str(counts), "tokens": tokens})
-    proc = subprocess.run([sys.executable, "-c", RATE, args], capture_output=True, text=True,
-                          cwd=repo, timeout=1800)  # fmt: skip
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-2000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    """Tokens/s of the streaming loader of the checkout ``repo``, in a fresh process."""
+    args = {"repo": repo, "counts": str(counts), "tokens": tokens}
+    return bench.run_program(RATE, args, cwd=repo, timeout=1800, what=f"the loader of {repo}")[
+        "tokens_per_s"
+    ]
 
 
 def throughput(work: Path, baseline: str, rounds: int, tokens: int) -> dict:
@@ -161,17 +158,11 @@ def throughput(work: Path, baseline: str, rounds: int, tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={}, rounds=3, work="")
     p.add_argument("--baseline-repo", default="", help="a checkout of the code before")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=2_000_000)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+    args = p.parse(argv)
+    with bench.work_folder(args, "bench_order_") as work:
         if args.smoke:
             result = {"mix": mix(work, [1, 2], 3, 16), "memory": memory(100, 5000, 50),
                       "throughput": throughput(work, "", 1, 20_000)}  # fmt: skip
@@ -180,11 +171,10 @@ def main(argv=None) -> int:
                       "memory": memory(10_000, 100_000, 2000),
                       "throughput": throughput(work, args.baseline_repo, args.rounds,
                                                args.tokens)}  # fmt: skip
-    print("| order | files a step (median, min) | files a rank's slice (median) |")
-    print("|---|---|---|")
-    for name, row in result["mix"].items():
-        print(f"| {name} | **{row['files_per_step_median']:g}**, {row['files_per_step_min']} | "
-              f"{row['files_per_rank_median']:g} |")  # fmt: skip
+    bench.print_table(["order", "files a step (median, min)", "files a rank's slice (median)"],
+                      [[name, f"**{row['files_per_step_median']:g}**, {row['files_per_step_min']}",
+                        f"{row['files_per_rank_median']:g}"]
+                       for name, row in result["mix"].items()])  # fmt: skip
     m = result["memory"]
     print(
         f"\nmemory: {m['documents']:,} documents, {m['units']:,} units, counts of "
@@ -196,9 +186,7 @@ def main(argv=None) -> int:
         for side, v in t.items() if isinstance(v, dict)))  # fmt: skip
     if "ours_over_baseline" in t:
         print(f"ours / baseline: **{t['ours_over_baseline']:.3f}** (target >= 0.9)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

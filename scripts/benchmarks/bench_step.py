@@ -1,7 +1,8 @@
 """Per-step cost of checkpointing and data loading in the training loop, and the step
 itself side by side with torchtitan 0.3.0's.
 
-    python scripts/bench_step.py [--steps 300] [--rounds 2] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_step.py [--steps 300] [--rounds 2] [--work DIR] [--smoke]
+        [--json out.json]
         [--peer-python /path/to/venv/bin/python] [--baseline-repo DIR] [--peer-only]
 
 Trains the debug model (one process, one thread) alternately with checkpointing off
@@ -32,18 +33,19 @@ before/after ratio measured side by side. Target: ours / peer <= 1.0.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from harness.jobs import torchrun
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import read_records, torchrun
+from torchtitan.runs import read_records
 
 
 def run(steps: int, checkpoint: bool, folder: Path, interval: int) -> tuple[list[dict], int]:
@@ -121,27 +123,22 @@ print("RESULT", json.dumps({"step_ms": 1000 * statistics.median(times[a["warmup"
       "parameters": sum(p.numel() for p in model.parameters())}))
 """
 
-PEER_STEP = r"""
-import importlib.metadata, json, os, statistics, sys, time
-a = json.loads(sys.argv[1])
-try:
+PEER_STEP = (
+    bench.peer_check(
+        """
     import torch
-    import torchtitan
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
-    version = importlib.metadata.version("torchtitan")
-except Exception as e:
-    print("SKIP cannot import torchtitan 0.3.0's llama3 model:", repr(e))
-    sys.exit(0)
-if version != "0.3.0" or os.path.realpath(torchtitan.__file__).startswith(a["repo"]):
-    print(f"SKIP torchtitan {version} at {torchtitan.__file__} is not torchtitan 0.3.0")
-    sys.exit(0)
+    """,
+        "llama3 model",
+    )
+    + r"""
 import torch.nn.functional as F
 torch.set_num_threads(1)
 spec = model_registry("debugmodel")  # dim 256, 6 layers, 16 heads
 config = spec.model
-config.vocab_size = config.tok_embeddings.num_embeddings = a["vocab_size"]
-config.lm_head.out_features = a["vocab_size"]
+config.vocab_size = config.tok_embeddings.num_embeddings = args["vocab_size"]
+config.lm_head.out_features = args["vocab_size"]
 for layer in config.layers:  # its flex attention has no backward on CPU
     layer.attention.inner_attention = ScaledDotProductAttention.Config()
 torch.manual_seed(0)
@@ -151,11 +148,11 @@ model.init_states()
 optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8,
                               weight_decay=0.1, fused=True)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 201))
-tokens = torch.randint(0, a["vocab_size"], (a["batch_size"], a["seq_len"] + 1),
+tokens = torch.randint(0, args["vocab_size"], (args["batch_size"], args["seq_len"] + 1),
                        generator=torch.Generator().manual_seed(0))
 inputs, labels = tokens[:, :-1], tokens[:, 1:]
 times, cpu = [], []
-for i in range(a["warmup"] + a["steps"]):
+for i in range(args["warmup"] + args["steps"]):
     start, start_cpu = time.perf_counter(), time.process_time()
     logits = model(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -166,32 +163,19 @@ for i in range(a["warmup"] + a["steps"]):
     optimizer.zero_grad(set_to_none=True)
     times.append(time.perf_counter() - start)
     cpu.append(time.process_time() - start_cpu)
-print("RESULT", json.dumps({"step_ms": 1000 * statistics.median(times[a["warmup"]:]),
-      "cpu_step_ms": 1000 * statistics.median(cpu[a["warmup"]:]),
+print("RESULT", json.dumps({"step_ms": 1000 * statistics.median(times[args["warmup"]:]),
+      "cpu_step_ms": 1000 * statistics.median(cpu[args["warmup"]:]),
       "parameters": sum(p.numel() for p in model.parameters())}))
 """
-
-
-class PeerUnavailable(Exception):
-    pass
+)
 
 
 def step_process(python: str, program: str, pythonpath: str | None, steps: int, warmup: int):
     """(median step ms, median CPU ms of a step, parameters) of one fresh process running
-    ``program``."""
-    args = {**STEP_SHAPE, "steps": steps, "warmup": warmup, "repo": str(REPO)}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    # From the temporary folder, so that only PYTHONPATH decides whose torchtitan it is.
-    proc = subprocess.run([python, "-c", program, json.dumps(args)], cwd=tempfile.gettempdir(),
-                          env=env, capture_output=True, text=True)  # fmt: skip
-    if "SKIP" in proc.stdout:
-        raise PeerUnavailable(proc.stdout.split("SKIP", 1)[1].strip())
-    if proc.returncode != 0 or "RESULT" not in proc.stdout:
-        raise SystemExit(f"{python} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    ``program``, from the temporary folder: only ``pythonpath`` decides whose torchtitan
+    it is."""
+    args = {**STEP_SHAPE, "steps": steps, "warmup": warmup}
+    result = bench.run_program(program, args, python=python, pythonpath=pythonpath)
     return result["step_ms"], result["cpu_step_ms"], result["parameters"]
 
 
@@ -212,7 +196,7 @@ def step_vs_peer(peer_python: str, baseline: str, rounds: int, steps: int, warmu
                 step_ms, cpu_ms, parameters[name] = step_process(
                     python, program, path, steps, warmup
                 )
-            except PeerUnavailable as e:
+            except bench.PeerUnavailable as e:
                 skipped = str(e)
                 del sides[name], ms[name], cpu[name]
                 continue
@@ -267,35 +251,24 @@ def steady(records: list[dict], interval: int, warmup: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"steps": 12, "rounds": 1, "peer_rounds": 1,
+                                        "peer_steps": 2}, rounds=2, work="", peer=True)  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--json", default="")
-    p.add_argument("--peer-python", default="", help="python of a venv with torchtitan 0.3.0")
     p.add_argument("--baseline-repo", default="", help="another checkout, measured alongside")
     p.add_argument("--peer-rounds", type=int, default=6)
     p.add_argument("--peer-steps", type=int, default=8, help="timed steps per process")
     p.add_argument("--peer-only", action="store_true", help="only the step against the peer")
-    args = p.parse_args(argv)
-    interval, warmup = 100, 10
-    if args.smoke:
-        args.steps, args.rounds, interval, warmup = 12, 1, 4, 2
-        args.peer_rounds, args.peer_steps = 1, 2
+    args = p.parse(argv)
+    interval, warmup = (4, 2) if args.smoke else (100, 10)
     vs_peer = step_vs_peer(args.peer_python, args.baseline_repo, args.peer_rounds,
                            args.peer_steps, warmup=1 if args.smoke else 3)  # fmt: skip
     if args.peer_only:
         print_step_vs_peer(vs_peer)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"step_vs_peer": vs_peer}, indent=1))
-        return 0
-    root = Path(tempfile.mkdtemp(prefix="bench_step_"))
+        return bench.save(args, {"step_vs_peer": vs_peer})
     step_ms = {"off": [], "on": []}
     wait_share = []
     written = 0
-    try:
+    with bench.work_folder(args, "bench_step_") as root:
         for _ in range(args.rounds):
             for mode in ("off", "on"):
                 records, saves = run(args.steps, mode == "on", root / mode, interval)
@@ -304,8 +277,6 @@ def main(argv=None) -> int:
                 step_ms[mode] += [r["step_ms"] for r in records]
                 wait_share += [r["data_wait_ms"] / r["step_ms"] for r in records]
         check_ms, two_rank_step_ms = agreement_share(args.steps, root / "agreement")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in step_ms.items()}
     result = {
         "steps_per_run": args.steps,
@@ -332,9 +303,7 @@ def main(argv=None) -> int:
     print(f"stop agreement / step, 2 ranks      {result['stop_check_share']:8.3%}   "
           f"({check_ms:.3f} of {two_rank_step_ms:.1f} ms; target <= 1%)")  # fmt: skip
     print_step_vs_peer(vs_peer)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Sampling quality of the global order: coverage, mix shares, balance after a resume.
 
-    python scripts/bench_sampling.py [--seq-len 128] [--mix-sequences 10000] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_sampling.py [--seq-len 128] [--mix-sequences 10000]
+        [--work DIR] [--smoke] [--json out.json]
 
 Over a heavy-tailed corpus shaped like the one of issue #20 (1,094 documents of 81 to
 20,362 tokens, median 681), cut as token slices from the bundled text and written as
@@ -29,27 +30,27 @@ JSON lines in a temporary folder (its measured lengths are printed), it reports:
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import NormalDist
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 import datasets
 import numpy as np
 
+from harness import bench
+from harness.corpus import write_jsonl
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, build_stream, local_plan
 from torchtitan.data.loader import plan_steps
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.runs import DEBUG_CONFIG
+from torchtitan.tools.launch import DEBUG_CONFIG
 
 # Quoted from issue #20 for the design before the global order (not re-measured here).
 BEFORE = {
@@ -94,13 +95,7 @@ def write_documents(folder: Path, prefix: str, lengths, tokens, tokenizer, seed:
         start = int(rng.integers(0, len(tokens) - n))
         text = tokenizer.decode(tokens[start : start + max(1, int(n) - 2)])
         docs.append({"id": f"{prefix}{i:05d}", "text": text})
-    folder.mkdir(parents=True, exist_ok=True)
-    per_file = -(-len(docs) // files)
-    for f in range(files):
-        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
-            for doc in docs[f * per_file : (f + 1) * per_file]:
-                out.write(json.dumps(doc) + "\n")
-    return folder
+    return write_jsonl(folder, docs, files)
 
 
 # ---- what a run read ----------------------------------------------------------------------
@@ -381,23 +376,18 @@ def print_report(r: dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"seq_len": 32, "mix_sequences": 400}, work="")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--mix-sequences", type=int, default=10_000)
-    p.add_argument("--smoke", action="store_true", help="a corpus of 120 short documents, "
-                   "2 -> 3 read and 16 -> 15 planned, 400 mixed sequences")  # fmt: skip
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     shape = dict(count=1094, low=81, median=681, high=20362)
     layouts, text_chars = [(2, 3), (64, 63), (1024, 1016)], 4_000_000
     if args.smoke:
+        # a corpus of 120 short documents, 2 -> 3 read and 16 -> 15 planned
         shape, text_chars = dict(count=120, low=20, median=120, high=2000), 300_000
-        layouts, args.seq_len, args.mix_sequences = [(2, 3), (16, 15)], 32, 400
+        layouts = [(2, 3), (16, 15)]
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
-    with tempfile.TemporaryDirectory(prefix="bench_sampling_") as tmp:
-        work = Path(tmp)
+    with bench.work_folder(args, "bench_sampling_") as work:
         tokens = bundled_tokens(tokenizer, text_chars)
         heavy = write_documents(work / "heavy", "h", heavy_tailed_lengths(**shape, seed=0),
                                 tokens, tokenizer, seed=1)  # fmt: skip
@@ -426,9 +416,7 @@ def main(argv=None) -> int:
         "before_issue_20": BEFORE, "smoke": args.smoke,
     }  # fmt: skip
     print_report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

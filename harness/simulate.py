@@ -4,7 +4,7 @@ Owns ``SimulatedSource`` (files of equal row counts, cut into units as a streami
 source cuts them) and ``SimulatedCounts`` (counts computed from a unit's range, kept as
 ``index.SourceCounts`` keeps them), so the global order (order.py) can be walked at any
 scale: the order's unit tests, and its memory at 10^9 documents
-(``scripts/bench_order.py``), go through the data package's own ``SourceOrder``.
+(``scripts/benchmarks/bench_order.py``), go through the data package's own ``SourceOrder``.
 
 Never: read a file, or stand in for a source in training.
 """

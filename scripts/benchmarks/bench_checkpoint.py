@@ -1,7 +1,7 @@
 """How long CheckpointManager makes the training loop wait, as train.py drives it.
 
-    python scripts/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--interval 6[,12]]
-                                       [--saves 3] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_checkpoint.py [--flavor 125M] [--ranks 1,2,4] [--interval 6[,12]]
+                                       [--saves 3] [--work DIR] [--smoke] [--json out.json]
 
 For each rank count (a torchrun job of that many CPU ranks, gloo, FSDP2), builds the
 model (125M with a 32,000-token vocab: 134 M parameters) and AdamW through the
@@ -33,12 +33,14 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
 from torchtitan import REPO_ROOT
-from torchtitan.runs import run_env, torchrun_command
+from torchtitan.tools.launch import run_env, torchrun_command
 
 VOCAB = {"debugmodel": 4096, "125M": 32000}
 
@@ -147,7 +149,7 @@ def run_job(ranks: int, interval: int, args, root: str) -> dict:
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", root, "--json", str(out)]  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
-    proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/bench_checkpoint.py"),
+    proc = subprocess.run(torchrun_command(ranks, argv, script="scripts/benchmarks/bench_checkpoint.py"),
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
@@ -155,49 +157,42 @@ def run_job(ranks: int, interval: int, args, root: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"flavor": "debugmodel", "ranks": "2", "saves": 2,
+                                        "interval": "2"}, work="")  # fmt: skip
     p.add_argument("--flavor", default="125M", choices=sorted(VOCAB))
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--interval", default="6", help="steps between saves (a list: one job each)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--smoke", action="store_true", help="debugmodel, 2 ranks, 2 saves")
-    p.add_argument("--json", default="")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     if args.rank_main:
         args.interval = int(args.interval)
         result = rank_main(args)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
-    if args.smoke:
-        args.flavor, args.ranks, args.saves, args.interval = "debugmodel", "2", 2, "2"
-    with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as root:
-        rows = [run_job(int(r), int(i), args, root)
+    with bench.work_folder(args, "bench_ckpt_") as root:
+        rows = [run_job(int(r), int(i), args, str(root))
                 for r in args.ranks.split(",") for i in args.interval.split(",")]  # fmt: skip
-    print(f"{'flavor':<11}{'params':>13}{'ranks':>6}{'ivl':>5}{'ivl s':>7}{'write s':>8}{'MB':>7}"
-          f"{'save s':>8}{'sync blk s':>11}{'async blk s':>12}{'async/sync':>11}{'crc s':>8}"
-          f"{'crc/save':>9}{'fsync s':>9}")  # fmt: skip
-    for r in rows:
-        interval_s = r["interval"] * r["async_median_step_s"]
-        print(f"{r['flavor']:<11}{r['parameters']:>13,}{r['ranks']:>6}{r['interval']:>5}"
-              f"{interval_s:>7.2f}{r['async_write_s']:>8.2f}{r['checkpoint_mb']:>7.0f}"
-              f"{r['sync_save_s']:>8.2f}{r['sync_blocked_s']:>11.2f}{r['async_blocked_s']:>12.3f}"
-              f"{r['async_blocked_over_sync']:>11.3f}{r['integrity_s']:>8.3f}{r['integrity_over_save']:>9.3f}"
-              f"{r['fsync_s']:>9.3f}")  # fmt: skip
+    header = ["flavor", "params", "ranks", "interval", "interval s", "async write s", "MB",
+              "save s", "sync blocked s", "async blocked s", "async / sync", "crc s",
+              "crc / save", "fsync s"]  # fmt: skip
+    bench.print_table(header, [
+        [r["flavor"], f"{r['parameters']:,}", r["ranks"], r["interval"],
+         f"{r['interval'] * r['async_median_step_s']:.2f}", f"{r['async_write_s']:.2f}",
+         f"{r['checkpoint_mb']:.0f}", f"{r['sync_save_s']:.2f}", f"{r['sync_blocked_s']:.2f}",
+         f"{r['async_blocked_s']:.3f}", f"{r['async_blocked_over_sync']:.3f}",
+         f"{r['integrity_s']:.3f}", f"{r['integrity_over_save']:.3f}", f"{r['fsync_s']:.3f}"]
+        for r in rows])  # fmt: skip
     for r in rows:
         for line in r["async_said"]:
             print(f"interval {r['interval']}, async, the job said: {line}")
     print(
         "targets: async/sync <= 0.05 at >= 100 M parameters; integrity/save <= 0.10, flat in ranks"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return bench.save(args, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Pretokenized data against on-the-fly tokenization of the same corpus, side by side.
 
-    python scripts/bench_pretokenized.py [--tokens 3000000] [--rounds 3] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_pretokenized.py [--tokens 3000000] [--rounds 3] [--smoke] [--json out.json]
 
 Pretokenizes the bundled corpus (timed, every core) into a temporary folder, then pulls
 batches through the loader as training builds and pulls it (``build_dataloader`` from a
@@ -13,17 +13,15 @@ cache) before any round: it is a start-up cost, not throughput.
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
 import torch
 
+from harness import bench
 from torchtitan.config import parse_args
 from torchtitan.data import ParallelDataLoader, build_dataloader
 from torchtitan.data.pretokenized_write import available_cores, pretokenize
@@ -64,18 +62,13 @@ def same_batches(a, b, tokenizer, n: int) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"tokens": 40_000, "rounds": 1}, rounds=3, work="")
     p.add_argument("--tokens", type=int, default=3_000_000, help="tokens per on-the-fly round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    tokens, rounds = (40_000, 1) if args.smoke else (args.tokens, args.rounds)
+    args = p.parse(argv)
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
-    folder = tempfile.mkdtemp(prefix="bench_pretokenized_")
-    try:
+    with bench.work_folder(args, "bench_pretokenized_") as work:
+        folder = str(work / "pretokenized")
+        shutil.rmtree(folder, ignore_errors=True)  # pretokenize writes into an empty folder
         workers = available_cores()
         start = time.perf_counter()
         manifest = pretokenize(resolve_source(name="bundled"), tokenizer, folder, workers=workers)
@@ -86,11 +79,9 @@ def main(argv=None) -> int:
         # Interleaved rounds: drift on a shared machine hits both alike. The pretokenized
         # side reads 10x the tokens so that its rounds last long enough to time.
         fly, pre = [], []
-        for _ in range(rounds):
-            fly.append(rate(original, tokenizer, tokens))
-            pre.append(rate(pretokenized, tokenizer, 10 * tokens))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        for _ in range(args.rounds):
+            fly.append(rate(original, tokenizer, args.tokens))
+            pre.append(rate(pretokenized, tokenizer, 10 * args.tokens))
     result = {
         "on_the_fly_tokens_per_s": statistics.median(fly),
         "pretokenized_tokens_per_s": statistics.median(pre),
@@ -105,17 +96,15 @@ def main(argv=None) -> int:
     result["pretokenized_over_on_the_fly"] = (
         result["pretokenized_tokens_per_s"] / result["on_the_fly_tokens_per_s"]
     )
-    print(f"{'measure':<40}{'value':>16}")
-    for key in ("on_the_fly_tokens_per_s", "pretokenized_tokens_per_s"):
-        print(f"{key:<40}{result[key]:>16,.0f}")
-    print(
-        f"{'pretokenized / on the fly (target >= 20)':<40}{result['pretokenized_over_on_the_fly']:>16.1f}"
-    )
-    print(f"{'same batches (torch.equal)':<40}{str(equal):>16}")
-    print(f"{'pretokenize, s (' + str(workers) + ' workers)':<40}{pretokenize_s:>16.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    bench.print_table(["measure", "value"], [
+        *([key, f"{result[key]:,.0f}"]
+          for key in ("on_the_fly_tokens_per_s", "pretokenized_tokens_per_s")),
+        [f"pretokenized / on the fly (target >= {TARGET:g})",
+         f"{result['pretokenized_over_on_the_fly']:.1f}"],
+        ["same batches (torch.equal)", equal],
+        [f"pretokenize, s ({workers} workers)", f"{pretokenize_s:.2f}"],
+    ])  # fmt: skip
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

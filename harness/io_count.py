@@ -1,7 +1,7 @@
 """Counting what a piece of work reads: the files it opens and the bytes it reads.
 
-For the start-up benchmark and its test (how many files one rank opens before its first
-batch). Opens are Python's ``open`` audit events (every reader of this project opens
+For the start-up benchmark and the data plan's tests (how many files one rank opens
+before its first batch). Opens are Python's ``open`` audit events (every reader of this project opens
 files through Python, pyarrow included: it is handed Python file objects); bytes are
 the process's ``rchar`` (/proc/self/io: bytes returned by read calls, cached or not).
 

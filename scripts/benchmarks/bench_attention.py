@@ -1,6 +1,6 @@
 """Step time with document-aware attention: block_causal versus causal, side by side.
 
-    python scripts/bench_attention.py [--rounds 2] [--steps 12] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_attention.py [--rounds 2] [--steps 12] [--smoke] [--json out.json]
 
 Trains through ``train.py`` (one process, all cores) the debug model and the 125M flavor
 (with the bundled 4,096-token vocab), alternating ``--model.attention_mask causal`` and
@@ -10,17 +10,18 @@ after the first two (``step_ms`` in the metrics: data, forward, backward, optimi
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
 from torchtitan import REPO_ROOT
-from torchtitan.runs import DEBUG_CONFIG, read_records, run_env
+from torchtitan.runs import read_records
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 MODELS = {"debugmodel": ["--training.batch_size", "4"], "125M": ["--training.batch_size", "2"]}
 
@@ -38,35 +39,29 @@ def step_ms(flavor: str, mask: str, steps: int, seq_len: int, folder: Path) -> l
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--rounds", type=int, default=2)
+    p = bench.Arguments(__doc__, smoke={"rounds": 1, "steps": 4, "seq_len": 128}, rounds=2,
+                        work="")  # fmt: skip
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--smoke", action="store_true", help="debug model only, 4 steps, 1 round")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    flavors = ["debugmodel"] if args.smoke else list(MODELS)
-    if args.smoke:
-        args.rounds, args.steps, args.seq_len = 1, 4, 128
+    args = p.parse(argv)
+    flavors = ["debugmodel"] if args.smoke else list(MODELS)  # the smoke: debugmodel only
     times = {(f, m): [] for f in flavors for m in ("causal", "block_causal")}
-    with tempfile.TemporaryDirectory(prefix="bench_attention_") as root:
+    with bench.work_folder(args, "bench_attention_") as root:
         for _ in range(args.rounds):
             for flavor, mask in times:
                 times[(flavor, mask)] += step_ms(flavor, mask, args.steps, args.seq_len,
-                                                 Path(root) / f"{flavor}-{mask}")  # fmt: skip
+                                                 root / f"{flavor}-{mask}")  # fmt: skip
     rows = []
-    print(f"{'flavor':<12}{'causal ms':>11}{'block_causal ms':>17}{'ratio':>8}")
     for flavor in flavors:
         causal = statistics.median(times[(flavor, "causal")])
         block = statistics.median(times[(flavor, "block_causal")])
         rows.append({"flavor": flavor, "seq_len": args.seq_len, "causal_ms": causal,
                      "block_causal_ms": block, "block_over_causal": block / causal})  # fmt: skip
-        print(f"{flavor:<12}{causal:>11.1f}{block:>17.1f}{block / causal:>8.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    bench.print_table(["flavor", "seq_len", "causal ms", "block_causal ms", "block / causal"],
+                      [[r["flavor"], r["seq_len"], f"{r['causal_ms']:.1f}",
+                        f"{r['block_causal_ms']:.1f}", f"{r['block_over_causal']:.3f}"]
+                       for r in rows])  # fmt: skip
+    return bench.save(args, rows)
 
 
 if __name__ == "__main__":

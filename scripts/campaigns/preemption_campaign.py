@@ -1,6 +1,6 @@
 """Preempt training with SIGTERM / SIGUSR1 at random moments, relaunch, compare to a clean run.
 
-    python scripts/preemption_campaign.py --trials 24 --seed 0
+    python scripts/campaigns/preemption_campaign.py --trials 24 --seed 0
 
 The SIGKILL campaign (fault_injection.py) covers kills; this one covers the signal a
 scheduler sends before it kills, which the job must act on by itself:
@@ -39,8 +39,9 @@ from fault_injection import command, last_step, saving, workers_of
 
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint import complete_steps
-from torchtitan.runs import DEBUG_CONFIG, losses, run_env
+from torchtitan.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 LAYOUTS = [
     (workers, mode, parallel)

@@ -1,6 +1,6 @@
 """Data pipeline throughput and state size, measured side by side in one run.
 
-    python scripts/bench_data.py [--tokens 3000000] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_data.py [--tokens 3000000] [--smoke] [--json out.json]
 
 Measures, on the bundled corpus, through the loader as training builds and pulls it
 (``build_dataloader`` from a config, seq_len 2048, batch 8):
@@ -16,13 +16,13 @@ timing: it is a start-up cost, not throughput.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
 from torchtitan.data.sources import MapSource, resolve_source
@@ -80,14 +80,9 @@ def state_bytes(tokenizer, world: int, streaming: bool, workers: int = 0, at: fl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"tokens": 40_000, "rounds": 1}, rounds=3)
     p.add_argument("--tokens", type=int, default=3_000_000, help="tokens per pipeline measurement")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    tokens = 40_000 if args.smoke else args.tokens
+    args = p.parse(argv)
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
 
     source = MapSource(resolve_source(name="bundled"), "text", "id")
@@ -95,17 +90,19 @@ def main(argv=None) -> int:
     # Interleaved rounds, so drift on a shared machine hits every measurement alike.
     # The raw rate is measured on exactly the documents the pipeline tokenized.
     raw, w0, w2 = [], [], []
-    for _ in range(1 if args.smoke else 3):
-        rate, docs = pipeline_rate(tokenizer, 0, tokens)
+    for _ in range(args.rounds):
+        rate, docs = pipeline_rate(tokenizer, 0, args.tokens)
         w0.append(rate)
         raw.append(raw_encode_rate(tokenizer, [text_of[d] for d in sorted(docs)]))
-        w2.append(pipeline_rate(tokenizer, 2, tokens)[0])
+        w2.append(pipeline_rate(tokenizer, 2, args.tokens)[0])
     # Medians: this machine's speed drifts by tens of percent.
     result = {
         "raw_encode_tokens_per_s": statistics.median(raw),
         "workers0_tokens_per_s": statistics.median(w0),
         "workers2_tokens_per_s": statistics.median(w2),
-        "streaming_workers0_tokens_per_s": pipeline_rate(tokenizer, 0, tokens, streaming=True)[0],
+        "streaming_workers0_tokens_per_s": pipeline_rate(tokenizer, 0, args.tokens, streaming=True)[
+            0
+        ],
         "state_bytes_per_rank": {
             "map_1rank": state_bytes(tokenizer, 1, False),
             "map_2ranks": state_bytes(tokenizer, 2, False),
@@ -120,18 +117,15 @@ def main(argv=None) -> int:
     result["workers2_over_workers0"] = (
         result["workers2_tokens_per_s"] / result["workers0_tokens_per_s"]
     )
-
-    print(f"{'measure':<34}{'value':>14}")
-    for key in ("raw_encode_tokens_per_s", "workers0_tokens_per_s", "workers2_tokens_per_s",
-                "streaming_workers0_tokens_per_s"):  # fmt: skip
-        print(f"{key:<34}{result[key]:>14,.0f}")
-    print(f"{'workers0 / raw (target >= 0.85)':<34}{result['workers0_over_raw']:>14.3f}")
-    print(f"{'workers2 / workers0 (target >= 1.6)':<34}{result['workers2_over_workers0']:>14.3f}")
-    for key, value in result["state_bytes_per_rank"].items():
-        print(f"{'state bytes/rank ' + key:<34}{value:>14,}  (target <= 16,384)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    rows = [[key, f"{result[key]:,.0f}", ""] for key in (
+        "raw_encode_tokens_per_s", "workers0_tokens_per_s", "workers2_tokens_per_s",
+        "streaming_workers0_tokens_per_s")]  # fmt: skip
+    rows += [["workers0 / raw", f"{result['workers0_over_raw']:.3f}", ">= 0.85"],
+             ["workers2 / workers0", f"{result['workers2_over_workers0']:.3f}", ">= 1.6"]]  # fmt: skip
+    rows += [[f"state bytes/rank {key}", f"{value:,}", "<= 16,384"]
+             for key, value in result["state_bytes_per_rank"].items()]  # fmt: skip
+    bench.print_table(["measure", "value", "target"], rows)
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

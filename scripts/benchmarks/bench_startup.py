@@ -1,6 +1,7 @@
 """Start-up at scale: what one rank of R opens and reads before its first batch.
 
-    python scripts/bench_startup.py [--files 10000] [--ranks 1,64,1024] [--json out.json]
+    python scripts/benchmarks/bench_startup.py [--files 10000] [--ranks 1,64,1024] [--work DIR]
+        [--smoke] [--json out.json]
 
 One process simulates rank r of R (r = R // 2; R = 1, 64, 1,024) over a streaming
 parquet corpus of --files tiny files (4 documents each, generated under the temporary
@@ -21,36 +22,35 @@ phase after a warm-up run, so the page cache is warm and imports are done.
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from harness.corpus import built_once, write_parquet
+from harness.io_count import counting
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.io_count import counting
 
 
 def build_corpus(folder: Path, files: int) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """``files`` tiny parquet files of 4 documents each under ``folder``; built once."""
 
-    done = folder / f"DONE-{files}"
-    if done.exists():
-        return folder / "data"
-    data = folder / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for f in range(files):
-        texts = [f"Document {f}-{r}. " + "A few words of a tiny file. " * (3 + (f + r) % 9)
-                 for r in range(4)]  # fmt: skip
-        pq.write_table(pa.table({"id": [f"d{f}-{r}" for r in range(4)], "text": texts}),
-                       data / f"part-{f:05d}.parquet")  # fmt: skip
-    done.write_text("ok")
-    return data
+    def build(out: Path) -> dict:
+        for f in range(files):
+            write_parquet(out / f"part-{f:05d}.parquet", [
+                {"id": f"d{f}-{r}",
+                 "text": f"Document {f}-{r}. " + "A few words of a tiny file. " * (3 + (f + r) % 9)}
+                for r in range(4)])  # fmt: skip
+        return {"files": files}
+
+    built_once(folder, str(files), build)
+    return folder
 
 
 def measure(fn, corpus: Path):
@@ -100,18 +100,13 @@ def total(*phases: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"files": 200, "ranks": "1,64"},
+                        work=str(Path(tempfile.gettempdir()) / "bench_startup"))  # fmt: skip
     p.add_argument("--files", type=int, default=10_000)
     p.add_argument("--ranks", default="1,64,1024")
-    p.add_argument("--smoke", action="store_true", help="200 files, R = 1 and 64")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.files, args.ranks = 200, "1,64"
-    root = Path(tempfile.gettempdir()) / "bench_startup" / str(args.files)
-    corpus = build_corpus(root, args.files)
+    args = p.parse(argv)
+    root = Path(args.work) / str(args.files)
+    corpus = build_corpus(root / "data", args.files)
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
     cfg = parse_args(["--training.dataset_path", str(corpus), "--training.streaming",
                       "--training.seq_len", "64", "--training.batch_size", "8",
@@ -120,23 +115,23 @@ def main(argv=None) -> int:
     results = [simulate(cfg, tokenizer, corpus, int(r)) for r in args.ranks.split(",")]
 
     print(f"\nstart-up of one rank over {args.files:,} streaming parquet files (tiny)\n")
-    print("| R | rank | counts measured: files opened | MB read | s to first batch "
-          "| first start: files | MB | s | before: files | before: MB | before: s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["R", "rank", "counts measured: files opened", "MB read", "s to first batch",
+              "first start: files", "MB", "s", "before: files", "before: MB",
+              "before: s"]  # fmt: skip
+    rows = []
     for r in results:
-        a, f, b = r["per_rank"], r["per_rank_first_start"], r["baseline_resolving_alone"]
-        print(f"| {r['ranks']:,} | {r['rank']} | {a['files_opened']:,} | "
-              f"{a['bytes_read'] / 1e6:.2f} | {a['seconds']:.3f} | {f['files_opened']:,} | "
-              f"{f['bytes_read'] / 1e6:.2f} | {f['seconds']:.3f} | {b['files_opened']:,} | "
-              f"{b['bytes_read'] / 1e6:.2f} | {b['seconds']:.3f} |")  # fmt: skip
+        row = [f"{r['ranks']:,}", r["rank"]]
+        for phase in (r["per_rank"], r["per_rank_first_start"], r["baseline_resolving_alone"]):
+            row += [f"{phase['files_opened']:,}", f"{phase['bytes_read'] / 1e6:.2f}",
+                    f"{phase['seconds']:.3f}"]  # fmt: skip
+        rows.append(row)
+    bench.print_table(header, rows)
     r = results[-1]
     print(f"\nonce per job, rank 0: listing {r['rank0_listing']['seconds']:.3f} s "
           f"({r['rank0_listing']['files_opened']} files opened), combining "
           f"{r['rank0_combine']['seconds']:.3f} s; no token counted at start (the first "
           "step's units are measured as the windows reach them, shared by the ranks)")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"files": args.files, "results": results}, indent=1))
-    return 0
+    return bench.save(args, {"files": args.files, "results": results})
 
 
 if __name__ == "__main__":

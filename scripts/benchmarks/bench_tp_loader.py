@@ -1,6 +1,7 @@
 """Feeding tensor-parallel peers: every TP rank builds the same loader, or one broadcasts.
 
-    python scripts/bench_tp_loader.py [--batches 200] [--shapes 4x128,8x2048] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_tp_loader.py [--batches 200] [--shapes 4x128,8x2048]
+        [--work DIR] [--smoke] [--json out.json]
 
 A torchrun job of 4 CPU ranks (gloo) laid out as 2 DP x 2 TP. For each batch shape
 (micro-batch x seq_len), on the bundled corpus, through the project's own data path as
@@ -26,14 +27,17 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
 from torchtitan import REPO_ROOT
-from torchtitan.runs import run_env, torchrun_command
+from torchtitan.tools.launch import run_env, torchrun_command
 
 TENSORS = ("input", "label")
+SCRIPT = "scripts/benchmarks/bench_tp_loader.py"  # each rank runs this file
 
 
 def rank_main(args) -> list[dict]:
@@ -97,41 +101,32 @@ def _broadcast(loader, layout, group, batch: int, seq: int, torch, dist) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"batches": 20, "shapes": "4x128"}, work="")
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--shapes", default="4x128,8x2048")
-    p.add_argument("--smoke", action="store_true", help="20 batches of 4 x 128")
-    p.add_argument("--json", default="")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     if args.rank_main:
         rows = rank_main(args)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.out).write_text(json.dumps(rows))
         return 0
-    if args.smoke:
-        args.batches, args.shapes = 20, "4x128"
-    with tempfile.TemporaryDirectory(prefix="bench_tp_loader_") as root:
-        out = Path(root) / "rows.json"
+    with bench.work_folder(args, "bench_tp_loader_") as root:
+        out = root / "rows.json"
         argv = ["--rank-main", "--batches", str(args.batches), "--shapes", args.shapes,
                 "--out", str(out)]  # fmt: skip
-        proc = subprocess.run(torchrun_command(4, argv, script="scripts/bench_tp_loader.py"),
-                              cwd=REPO_ROOT, env=run_env(), capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(torchrun_command(4, argv, script=SCRIPT), cwd=REPO_ROOT,
+                              env=run_env(), capture_output=True, text=True)  # fmt: skip
         if proc.returncode != 0:
             raise SystemExit(proc.stdout[-2000:] + proc.stderr[-4000:])
         rows = json.loads(out.read_text())
-    print(f"{'shape':<8}{'mode':<11}{'tp0 ms/b':>10}{'peer ms/b':>11}{'group cpu ms/b':>16}")
-    for row in rows:
-        for mode in ("build", "broadcast"):
-            r = row[mode]
-            print(f"{row['shape']:<8}{mode:<11}{r['tp0_ms_per_batch']:>10.2f}"
-                  f"{r['peer_ms_per_batch']:>11.2f}{r['group_cpu_ms_per_batch']:>16.2f}")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    bench.print_table(["shape", "mode", "tp0 ms/batch", "peer ms/batch", "group cpu ms/batch"],
+                      [[row["shape"], mode, f"{row[mode]['tp0_ms_per_batch']:.2f}",
+                        f"{row[mode]['peer_ms_per_batch']:.2f}",
+                        f"{row[mode]['group_cpu_ms_per_batch']:.2f}"]
+                       for row in rows for mode in ("build", "broadcast")])  # fmt: skip
+    return bench.save(args, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Kill training with SIGKILL at random moments, relaunch until it finishes, compare to a clean run.
 
-    python scripts/fault_injection.py --trials 5 --kills 3 --seed 0
+    python scripts/campaigns/fault_injection.py --trials 5 --kills 3 --seed 0
 
 1. A reference run trains --steps steps with a checkpoint every --interval.
 2. Each trial trains the same job in a fresh folder and SIGKILLs it up to --kills
@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import DEBUG_CONFIG, losses, run_env
+from torchtitan.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
+from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Resume cost versus position in the data: seek, don't skip.
 
-    python scripts/bench_resume.py [--size-mb 520] [--shards 120] [--repeats 3] [--smoke] [--json out.json]
+    python scripts/benchmarks/bench_resume.py [--size-mb 520] [--shards 120] [--rounds 3]
+        [--work DIR] [--smoke] [--json out.json]
 
-1. Builds (once) a large parquet corpus from the bundled text under
-   ``outputs/bench_corpus`` (never committed): the bundled documents repeated with new
+1. Builds (once) a large parquet corpus from the bundled text under --work (default
+   ``outputs/bench_corpus``, never committed): the bundled documents repeated with new
    ids until the text reaches --size-mb, in --shards files.
 2. Builds the corpus's length index (once per corpus and tokenizer, cached under
    $TORCHTITAN_CACHE), as the first start of a job on it would.
@@ -19,8 +20,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pickle
 import statistics
@@ -29,38 +28,28 @@ import sys
 import time
 from pathlib import Path
 
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from harness.corpus import built_once, bundled_documents, repeated, write_parquet_files
 from torchtitan import REPO_ROOT as REPO
 
 SEQ, BATCH = 2048, 8
 
 
-def build_corpus(out: Path, size_mb: int, shards: int) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def build_corpus(folder: Path, size_mb: int, shards: int) -> dict:
+    """The bundled documents repeated with new ids to ``size_mb`` of text, in ``shards``
+    files (zstd, 256-row groups) under ``folder``; built once per size."""
 
-    from torchtitan.data.sources import MapSource, resolve_source
+    def build(out: Path) -> dict:
+        docs = repeated(bundled_documents(), size_mb)
+        write_parquet_files(out, docs, shards, row_group=256, compression="zstd")
+        text_bytes = sum(len(d["text"].encode()) for d in docs)
+        print(f"built {out}: {len(docs):,} documents, {text_bytes / 2**20:.0f} MB of text, "
+              f"{shards} shards")  # fmt: skip
+        return {"documents": len(docs), "text_bytes": text_bytes}
 
-    marker = out / f"DONE-{size_mb}MB-{shards}"
-    if marker.exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.parquet"):
-        old.unlink()
-    base = MapSource(resolve_source(name="bundled"), "text", "id").ds
-    ids, texts = list(base["id"]), list(base["text"])
-    per_copy = sum(len(t.encode()) for t in texts)
-    copies = -(-size_mb * 2**20 // per_copy)
-    rows = [(f"copy{c}/{i}", t) for c in range(copies) for i, t in zip(ids, texts)]
-    per_shard = -(-len(rows) // shards)
-    for s in range(shards):
-        chunk = rows[s * per_shard : (s + 1) * per_shard]
-        table = pa.table({"id": [r[0] for r in chunk], "text": [r[1] for r in chunk]})
-        pq.write_table(table, out / f"part-{s:05d}.parquet", compression="zstd", row_group_size=256)
-    marker.write_text(json.dumps({"documents": len(rows), "text_bytes": per_copy * copies}))
-    print(
-        f"built {out}: {len(rows):,} documents, {per_copy * copies / 2**20:.0f} MB of text, {shards} shards"
-    )
-    return out
+    return built_once(folder, f"{size_mb}MB-{shards}", build)
 
 
 def make_state(corpus: Path, fraction: float, path: Path):
@@ -129,37 +118,30 @@ def time_to_first_batch(corpus: Path, state: Path) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench.Arguments(__doc__, smoke={"size_mb": 2, "shards": 4, "rounds": 1}, rounds=3,
+                        work=str(REPO / "outputs" / "bench_corpus"))  # fmt: skip
     p.add_argument("--size-mb", type=int, default=520)
     p.add_argument("--shards", type=int, default=120)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--corpus", default=str(REPO / "outputs" / "bench_corpus"))
-    p.add_argument("--smoke", action="store_true", help="a 2 MB corpus in 4 shards, 1 repeat")
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.size_mb, args.shards, args.repeats = 2, 4, 1
-        args.corpus = args.corpus + "_smoke"
-    corpus = build_corpus(Path(args.corpus), args.size_mb, args.shards)
-    index = build_index(corpus)
+    args = p.parse(argv)
+    work = Path(args.work) if not args.smoke else Path(args.work + "_smoke")
+    folder = work / "corpus"
+    built = build_corpus(folder, args.size_mb, args.shards)
+    index = build_index(folder)
     states = {}
     for label, fraction in (("1%", 0.01), ("99%", 0.99)):
-        states[label] = Path(args.corpus) / f"state-{label[:-1]}.pkl"
-        make_state(corpus, fraction, states[label])
+        states[label] = work / f"state-{label[:-1]}.pkl"
+        make_state(folder, fraction, states[label])
     if not args.smoke:
-        time_to_first_batch(corpus, states["1%"])  # warm the page cache and the datasets cache
+        time_to_first_batch(folder, states["1%"])  # warm the page cache and the datasets cache
     times = {"1%": [], "99%": []}
     docs = {}
-    for _ in range(args.repeats):
+    for _ in range(args.rounds):
         for label in ("1%", "99%"):
-            elapsed, docs[label] = time_to_first_batch(corpus, states[label])
+            elapsed, docs[label] = time_to_first_batch(folder, states[label])
             times[label].append(elapsed)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "corpus": json.loads(next(Path(args.corpus).glob("DONE-*")).read_text())
-        | {"shards": args.shards},
+        "corpus": built | {"shards": args.shards},
         "seconds_to_first_batch": times,
         "median_1pct_s": med["1%"],
         "median_99pct_s": med["99%"],
@@ -167,17 +149,13 @@ def main(argv=None) -> int:
         "first_document": docs,
         "length_index": index,
     }
-    print(f"{'position':<10}{'median s':>10}   runs")
-    for label in ("1%", "99%"):
-        print(
-            f"{label:<10}{med[label]:>10.2f}   {', '.join(f'{t:.2f}' for t in times[label])}   first doc {docs[label]}"
-        )
-    print(f"ratio 99% / 1%: {result['ratio_99_over_1']:.3f} (target <= 1.3)")
+    bench.print_table(["position", "median s", "runs", "first document"],
+                      [[label, f"{med[label]:.2f}", ", ".join(f"{t:.2f}" for t in times[label]),
+                        docs[label]] for label in ("1%", "99%")])  # fmt: skip
+    print(f"\nratio 99% / 1%: {result['ratio_99_over_1']:.3f} (target <= 1.3)")
     how = "read from the cache" if index["was_cached"] else "measured (first start)"
     print(f"length index of {index['documents']:,} documents: {index['seconds']:.2f} s, {how}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

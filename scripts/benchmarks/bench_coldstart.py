@@ -1,8 +1,8 @@
 """The first start on a never-seen corpus: launch to step 1 as the corpus grows, side by
 side with torchtitan 0.3.0's trainer launched the same way, and with its loader alone.
 
-    python scripts/bench_coldstart.py [--peer-python /path/to/venv/bin/python] [--work DIR]
-        [--rounds 2] [--sizes 1,8] [--base-mb 20] [--seq-len 128] [--json out.json]
+    python scripts/benchmarks/bench_coldstart.py [--peer-python /path/to/venv/bin/python] [--work DIR]
+        [--rounds 2] [--sizes 1,8] [--base-mb 20] [--seq-len 128] [--smoke] [--json out.json]
 
 Corpora, built once under --work (default: the temporary folder's ``bench_coldstart``)
 and kept there: per size S (--sizes, in multiples of --base-mb MB of text), 64 parquet
@@ -91,10 +91,8 @@ where the trainer has no figure).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -108,11 +106,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# bench_streaming imports torchtitan: this checkout's, the one whose train.py is measured,
-# not whichever checkout is installed (its data package may be mid-change).
-sys.path.insert(1, str(REPO))
-from bench_streaming import PEER_SETUP, PeerUnavailable  # noqa: E402
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+from bench_streaming import PEER_SETUP
+
+from harness import bench
+from harness.corpus import built_once, write_parquet
+from torchtitan import REPO_ROOT as REPO
 
 CONFIG = "train_configs/debug_model.toml"
 TOKENIZER = REPO / "data" / "tokenizer" / "tokenizer.model"  # debug_model.toml's
@@ -152,29 +151,23 @@ def file_documents(f: int, pool: list[str], domain: str, text_bytes: int):
 def build_corpus(folder: Path, text_bytes: int) -> dict:
     """FILES parquet files under ``folder/data`` holding ``text_bytes`` of text in all;
     built once (a DONE file records what was built)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    done = folder / "DONE.json"
-    if done.exists():
-        return json.loads(done.read_text())
-    shutil.rmtree(folder, ignore_errors=True)
-    data = folder / "data"
-    data.mkdir(parents=True)
-    pools = {d: bundled_texts(d) for d in DOMAINS}
-    documents, groups = 0, 0
-    for f in range(FILES):
-        domain = DOMAINS[f % len(DOMAINS)]
-        rows = list(file_documents(f, pools[domain], domain, text_bytes // FILES))
-        table = pa.table({"id": [r[0] for r in rows], "text": [r[1] for r in rows]})
-        path = data / f"part-{f:03d}.parquet"
-        pq.write_table(table, path, row_group_size=ROW_GROUP)
-        documents, groups = documents + len(rows), groups + pq.ParquetFile(path).num_row_groups
-    info = {"path": str(data), "files": FILES, "documents": documents, "row_groups": groups,
-            "text_bytes": text_bytes // FILES * FILES,
-            "parquet_bytes": sum(p.stat().st_size for p in data.glob("*.parquet"))}  # fmt: skip
-    done.write_text(json.dumps(info))
-    return info
+    def build(out: Path) -> dict:
+        data = out / "data"
+        pools = {d: bundled_texts(d) for d in DOMAINS}
+        documents, groups = 0, 0
+        for f in range(FILES):
+            domain = DOMAINS[f % len(DOMAINS)]
+            rows = [{"id": i, "text": t}
+                    for i, t in file_documents(f, pools[domain], domain, text_bytes // FILES)]  # fmt: skip
+            path = write_parquet(data / f"part-{f:03d}.parquet", rows, row_group=ROW_GROUP)
+            documents, groups = documents + len(rows), groups + pq.ParquetFile(path).num_row_groups
+        return {"path": str(data), "files": FILES, "documents": documents, "row_groups": groups,
+                "text_bytes": text_bytes // FILES * FILES,
+                "parquet_bytes": sum(p.stat().st_size for p in data.glob("*.parquet"))}  # fmt: skip
+
+    return built_once(folder, "corpus", build)
 
 
 # ---- launching and timing --------------------------------------------------------------
@@ -213,11 +206,11 @@ def fresh(folder: Path) -> Path:
 
 
 def job_env(work: Path, cache: Path) -> dict:
-    """One thread per process; torchtitan's and datasets' caches under --work, offline."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCHTITAN_CACHE": str(cache), "HF_HOME": str(work / "hf"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
-    env.pop("PYTHONPATH", None)
+    """One thread per process, no PYTHONPATH; torchtitan's and datasets' caches under
+    --work, offline."""
+    env = bench.program_env() | {"PYTHONUNBUFFERED": "1", "TORCHTITAN_CACHE": str(cache),
+                                 "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1",
+                                 "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     env.pop("HF_DATASETS_CACHE", None)
     return env
 
@@ -275,7 +268,7 @@ def peer_loader(work: Path, python: str, corpus: dict, seq_len: int, label: str)
                           job_env(work, fresh(run / "cache")), FIRST_BATCH, run / "log")  # fmt: skip
     tail = result.pop("tail")
     if "SKIP" in tail:
-        raise PeerUnavailable(tail.split("SKIP", 1)[1].strip())
+        raise bench.PeerUnavailable(tail.split("SKIP", 1)[1].strip())
     if result["returncode"] != 0 or result["first_s"] is None:
         raise SystemExit(f"the peer loader failed (exit {result['returncode']}):\n{tail}")
     return result | json.loads(result["line"].split("FIRST", 1)[1])
@@ -427,7 +420,7 @@ def peer_trainer(work: Path, python: str, corpus: dict, seq_len: int, label: str
                           run / "log")  # fmt: skip
     tail = result.pop("tail")
     if "SKIP" in tail:
-        raise PeerUnavailable(tail.split("SKIP", 1)[1].strip())
+        raise bench.PeerUnavailable(tail.split("SKIP", 1)[1].strip())
     if result["returncode"] != 0 or result["first_s"] is None:
         raise SystemExit(f"the peer trainer failed (exit {result['returncode']}):\n"
                          f"{shlex.join(cmd)}\n{tail}")  # fmt: skip
@@ -506,27 +499,14 @@ def print_report(result: dict):
         print(f"SKIP the peers: {result['peer']['skipped']}")
 
 
-def git_commit() -> str:
-    proc = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
-                          capture_output=True, text=True)  # fmt: skip
-    return proc.stdout.strip()
-
-
 def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench_coldstart"),
-                   help="where the corpora (kept), the jobs' folders and caches go")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=2)
+    p = bench.Arguments(__doc__, smoke={"rounds": 1, "sizes": "1", "base_mb": 1.0}, rounds=2,
+                        work=str(Path(tempfile.gettempdir()) / "bench_coldstart"),
+                        peer=True)  # fmt: skip
     p.add_argument("--sizes", default="1,8", help="corpus sizes, in multiples of --base-mb")
     p.add_argument("--base-mb", type=float, default=20.0, help="MB of text of size 1")
-    p.add_argument("--peer-python", default="", help="python of a venv with torchtitan 0.3.0")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
+    args = p.parse(argv)
     work = Path(args.work).resolve()
     sizes = sorted({int(s) for s in args.sizes.split(",")})
 
@@ -566,7 +546,7 @@ def main(argv=None) -> int:
                     runs[size]["peer loader"].append(r)
                     print(f"round {n} {size}x peer loader: {r['first_s']:.2f} s to the first "
                           f"batch ({r['after_imports_s']:.2f} s after its imports)", flush=True)  # fmt: skip
-                except PeerUnavailable as e:
+                except bench.PeerUnavailable as e:
                     peer_state["skipped"] = str(e)
                     print(f"SKIP the peers: {e}", flush=True)
             r = ours(work, corpora[size], False, args.seq_len, f"ours-{size}x-map-{n}")
@@ -575,17 +555,12 @@ def main(argv=None) -> int:
                   f"{r['exit_s']:.2f} s to exit", flush=True)  # fmt: skip
 
     result = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(), "commit": git_commit(),
-        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
-        "seq_len": args.seq_len, "batch": BATCH, "rounds": args.rounds, "base_mb": args.base_mb,
+        **bench.about(argv, commit=True), "seq_len": args.seq_len, "batch": BATCH, "rounds": args.rounds, "base_mb": args.base_mb,
         "corpora": corpora, "warmups": warmups, "runs": runs, "peer": peer_state,
         "summary": summarize(sizes, corpora, runs),
     }  # fmt: skip
     print_report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Streaming at full speed: this project's loader side by side with torchtitan 0.3.0's.
 
-    python scripts/bench_streaming.py --peer-python /path/to/venv/bin/python \\
+    python scripts/benchmarks/bench_streaming.py --peer-python /path/to/venv/bin/python \\
         [--rounds 3] [--tokens 7000000] [--resume-mb 512] [--smoke] [--json out.json]
 
 Same documents, same SentencePiece model (data/tokenizer/tokenizer.model), one rank,
@@ -29,11 +29,6 @@ the first batch, alternating, in fresh loaders.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,7 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchtitan import REPO_ROOT
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from harness.corpus import built_once, bundled_documents, repeated, write_jsonl, write_parquet_files
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
 from torchtitan.data.sources import resolve_source
@@ -75,56 +73,37 @@ ROWS = [
 def build_pydocs(out: Path, max_mb: float, files: int = 4) -> Path:
     """This Python's standard library modules (tests excluded), one JSON line each, in
     ``files`` files, up to ``max_mb`` of text. Built once per size."""
-    marker = out / f"DONE-{max_mb}"
-    if marker.exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.jsonl"):
-        old.unlink()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idle_test"}
-    docs, total = [], 0
-    for path in sorted(stdlib.rglob("*.py")):
-        if skip & set(path.relative_to(stdlib).parts) or total > max_mb * 2**20:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        docs.append({"id": str(path.relative_to(stdlib)), "text": text})
-        total += len(text)
-    per_file = -(-len(docs) // files)
-    for f in range(files):
-        with open(out / f"part-{f:03d}.jsonl", "w") as w:
-            w.writelines(json.dumps(d) + "\n" for d in docs[f * per_file : (f + 1) * per_file])
-    marker.write_text(json.dumps({"documents": len(docs), "chars": total}))
+
+    def build(folder: Path) -> dict:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "test", "tests", "idle_test"}
+        docs, total = [], 0
+        for path in sorted(stdlib.rglob("*.py")):
+            if skip & set(path.relative_to(stdlib).parts) or total > max_mb * 2**20:
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            docs.append({"id": str(path.relative_to(stdlib)), "text": text})
+            total += len(text)
+        write_jsonl(folder, docs, files)
+        return {"documents": len(docs), "chars": total}
+
+    built_once(out, str(max_mb), build)
     return out
 
 
-def build_large(out: Path, size_mb: int, files: int = 8, row_group: int = 128) -> dict[str, Path]:
+def build_large(out: Path, size_mb: int, files: int = 8, row_group: int = 128):
     """The bundled documents repeated with new ids to ``size_mb`` of text, as parquet
-    (``row_group`` rows per group) and as JSON lines, ``files`` files each."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    (``row_group`` rows per group) and as JSON lines, ``files`` files each: the folders
+    and the record of what was built."""
     folders = {"parquet": out / "parquet", "jsonl": out / "jsonl"}
-    marker = out / f"DONE-{size_mb}"
-    if marker.exists():
-        return folders
-    table = pq.read_table(resolve_source(name="bundled").files, columns=["id", "text"])
-    ids, texts = table["id"].to_pylist(), table["text"].to_pylist()
-    copies = -(-size_mb * 2**20 // sum(len(t.encode()) for t in texts))
-    rows = [(f"copy{c}/{i}", t) for c in range(copies) for i, t in zip(ids, texts)]
-    per_file = -(-len(rows) // files)
-    for fmt, folder in folders.items():
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in range(files):
-            part = rows[f * per_file : (f + 1) * per_file]
-            if fmt == "parquet":
-                data = pa.table({"id": [r[0] for r in part], "text": [r[1] for r in part]})
-                pq.write_table(data, folder / f"part-{f:03d}.parquet", row_group_size=row_group)
-            else:
-                with open(folder / f"part-{f:03d}.jsonl", "w") as w:
-                    w.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in part)
-    marker.write_text(json.dumps({"documents": len(rows)}))
-    return folders
+
+    def build(_) -> dict:
+        docs = repeated(bundled_documents(), size_mb)
+        write_parquet_files(folders["parquet"], docs, files, row_group=row_group)
+        write_jsonl(folders["jsonl"], docs, files)
+        return {"documents": len(docs)}
+
+    return folders, built_once(out, str(size_mb), build)
 
 
 def corpus_files(name: str, pydocs: Path) -> tuple[list[str], str]:
@@ -172,22 +151,17 @@ def our_rate(tokenizer, where: str, streaming: bool, workers: int, seq_len: int,
 
 # ---- the peer: torchtitan 0.3.0, in its own interpreter --------------------------------
 
-PEER_SETUP = r"""
-import importlib.metadata, json, os, sys, time
-args = json.loads(sys.argv[1])
-try:
-    import torchtitan
+PEER_SETUP = (
+    bench.peer_check(
+        """
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
-    version = importlib.metadata.version("torchtitan")
-except Exception as e:
-    print("SKIP cannot import torchtitan 0.3.0's HuggingFaceTextDataset:", repr(e))
-    sys.exit(0)
-if version != "0.3.0" or os.path.realpath(torchtitan.__file__).startswith(args["repo"]):
-    print(f"SKIP torchtitan {version} at {torchtitan.__file__} is not torchtitan 0.3.0")
-    sys.exit(0)
+    """,
+        "HuggingFaceTextDataset",
+    )
+    + r"""
 import sentencepiece
 from datasets import load_dataset
 
@@ -211,6 +185,7 @@ class SentencePieceAdapter(BaseTokenizer):
 
 tokenizer = SentencePieceAdapter(args["tokenizer"])
 """
+)
 
 PEER_RATE = (
     PEER_SETUP
@@ -277,28 +252,14 @@ print("RESULT", json.dumps({"seconds": times}))
 )
 
 
-class PeerUnavailable(Exception):
-    pass
-
-
 def peer_rate(
     python: str, files, fmt, streaming, workers, seq_len, tokens, warmup
 ) -> tuple[float, list]:
     args = {"files": files, "fmt": fmt, "streaming": streaming, "workers": workers,
             "seq_len": seq_len, "batch": BATCH, "batches": max(2, tokens // (seq_len * BATCH)),
             "warmup": warmup,
-            "tokenizer": DEFAULT_TOKENIZER_PATH, "probe": PROBE, "repo": str(REPO_ROOT)}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    # Run from the temporary folder so that this repository's torchtitan is not on the path.
-    proc = subprocess.run([python, "-c", PEER_RATE, json.dumps(args)], cwd=tempfile.gettempdir(),
-                          env=env, capture_output=True, text=True)  # fmt: skip
-    out = proc.stdout
-    if "SKIP" in out:
-        raise PeerUnavailable(out.split("SKIP", 1)[1].strip())
-    if proc.returncode != 0 or "RESULT" not in out:
-        raise SystemExit(f"the peer failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(out.split("RESULT", 1)[1])
+            "tokenizer": DEFAULT_TOKENIZER_PATH, "probe": PROBE}  # fmt: skip
+    result = bench.run_program(PEER_RATE, args, python=python, what="the peer")
     return result["tokens_per_s"], result["probe"]
 
 
@@ -354,20 +315,12 @@ def peer_resume(python: str, folder: Path, fraction: float, repeats: int) -> lis
     get there within PEER_RESUME_TIMEOUT_S."""
     args = {"files": sorted(str(p) for p in folder.glob("*.parquet")), "fraction": fraction,
             "row_group": 128, "seq_len": SEQ, "batch": BATCH, "repeats": repeats,
-            "tokenizer": DEFAULT_TOKENIZER_PATH, "repo": str(REPO_ROOT)}  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
+            "tokenizer": DEFAULT_TOKENIZER_PATH}  # fmt: skip
     try:
-        proc = subprocess.run([python, "-c", PEER_RESUME, json.dumps(args)],
-                              cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True,
-                              timeout=PEER_RESUME_TIMEOUT_S)  # fmt: skip
+        return bench.run_program(PEER_RESUME, args, python=python, what="the peer",
+                                 timeout=PEER_RESUME_TIMEOUT_S)["seconds"]  # fmt: skip
     except subprocess.TimeoutExpired:
         return []  # seen at some positions: datasets' resume waits forever (reported)
-    if "SKIP" in proc.stdout:
-        raise PeerUnavailable(proc.stdout.split("SKIP", 1)[1].strip())
-    if proc.returncode != 0 or "RESULT" not in proc.stdout:
-        raise SystemExit(f"the peer failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.split("RESULT", 1)[1])["seconds"]
 
 
 # ---- report ----------------------------------------------------------------------------
@@ -437,25 +390,17 @@ def print_table(result: dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--peer-python", default="", help="python of a venv with torchtitan 0.3.0")
-    p.add_argument("--rounds", type=int, default=3)
+    p = bench.Arguments(__doc__, smoke={"rounds": 1, "tokens": 20_000, "pydocs_mb": 0.5,
+                                        "resume_mb": 4, "resume_repeats": 1},
+                        rounds=3, work=str(WORK), peer=True)  # fmt: skip
     # Two epochs of either corpus (3.4 M and ~3.2 M tokens), so that every row reads the
     # same mix of documents: tokens/s depends on the text (code encodes at other speeds).
     p.add_argument("--tokens", type=int, default=7_000_000, help="tokens per measurement")
     p.add_argument("--pydocs-mb", type=float, default=7.0)
     p.add_argument("--resume-mb", type=int, default=512)
     p.add_argument("--resume-repeats", type=int, default=3)
-    p.add_argument("--work", default=str(WORK), help="where the built corpora go")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
-    p.add_argument("--json", default="")
     p.add_argument("--resume-only", action="store_true", help="skip the tokens/s rows")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.rounds, args.tokens, args.pydocs_mb = 1, 20_000, 0.5
-        args.resume_mb, args.resume_repeats = 4, 1
+    args = p.parse(argv)
     work = Path(args.work)
     tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
     pydocs = build_pydocs(work / "pydocs", args.pydocs_mb)
@@ -476,7 +421,7 @@ def main(argv=None) -> int:
                     rate, probe = peer_rate(args.peer_python, files, fmt, streaming, workers,
                                             seq_len, args.tokens,
                                             layout[i]["warmup_batches"])  # fmt: skip
-                except PeerUnavailable as e:
+                except bench.PeerUnavailable as e:
                     peer["skipped"] = str(e)
                     print(f"peer skipped: {e}", flush=True)
                     continue
@@ -499,7 +444,8 @@ def main(argv=None) -> int:
                      **layout[i]})  # fmt: skip
 
     resume = {}
-    for fmt, folder in build_large(work / "large", args.resume_mb).items():
+    large, built = build_large(work / "large", args.resume_mb)
+    for fmt, folder in large.items():
         states = resume_states(tokenizer, folder)
         time_resume(tokenizer, folder, states["1%"])  # warm the page cache
         times, first, decoded = {"1%": [], "99%": []}, {}, {}
@@ -513,11 +459,10 @@ def main(argv=None) -> int:
         resume[fmt] = {"seconds": times, "median_1pct_s": med["1%"], "median_99pct_s": med["99%"],
                        "ratio_99_over_1": med["99%"] / med["1%"], "first_document": first,
                        "rows_decoded": decoded,
-                       "corpus": json.loads((work / "large" / f"DONE-{args.resume_mb}").read_text())
-                       | {"mb": args.resume_mb, "files": 8}}  # fmt: skip
+                       "corpus": built | {"mb": args.resume_mb, "files": 8}}  # fmt: skip
 
     # Side by side with the peer: parquet, from nothing to the first batch, interleaved.
-    folder = build_large(work / "large", args.resume_mb)["parquet"]
+    folder = large["parquet"]
     states = resume_states(tokenizer, folder)
     side = {label: {"ours": [], "peer": [], "peer_timeouts": 0} for label in ("1%", "99%")}
     for _ in range(args.rounds):
@@ -526,7 +471,7 @@ def main(argv=None) -> int:
             if not peer["skipped"]:
                 try:
                     runs = peer_resume(args.peer_python, folder, fraction, 1)
-                except PeerUnavailable as e:
+                except bench.PeerUnavailable as e:
                     peer["skipped"] = str(e)
                     continue
                 side[label]["peer"] += runs
@@ -539,17 +484,12 @@ def main(argv=None) -> int:
     }  # fmt: skip
 
     result = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
-        "seq_len": SEQ, "batch": BATCH, "rounds": args.rounds, "tokens": args.tokens,
+        **bench.about(argv), "seq_len": SEQ, "batch": BATCH, "rounds": args.rounds, "tokens": args.tokens,
         "peer": peer, "rows": rows, "resume": resume, "resume_side_by_side": resume_side,
     }  # fmt: skip
     result["summary"] = summarize(rows, resume, resume_side)
     print_table(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return bench.save(args, result)
 
 
 if __name__ == "__main__":
