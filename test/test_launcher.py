@@ -17,7 +17,7 @@ import time
 import pytest
 from helpers import REPO
 
-from torchtitan.runs import run_env
+from torchtitan.tools.launch import run_env
 
 RANK = textwrap.dedent("""
     import os, signal, sys, time
