@@ -180,3 +180,47 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     (pkg / "e.py").write_text("import planted.sub.c\n")
     cycles = find_cycles(import_graph(pkg))
     assert ["planted.e", "planted.sub", "planted.sub.d", "planted.e"] in cycles
+
+
+# ---- who reads the streaming flag ------------------------------------------------------
+
+# The source kinds answer for themselves (fingerprint fields, plan inspection, count
+# keys): only they read ``training.streaming``; every other module asks the source.
+STREAMING_READERS = ("torchtitan/data/sources", "torchtitan/data/streaming")
+
+
+def streaming_reads(source: str, path: str) -> list[str]:
+    """'path:line' of each read of a ``streaming`` attribute (``x.streaming``,
+    ``getattr(x, "streaming")``) in ``source``, unless ``path`` is a source kind's module
+    (``data/sources*``, ``data/streaming*``)."""
+    if path.startswith(STREAMING_READERS):
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Attribute) and node.attr == "streaming":
+            found.append(f"{path}:{node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == "streaming"):  # fmt: skip
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_only_the_source_kinds_read_the_streaming_flag():
+    files = [REPO_ROOT / "train.py", *sorted((REPO_ROOT / "torchtitan").rglob("*.py"))]
+    reads = [hit for f in files
+             for hit in streaming_reads(f.read_text(), f.relative_to(REPO_ROOT).as_posix())]  # fmt: skip
+    assert not reads, f"training.streaming read outside the source kinds: {reads}"
+    sources = (REPO_ROOT / "torchtitan/data/sources.py").read_text()
+    assert streaming_reads(sources, "torchtitan/data/sources.py") == []
+    assert "training.streaming" in sources, "the walk looks where the flag is read"
+
+
+def test_a_planted_read_of_the_streaming_flag_is_found():
+    """Negative control: a plan that branches on the flag, a getattr of it, and the same
+    read inside a source kind's module (allowed)."""
+    planted = "def inspect(training):\n    if training.streaming:\n        return 1\n"
+    assert streaming_reads(planted, "torchtitan/data/plan.py") == ["torchtitan/data/plan.py:2"]
+    assert streaming_reads("x = getattr(t, 'streaming')\n", "train.py") == ["train.py:1"]
+    assert streaming_reads(planted, "torchtitan/data/streaming_x.py") == []
+    assert streaming_reads(planted, "torchtitan/data/sources.py") == []

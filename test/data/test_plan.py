@@ -101,7 +101,7 @@ def test_a_2_rank_job_resolves_a_hub_style_folder_once(tmp_path):
 def test_the_shares_of_the_ranks_cover_every_file_once(tmp_path, tokenizer):
     """inspect_share gives rank r every world-th file from r: over 3 ranks the shares
     are disjoint and hold all 10 files, each with its signature (and, streaming, its
-    document count); combine puts them into the fingerprint of one process's plan.
+    blocks' row counts); combine puts them into the fingerprint of one process's plan.
     Negative control: a lost share is refused, naming a file no rank inspected."""
     corpus = tiny_parquet_corpus(tmp_path / "corpus", files=10, rows=3)
     t = parse_args([*CONFIG, "--training.dataset_path", str(corpus), "--training.streaming",
@@ -109,10 +109,11 @@ def test_the_shares_of_the_ranks_cover_every_file_once(tmp_path, tokenizer):
     specs = list_sources(t)
     shares = [inspect_share(specs, t, tokenizer, r, 3) for r in range(3)]
     assert [sorted(f for _, f in s) for s in shares] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
-    assert all(docs == 3 and signature for s in shares for signature, docs, _ in s.values())
+    assert all(sum(rows) == 3 and signature for s in shares for signature, rows in s.values())
     plan = combine(specs, shares, t, tokenizer)
     assert plan.fingerprint == local_plan(t, tokenizer).fingerprint
-    assert plan.documents == [30]
+    assert sum(sum(rows) for rows in plan.block_rows[0].values()) == 30
+    assert sorted(plan.block_rows[0]) == list(range(10))
     with pytest.raises(DataError, match=r"no rank inspected \[.*part-00001.parquet.*incomplete"):
         combine(specs, [shares[0], shares[2]], t, tokenizer)
 
@@ -125,7 +126,7 @@ def test_a_share_signs_the_bytes_of_its_files(tmp_path, tokenizer):
     specs = list_sources(t)
 
     def signatures():
-        return [sig for sig, _, _ in inspect_share(specs, t, tokenizer, 0, 1).values()]
+        return [sig for sig, _ in inspect_share(specs, t, tokenizer, 0, 1).values()]
 
     before = signatures()
     path = Path(specs[0].files[1])

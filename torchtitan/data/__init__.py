@@ -19,7 +19,7 @@ from torchtitan.data.packing import document_problem, encode_document
 from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.pretokenized_read import check_tokenizer, stored_lengths
 from torchtitan.data.schedule import BatchSchedule
-from torchtitan.data.sources import DataError, SourceSpec, open_source
+from torchtitan.data.sources import DataError, SourceSpec, open_configured
 from torchtitan.data.windows import Position, TokenStream
 
 __all__ = [
@@ -53,19 +53,13 @@ def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStre
     no token is counted until a window needs it."""
     t = training
     plan = plan or local_plan(t, tokenizer)
-    documents = plan.documents or [None] * len(plan.specs)
-    block_rows = plan.block_rows or [None] * len(plan.specs)
-    sources = [
-        open_source(s, t.text_field, t.id_field, t.streaming, n, rows)
-        for s, n, rows in zip(plan.specs, documents, block_rows)
-    ]
+    sources = [open_configured(s, t, rows) for s, rows in zip(plan.specs, plan.block_rows)]
     folder = length_index.cache_dir(t.length_index_dir)
     log = int(os.environ.get("RANK", "0")) == 0
     sha = plan.fingerprint["tokenizer_sha256"]
     counts = []
-    for spec, source, entry in zip(plan.specs, sources, plan.fingerprint["sources"]):
-        keys = length_index.file_keys(entry, len(spec.files), sha, t, t.streaming,
-                                      spec.tokens_field or t.text_field)  # fmt: skip
+    for source, entry in zip(sources, plan.fingerprint["sources"]):
+        keys = source.count_keys(entry, sha, t)
         counts.append(length_index.SourceCounts(
             source, tokenizer, t.bad_data, folder, keys, t.length_index_wait_seconds, log))  # fmt: skip
     return TokenStream(sources, counts, tokenizer, t.seq_len, seed=t.seed,
@@ -101,7 +95,7 @@ def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
         if spec.tokens_field:
             out[spec.name] = stored_lengths(spec)
             continue
-        src = open_source(spec, t.text_field, t.id_field, t.streaming)
+        src = open_configured(spec, t)
         docs = (
             (doc_id, value) for unit in src.units() for doc_id, value in _unit_documents(src, unit)
         )
