@@ -24,6 +24,7 @@ from torchtitan.data import (
     DataError,
     ParallelDataLoader,
     build_dataloader,
+    build_validation_loader,
 )
 from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -140,6 +141,7 @@ class Run:
     train_state: TrainState
     checkpoint: CheckpointManager
     pipeline: pipeline.Pipeline | None = None
+    held_out: ParallelDataLoader | None = None  # validation's loader (validation.enable)
 
     @property
     def last_step(self) -> int:
@@ -151,9 +153,13 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     model, stages = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    plan = resolve_plan(cfg.training, tokenizer, parallel.JobRanks(dims))
+    ranks = parallel.JobRanks(dims)
+    plan = resolve_plan(cfg.training, tokenizer, ranks)
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
+    held_out = None
+    if cfg.validation.enable:  # its own plan, resolved once for the job as the training data's
+        held_out = build_validation_loader(cfg, tokenizer, dims.dp_rank, dims.dp_world, ranks)
     if stages is not None:
         pipeline.check_batches(dataloader.schedule, stages, dims.dp_world)
     train_state = TrainState()
@@ -167,7 +173,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     )  # fmt: skip
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
-               checkpoint, stages)  # fmt: skip
+               checkpoint, stages, held_out)  # fmt: skip
 
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
@@ -203,7 +209,9 @@ def train_loop(run: Run, preemption: Preemption):
     cfg, dims, state, last_step = run.cfg, run.dims, run.train_state, run.last_step
     batch_loss = BatchLoss(cfg, run.model, dims)
     feed, step = feed_and_step(run, batch_loss)
-    validator = Validator(cfg, run.tokenizer, dims, batch_loss) if cfg.validation.enable else None
+    validator = (
+        None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
+    )
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()

@@ -17,6 +17,7 @@ from helpers import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
+from torchtitan.data import build_validation_loader
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
@@ -266,7 +267,8 @@ def test_validation_changes_nothing_in_training(tmp_path, monkeypatch):
 
     cfg = config("--validation.enable", "--validation.steps", 2, "--model.dropout", 0.1)
     model = model_for(cfg)
-    validator = Validator(cfg, _tokenizer(), ONE_RANK, BatchLoss(cfg, model, ONE_RANK))
+    loader = build_validation_loader(cfg, _tokenizer(), 0, 1)
+    validator = Validator(cfg.validation, loader, BatchLoss(cfg, model, ONE_RANK))
     assert validator.run(model) == validator.run(model)
 
     monkeypatch.setattr(torch.nn.Module, "eval", lambda self: self)

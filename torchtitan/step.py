@@ -15,7 +15,6 @@ what the checkpoint records), save checkpoints, or write logs.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import re
 from collections.abc import Callable
@@ -24,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan import parallel, tensor_parallel
-from torchtitan.data import build_dataloader
 
 logger = logging.getLogger("torchtitan")
 
@@ -284,20 +282,13 @@ class Validator:
     so a resumed run logs the same validation losses as an uninterrupted one.
     """
 
-    def __init__(self, cfg, tokenizer, dims: parallel.ParallelDims, loss: BatchLoss):
-        v = cfg.validation
-        held_out = copy.deepcopy(cfg)
-        t = held_out.training
-        t.dataset, t.dataset_path, t.datasets = v.dataset, v.dataset_path, []
-        t.dataset_config, t.dataset_split = v.dataset_config, v.dataset_split
-        # Fixed data, read in order by the main process: nothing random, nothing that
-        # depends on the training stream.
-        t.shuffle, t.num_workers = False, 0
-        t.global_batch_size, t.batch_size_schedule = 0, ""  # one micro-batch per rank
-        self.loader = build_dataloader(held_out, tokenizer, dims.dp_rank, dims.dp_world)
-        self.freq, self.steps = v.freq, v.steps
+    def __init__(self, validation, loader, loss: BatchLoss):
+        """``validation``: the config section; ``loader``: the held-out data's
+        (``data.build_validation_loader``: fixed data, read in order, one micro-batch per
+        rank and step)."""
+        self.loader = loader
+        self.freq, self.steps = validation.freq, validation.steps
         self.loss = loss
-        self.dims = dims
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.freq == 0 or step == last_step

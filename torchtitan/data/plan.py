@@ -77,6 +77,15 @@ def list_sources(training) -> list[SourceSpec]:
     return specs
 
 
+def held_out_sources(validation) -> list[SourceSpec]:
+    """The held-out data's source (``validation.*``): a local path, or a registry name or
+    Hub id, resolved as ``list_sources`` resolves training's."""
+    v = validation
+    if v.dataset_path:
+        return [resolve_source(path=v.dataset_path, config=v.dataset_config, split=v.dataset_split)]
+    return [resolve_source(name=v.dataset, config=v.dataset_config, split=v.dataset_split)]
+
+
 def _files(specs: list[SourceSpec]) -> list[tuple[int, int]]:
     """Every (source, file) of the job, in one order all ranks share."""
     return [(s, f) for s, spec in enumerate(specs) for f in range(len(spec.files))]
@@ -102,9 +111,12 @@ def inspect_share(
     return share
 
 
-def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) -> DataPlan:
-    """The job's plan from every rank's share. Raises DataError if a file is missing
-    from every share (a share lost on the way would otherwise go unnoticed)."""
+def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer,
+            shuffle: bool | None = None) -> DataPlan:  # fmt: skip
+    """The job's plan from every rank's share; its order is shuffled as ``shuffle`` says
+    (``training.shuffle`` when None; the held-out data is read in order). Raises
+    DataError if a file is missing from every share (a share lost on the way would
+    otherwise go unnoticed)."""
     facts = {key: value for share in shares for key, value in share.items()}
     missing = [specs[s].files[f] for s, f in _files(specs) if (s, f) not in facts]
     if missing:
@@ -122,7 +134,7 @@ def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) ->
     fingerprint = {
         "sources": sources,
         "tokenizer_sha256": tokenizer.sha256(),
-        "shuffle": t.shuffle,
+        "shuffle": t.shuffle if shuffle is None else shuffle,
         "seed": t.seed,
         **source_kind(t).fingerprint_fields(),
         "text_field": t.text_field,
@@ -195,20 +207,29 @@ def check_shared_folder(training, ranks: Ranks):
             pass
 
 
-def resolve_plan(training, tokenizer, ranks: Ranks | None = None) -> DataPlan:
+def resolve_plan(training, tokenizer, ranks: Ranks | None = None, held_out=None) -> DataPlan:
     """The steps, each where it belongs: rank 0 lists the sources, every rank inspects
     its share of the files, rank 0 combines the shares; every rank checks that it sees
     the token-count folder. A DataError on any rank is raised on every rank (rank 0
     raises the first share's). Cost: O(files / ranks) file reads per rank, O(files +
-    blocks) values moved; nothing of O(documents), and no token counted."""
+    blocks) values moved; nothing of O(documents), and no token counted.
+
+    ``held_out`` (the ``validation`` section): the plan of the held-out data instead,
+    resolved the same way, read with training's settings and in order (unshuffled)."""
     ranks = ranks or OneProcess()
-    specs = ranks.on_main(list_sources, training)
+    if held_out is None:
+        specs = ranks.on_main(list_sources, training)
+    else:
+        specs = ranks.on_main(held_out_sources, held_out)
     try:
         share = inspect_share(specs, training, tokenizer, ranks.rank, ranks.world)
     except DataError as e:
         share = e  # rank 0 raises it for every rank
-    plan = ranks.on_main(_on_shares(combine, specs, ranks.gather(share)), training, tokenizer)
-    check_shared_folder(training, ranks)
+    shuffle = None if held_out is None else False
+    combined = _on_shares(combine, specs, ranks.gather(share))
+    plan = ranks.on_main(combined, training, tokenizer, shuffle)
+    if held_out is None:  # the held-out counts go to the same folder: checked once
+        check_shared_folder(training, ranks)
     return plan
 
 
