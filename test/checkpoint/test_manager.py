@@ -291,7 +291,7 @@ def test_changed_data_settings_are_refused(trained, tmp_path):
 
 def test_fingerprint_keys_files_by_their_path_under_the_source(tmp_path):
     """FineWeb-style a/000 and b/000 stay distinct, so an edit to either one shows."""
-    from torchtitan.checkpoint import fingerprint_diff
+    from torchtitan.data.fingerprint import fingerprint_diff
     from torchtitan.data.sources import resolve_source
 
     root = tmp_path / "src"

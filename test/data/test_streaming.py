@@ -499,8 +499,8 @@ def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer
     fingerprints differ only by the appended file, which is no change to refuse. Negative
     control: the cursor moved onto the grown corpus (its pass 0 over 5 files) reads
     tokens twice or not at all."""
-    from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
     from torchtitan.data import local_plan
+    from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
 
     folder = write_parquet_files(tmp_path / "c", DOCS[:96], files=4, row_group=8)
     old_lengths = lengths_of(DOCS[:96], tokenizer)

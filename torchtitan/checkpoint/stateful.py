@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
 from torchtitan.checkpoint.compat import model_mismatch, optimizer_mismatch
 from torchtitan.checkpoint.entries import empty_like_saved, from_tensor, to_tensor
 from torchtitan.checkpoint.folder import CheckpointError
+from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
 
 logger = logging.getLogger("torchtitan")
 
