@@ -19,10 +19,10 @@ import torch
 
 import train as train_script
 from torchtitan import REPO_ROOT
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
 from torchtitan.data.sources import resolve_source
+from torchtitan.data.state import from_tensor, to_tensor
 from torchtitan.provenance import check_exactly_once, read_provenance
 from torchtitan.runs import DEBUG_CONFIG, read_records
 from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests

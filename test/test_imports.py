@@ -224,3 +224,56 @@ def test_a_planted_read_of_the_streaming_flag_is_found():
     assert streaming_reads("x = getattr(t, 'streaming')\n", "train.py") == ["train.py:1"]
     assert streaming_reads(planted, "torchtitan/data/streaming_x.py") == []
     assert streaming_reads(planted, "torchtitan/data/sources.py") == []
+
+
+# ---- the data side imports no checkpoint code ------------------------------------------
+
+
+def data_reaching_checkpoint(graph, package: str = "torchtitan") -> dict[str, list[str]]:
+    """Each module of ``package.data`` that reaches ``package.checkpoint`` through the
+    graph (imports inside functions count), with the checkpoint modules it reaches."""
+    data, checkpoint = f"{package}.data", f"{package}.checkpoint"
+    found = {}
+    for module in sorted(graph):
+        if module == data or module.startswith(data + "."):
+            hits = sorted(m for m in reachable(graph, module)
+                          if m == checkpoint or m.startswith(checkpoint + "."))  # fmt: skip
+            if hits:
+                found[module] = hits
+    return found
+
+
+def test_the_data_package_imports_no_checkpoint_code():
+    """The loader's entry is the data side's (data/state.py); the checkpoint adapter wraps
+    it. So torchtitan.data reaches no torchtitan.checkpoint module, and importing it loads
+    neither the checkpoint package nor DCP."""
+    graph = import_graph(REPO_ROOT / "torchtitan")
+    assert "torchtitan.data.state" in reachable(graph, "torchtitan.data.loader")
+    found = data_reaching_checkpoint(graph)
+    assert not found, f"torchtitan.data imports checkpoint code: {found}"
+    code = "import sys, torchtitan.data; print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO_ROOT, check=True).stdout  # fmt: skip
+    for package in ("'torchtitan.checkpoint", "'torch.distributed.checkpoint"):
+        assert package not in loaded, f"import torchtitan.data loads {package[1:]}"
+
+
+def test_a_planted_checkpoint_import_in_the_data_package_is_found(tmp_path):
+    """Negative control: a data module importing the checkpoint package lazily (inside a
+    function), and one reaching it through another package's module; a checkpoint module
+    importing the data package is no finding."""
+    pkg = tmp_path / "planted"
+    for folder in (pkg / "data", pkg / "checkpoint"):
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "loader.py").write_text("def f():\n    from planted.checkpoint import x\n")
+    (pkg / "checkpoint" / "x.py").write_text("from planted.data import loader\n")
+    (pkg / "data" / "plan.py").write_text("import planted.tools\n")
+    (pkg / "tools.py").write_text("from planted.checkpoint.x import y\n")
+    found = data_reaching_checkpoint(import_graph(pkg), "planted")
+    assert sorted(found) == ["planted.data.loader", "planted.data.plan"]
+    assert "planted.checkpoint.x" in found["planted.data.plan"]
+    (pkg / "data" / "loader.py").write_text("")
+    (pkg / "data" / "plan.py").write_text("")
+    assert data_reaching_checkpoint(import_graph(pkg), "planted") == {}

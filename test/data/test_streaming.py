@@ -32,12 +32,12 @@ from helpers import (
     write_parquet,
 )
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import streaming as streaming_module
 from torchtitan.data.index import SourceCounts
 from torchtitan.data.order import Cursor
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 from torchtitan.data.spec import MIN_FILE_UNITS
+from torchtitan.data.state import from_tensor, to_tensor
 from torchtitan.data.streaming import StreamSource
 from torchtitan.data.windows import Position, TokenStream
 
