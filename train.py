@@ -145,6 +145,8 @@ class Run:
 
     @property
     def last_step(self) -> int:
+        """The step this job stops after: training.steps, or training.stop_at_step before it
+        (the one place it is derived)."""
         t = self.cfg.training
         return t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
 
@@ -232,13 +234,29 @@ def train_loop(run: Run, preemption: Preemption):
                 validation_loss = validator.run(run.model)
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
                            data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
-            saved = run.checkpoint.save_if_due(state.step, stop_at=cfg.training.stop_at_step)
-            if preemption.stop_after(state.step, run.checkpoint, saved):
+            saved = save_if_due(run, state.step, last_step)
+            # Asked after every step, save steps included: a signal that lands during a
+            # save is acted on right after it, and that save is the preemption's.
+            if preemption.requested():
+                if not saved:
+                    run.checkpoint.save(state.step)
+                run.checkpoint.close()
+                preemption.said_stop(state.step)
                 break
             profiler.step(state.step)
     run.checkpoint.close()
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def save_if_due(run: Run, step: int, last_step: int) -> bool:
+    """Save ``step`` every checkpoint.interval steps and where the job stops (weights
+    only at the training's last step under checkpoint.model_weights_only); whether it
+    saved."""
+    due = run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
+    if due:
+        run.checkpoint.save(step, final=step == run.cfg.training.steps)
+    return due
 
 
 def feed_and_step(run: Run, batch_loss: BatchLoss):
