@@ -29,13 +29,15 @@ from torchtitan.data import (
 from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
+from torchtitan.loss import BatchLoss
 from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler
-from torchtitan.step import BatchLoss, PipelineStep, TrainStep, Validator
+from torchtitan.step import PipelineStep, TrainStep
+from torchtitan.validate import Validator
 
 logger = logging.getLogger("torchtitan")
 

@@ -19,9 +19,12 @@ from torchtitan import parallel
 from torchtitan.config import parse_args
 from torchtitan.data import build_validation_loader
 from torchtitan.data.schedule import BatchSchedule
+from torchtitan.loss import BatchLoss
+from torchtitan.metrics import peak_tflops
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
-from torchtitan.step import BatchLoss, TrainStep, Validator, peak_tflops
+from torchtitan.step import TrainStep
+from torchtitan.validate import Validator
 
 ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
 
@@ -110,7 +113,7 @@ def test_the_loss_over_chunks_of_rows_is_the_loss_over_all_of_them():
     F.cross_entropy's over the whole batch, to float rounding (the sum runs in another
     order), with chunks that do not divide the rows and ignored labels. Negative
     control: the mean taken over every label, ignored ones included, is off."""
-    from torchtitan.step import IGNORE_INDEX, _cross_entropy
+    from torchtitan.loss import IGNORE_INDEX, _cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 37, 64, generator=g)
