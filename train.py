@@ -24,18 +24,21 @@ from torchtitan.data import (
     DataError,
     ParallelDataLoader,
     build_dataloader,
+    build_validation_loader,
 )
 from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.launcher import watch_launcher
+from torchtitan.loss import BatchLoss
 from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.preemption import Preemption
 from torchtitan.profiling import Profiler
-from torchtitan.step import BatchLoss, PipelineStep, TrainStep, Validator
+from torchtitan.step import PipelineStep, TrainStep
+from torchtitan.validate import Validator
 
 logger = logging.getLogger("torchtitan")
 
@@ -141,9 +144,12 @@ class Run:
     train_state: TrainState
     checkpoint: CheckpointManager
     pipeline: pipeline.Pipeline | None = None
+    held_out: ParallelDataLoader | None = None  # validation's loader (validation.enable)
 
     @property
     def last_step(self) -> int:
+        """The step this job stops after: training.steps, or training.stop_at_step before it
+        (the one place it is derived)."""
         t = self.cfg.training
         return t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
 
@@ -152,9 +158,13 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     model, stages = build_training_model(cfg, tokenizer.vocab_size, dims)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    plan = resolve_plan(cfg.training, tokenizer, parallel.JobRanks(dims))
+    ranks = parallel.JobRanks(dims)
+    plan = resolve_plan(cfg.training, tokenizer, ranks)
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
+    held_out = None
+    if cfg.validation.enable:  # its own plan, resolved once for the job as the training data's
+        held_out = build_validation_loader(cfg, tokenizer, dims.dp_rank, dims.dp_world, ranks)
     if stages is not None:
         pipeline.check_batches(dataloader.schedule, stages, dims.dp_world)
     train_state = TrainState()
@@ -168,7 +178,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     )  # fmt: skip
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
-               checkpoint, stages)  # fmt: skip
+               checkpoint, stages, held_out)  # fmt: skip
 
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
@@ -204,7 +214,9 @@ def train_loop(run: Run, preemption: Preemption):
     cfg, dims, state, last_step = run.cfg, run.dims, run.train_state, run.last_step
     batch_loss = BatchLoss(cfg, run.model, dims)
     feed, step = feed_and_step(run, batch_loss)
-    validator = Validator(cfg, run.tokenizer, dims, batch_loss) if cfg.validation.enable else None
+    validator = (
+        None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
+    )
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step)
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
@@ -225,13 +237,29 @@ def train_loop(run: Run, preemption: Preemption):
                 validation_loss = validator.run(run.model)
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
                            data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
-            saved = run.checkpoint.save_if_due(state.step, stop_at=cfg.training.stop_at_step)
-            if preemption.stop_after(state.step, run.checkpoint, saved):
+            saved = save_if_due(run, state.step, last_step)
+            # Asked after every step, save steps included: a signal that lands during a
+            # save is acted on right after it, and that save is the preemption's.
+            if preemption.requested():
+                if not saved:
+                    run.checkpoint.save(state.step)
+                run.checkpoint.close()
+                preemption.said_stop(state.step)
                 break
             profiler.step(state.step)
     run.checkpoint.close()
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def save_if_due(run: Run, step: int, last_step: int) -> bool:
+    """Save ``step`` every checkpoint.interval steps and where the job stops (weights
+    only at the training's last step under checkpoint.model_weights_only); whether it
+    saved."""
+    due = run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
+    if due:
+        run.checkpoint.save(step, final=step == run.cfg.training.steps)
+    return due
 
 
 def feed_and_step(run: Run, batch_loss: BatchLoss):

@@ -21,10 +21,10 @@ import train as train_script
 from harness.corpus import write_jsonl, write_parquet  # noqa: F401 - re-exported for the tests
 from harness.jobs import torchrun as _torchrun
 from torchtitan import REPO_ROOT
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
 from torchtitan.data.sources import resolve_source
+from torchtitan.data.state import from_tensor, to_tensor
 from torchtitan.provenance import check_exactly_once, read_provenance
 from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
 from torchtitan.runs import read_records

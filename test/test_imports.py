@@ -208,3 +208,100 @@ def test_the_product_imports_none_of_its_test_support(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from harness.io_count import counting\n")
     assert imports_of_test_support(pkg) == ["planted/a.py:2 harness.io_count"]
+
+
+# ---- who reads the streaming flag ------------------------------------------------------
+
+# The source kinds answer for themselves (fingerprint fields, plan inspection, count
+# keys): only they read ``training.streaming``; every other module asks the source.
+STREAMING_READERS = ("torchtitan/data/sources", "torchtitan/data/streaming")
+
+
+def streaming_reads(source: str, path: str) -> list[str]:
+    """'path:line' of each read of a ``streaming`` attribute (``x.streaming``,
+    ``getattr(x, "streaming")``) in ``source``, unless ``path`` is a source kind's module
+    (``data/sources*``, ``data/streaming*``)."""
+    if path.startswith(STREAMING_READERS):
+        return []
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Attribute) and node.attr == "streaming":
+            found.append(f"{path}:{node.lineno}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value == "streaming"):  # fmt: skip
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_only_the_source_kinds_read_the_streaming_flag():
+    files = [REPO_ROOT / "train.py", *sorted((REPO_ROOT / "torchtitan").rglob("*.py"))]
+    reads = [hit for f in files
+             for hit in streaming_reads(f.read_text(), f.relative_to(REPO_ROOT).as_posix())]  # fmt: skip
+    assert not reads, f"training.streaming read outside the source kinds: {reads}"
+    sources = (REPO_ROOT / "torchtitan/data/sources.py").read_text()
+    assert streaming_reads(sources, "torchtitan/data/sources.py") == []
+    assert "training.streaming" in sources, "the walk looks where the flag is read"
+
+
+def test_a_planted_read_of_the_streaming_flag_is_found():
+    """Negative control: a plan that branches on the flag, a getattr of it, and the same
+    read inside a source kind's module (allowed)."""
+    planted = "def inspect(training):\n    if training.streaming:\n        return 1\n"
+    assert streaming_reads(planted, "torchtitan/data/plan.py") == ["torchtitan/data/plan.py:2"]
+    assert streaming_reads("x = getattr(t, 'streaming')\n", "train.py") == ["train.py:1"]
+    assert streaming_reads(planted, "torchtitan/data/streaming_x.py") == []
+    assert streaming_reads(planted, "torchtitan/data/sources.py") == []
+
+
+# ---- the data side imports no checkpoint code ------------------------------------------
+
+
+def data_reaching_checkpoint(graph, package: str = "torchtitan") -> dict[str, list[str]]:
+    """Each module of ``package.data`` that reaches ``package.checkpoint`` through the
+    graph (imports inside functions count), with the checkpoint modules it reaches."""
+    data, checkpoint = f"{package}.data", f"{package}.checkpoint"
+    found = {}
+    for module in sorted(graph):
+        if module == data or module.startswith(data + "."):
+            hits = sorted(m for m in reachable(graph, module)
+                          if m == checkpoint or m.startswith(checkpoint + "."))  # fmt: skip
+            if hits:
+                found[module] = hits
+    return found
+
+
+def test_the_data_package_imports_no_checkpoint_code():
+    """The loader's entry is the data side's (data/state.py); the checkpoint adapter wraps
+    it. So torchtitan.data reaches no torchtitan.checkpoint module, and importing it loads
+    neither the checkpoint package nor DCP."""
+    graph = import_graph(REPO_ROOT / "torchtitan")
+    assert "torchtitan.data.state" in reachable(graph, "torchtitan.data.loader")
+    found = data_reaching_checkpoint(graph)
+    assert not found, f"torchtitan.data imports checkpoint code: {found}"
+    code = "import sys, torchtitan.data; print(sorted(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO_ROOT, check=True).stdout  # fmt: skip
+    for package in ("'torchtitan.checkpoint", "'torch.distributed.checkpoint"):
+        assert package not in loaded, f"import torchtitan.data loads {package[1:]}"
+
+
+def test_a_planted_checkpoint_import_in_the_data_package_is_found(tmp_path):
+    """Negative control: a data module importing the checkpoint package lazily (inside a
+    function), and one reaching it through another package's module; a checkpoint module
+    importing the data package is no finding."""
+    pkg = tmp_path / "planted"
+    for folder in (pkg / "data", pkg / "checkpoint"):
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "loader.py").write_text("def f():\n    from planted.checkpoint import x\n")
+    (pkg / "checkpoint" / "x.py").write_text("from planted.data import loader\n")
+    (pkg / "data" / "plan.py").write_text("import planted.tools\n")
+    (pkg / "tools.py").write_text("from planted.checkpoint.x import y\n")
+    found = data_reaching_checkpoint(import_graph(pkg), "planted")
+    assert sorted(found) == ["planted.data.loader", "planted.data.plan"]
+    assert "planted.checkpoint.x" in found["planted.data.plan"]
+    (pkg / "data" / "loader.py").write_text("")
+    (pkg / "data" / "plan.py").write_text("")
+    assert data_reaching_checkpoint(import_graph(pkg), "planted") == {}

@@ -17,10 +17,14 @@ from helpers import CONFIG, REPO, read_jsonl, train_here
 
 from torchtitan import parallel
 from torchtitan.config import parse_args
+from torchtitan.data import build_validation_loader
 from torchtitan.data.schedule import BatchSchedule
+from torchtitan.loss import BatchLoss
+from torchtitan.metrics import peak_tflops
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
-from torchtitan.step import BatchLoss, TrainStep, Validator, peak_tflops
+from torchtitan.step import TrainStep
+from torchtitan.validate import Validator
 
 ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
 
@@ -109,7 +113,7 @@ def test_the_loss_over_chunks_of_rows_is_the_loss_over_all_of_them():
     F.cross_entropy's over the whole batch, to float rounding (the sum runs in another
     order), with chunks that do not divide the rows and ignored labels. Negative
     control: the mean taken over every label, ignored ones included, is off."""
-    from torchtitan.step import IGNORE_INDEX, _cross_entropy
+    from torchtitan.loss import IGNORE_INDEX, _cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 37, 64, generator=g)
@@ -266,7 +270,8 @@ def test_validation_changes_nothing_in_training(tmp_path, monkeypatch):
 
     cfg = config("--validation.enable", "--validation.steps", 2, "--model.dropout", 0.1)
     model = model_for(cfg)
-    validator = Validator(cfg, _tokenizer(), ONE_RANK, BatchLoss(cfg, model, ONE_RANK))
+    loader = build_validation_loader(cfg, _tokenizer(), 0, 1)
+    validator = Validator(cfg.validation, loader, BatchLoss(cfg, model, ONE_RANK))
     assert validator.run(model) == validator.run(model)
 
     monkeypatch.setattr(torch.nn.Module, "eval", lambda self: self)

@@ -22,15 +22,53 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 
 import torch
 
 from torchtitan import parallel
 from torchtitan.models import llama
-from torchtitan.step import peak_tflops
 
 logger = logging.getLogger("torchtitan")
+
+# Dense bf16 peak TFLOP/s of one device, from the vendor datasheets (half the
+# with-sparsity figure where only that is given), keyed by the model tokens of
+# torch.cuda.get_device_name(): "NVIDIA A100-SXM4-80GB" has the tokens NVIDIA, A100,
+# SXM4, 80GB. Tokens match whole, so an L40 is not an L4 and an RTX A1000 not an A100;
+# the key with the most tokens wins, so an H100 NVL or PCIe is not read as the SXM part
+# that a bare H100 names.
+PEAK_BF16_TFLOPS = {
+    ("H100",): 989.5,  # SXM5, which reports itself as "H100 80GB HBM3"
+    ("H100", "PCIE"): 756.0,
+    ("H100", "NVL"): 835.5,
+    ("H200",): 989.5,
+    ("H200", "NVL"): 835.5,
+    ("GH200",): 989.5,
+    ("A100",): 312.0,  # SXM4 and PCIe alike
+    ("A10",): 125.0,
+    ("A10G",): 125.0,
+    ("L40S",): 362.05,
+    ("L40",): 181.05,
+    ("L4",): 121.0,
+}
+
+
+def peak_tflops(cfg, device: torch.device) -> float:
+    """metrics.peak_tflops, else the known figure of this GPU; 0 when unknown (no MFU)."""
+    if cfg.metrics.peak_tflops > 0:
+        return cfg.metrics.peak_tflops
+    if device.type != "cuda":
+        return 0.0
+    return device_peak_tflops(torch.cuda.get_device_name(device))
+
+
+def device_peak_tflops(name: str) -> float:
+    """The PEAK_BF16_TFLOPS entry of the most specific key all of whose tokens are in
+    ``name``; 0 for a device not in the table."""
+    tokens = set(re.split(r"[\s_-]+", name.upper()))
+    keys = [key for key in PEAK_BF16_TFLOPS if tokens.issuperset(key)]
+    return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else 0.0
 
 
 def _step_of(line: str) -> int | None:

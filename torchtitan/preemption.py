@@ -2,9 +2,10 @@
 
 Owns: the signal handlers (``checkpoint.save_on_signal``, default SIGTERM and
 SIGUSR1), the agreement at each step boundary and the stop. A handler only raises a
-flag; the training loop asks ``stop_after(step)`` after every step, which combines
-the flags of all ranks in one small all-reduce on the control group, so every rank
-stops after the same step, has that step's checkpoint written and says so.
+flag; the training loop asks ``requested()`` after every step, which combines the
+flags of all ranks in one small all-reduce on the control group, so every rank stops
+after the same step; the loop has that step's checkpoint written, and ``said_stop``
+says so.
 
 Cost: one 4-byte gloo all-reduce per step on the control group (a CPU tensor:
 no device sync), independent of model size; O(log ranks) latency.
@@ -13,7 +14,8 @@ A signal while a peer is gone (killed: torchrun SIGTERMs the rest) ends without 
 save: the agreement, or the save's own collectives, break at once (parallel.py names
 the peer), and DCP publishes a checkpoint only after every rank wrote its part.
 
-Never: decide what a checkpoint holds, or exit the process (train.py returns).
+Never: save or close the checkpoint (the loop decides), decide what it holds, or exit
+the process (train.py returns).
 """
 
 from __future__ import annotations
@@ -50,23 +52,12 @@ class Preemption:
         self.last_check_s = time.perf_counter() - begin
         return stop
 
-    def stop_after(self, step: int, checkpoint, saved: bool) -> bool:
-        """True when the job stops after ``step``: its checkpoint is then written (by the
-        regular save if ``saved``, else now) and the checkpointer closed.
-
-        Asked after every step, save steps included: a signal that lands during a save is
-        acted on right after it, and that save is the preemption's.
-        """
-        if not self.requested():
-            return False
-        if not saved:
-            checkpoint.save(step)
-        checkpoint.close()
+    def said_stop(self, step: int):
+        """Log the stop after ``step``, once its checkpoint is written."""
         logger.warning(
             "preempted at step %d: checkpoint step-%d written (%s)",
             step, step, self.received or "signal to another rank",
         )  # fmt: skip
-        return True
 
     def close(self):
         for signum, handler in self._previous.items():

@@ -252,6 +252,25 @@ def test_weights_only_checkpoints_do_not_become_the_resume_point(tmp_path):
     assert (folder / "step-6.abandoned").is_dir(), "moved aside, not deleted"
 
 
+def test_a_job_stopped_early_saves_in_full_where_it_stops(tmp_path):
+    """The loop saves where the job stops (training.stop_at_step 4 of 6, no interval save
+    before it) and the training's last step: step-4 in full, so the relaunch resumes
+    from it, and step-6, the training's end, as weights only under
+    checkpoint.model_weights_only. Negative controls: each is the other's (a save that
+    took the job's stop for the training's end would make step-4 weights only)."""
+    common = [*CK, "--checkpoint.interval", 10, "--checkpoint.model_weights_only",
+              "--training.steps", 6]  # fmt: skip
+    train_here(tmp_path, *common, "--training.stop_at_step", 4)
+    folder = tmp_path / "checkpoint"
+    assert complete_steps(str(folder)) == [4]
+    full = json.loads((folder / "step-4" / MANIFEST).read_text())["contents"]
+    assert {"model", "optimizer", "dataloader", "train_state"} <= set(full)
+    _, log = train_here(tmp_path, *common)
+    assert "loaded checkpoint" in log and "training steps 5..6" in log
+    assert json.loads((folder / "step-6" / MANIFEST).read_text())["contents"] == ["model"]
+    assert sorted(losses(tmp_path)) == list(range(1, 7))
+
+
 def test_load_step_abandons_the_newer_timeline(trained, tmp_path):
     """Resume at step-6 of a run that reached 7, stop at 6 again: the next automatic
     resume takes the new timeline's step, not the abandoned step-7."""
@@ -291,7 +310,7 @@ def test_changed_data_settings_are_refused(trained, tmp_path):
 
 def test_fingerprint_keys_files_by_their_path_under_the_source(tmp_path):
     """FineWeb-style a/000 and b/000 stay distinct, so an edit to either one shows."""
-    from torchtitan.checkpoint import fingerprint_diff
+    from torchtitan.data.fingerprint import fingerprint_diff
     from torchtitan.data.sources import resolve_source
 
     root = tmp_path / "src"

@@ -99,7 +99,7 @@ def test_counts_are_keyed_by_content_not_by_path(tmp_path, tokenizer):
     entry = {"files": [["a.jsonl", 10, 7]]}
 
     def key(e=entry, sha="sha-a", t=training, streaming=True, field="text"):
-        return length_index.file_keys(e, 1, sha, t, streaming, field)[0]
+        return length_index.counts_key(e, 1, [0], sha, t, field, "stream" if streaming else "map")
 
     assert key() == key(t=replace(training, steps=99))
     assert key() == key({"files": [["elsewhere/b.jsonl", 10, 7]]})

@@ -37,11 +37,11 @@ from helpers import (
     write_jsonl_file,
 )
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.loader import plan_steps
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.sources import DataError
+from torchtitan.data.state import from_tensor, to_tensor
 
 
 def coverage_at_first_repeat(sequences, lengths: dict[str, int]) -> float:

@@ -34,9 +34,9 @@ from helpers import (
     write_parquet,
 )
 
-from torchtitan.checkpoint import fingerprint_diff
 from torchtitan.config import ConfigError, DatasetEntry, parse_args
 from torchtitan.data import source_specs
+from torchtitan.data.fingerprint import fingerprint_diff
 from torchtitan.data.pretokenized_write import pretokenize
 from torchtitan.data.sources import DataError, open_source, resolve_source
 

@@ -32,12 +32,12 @@ from helpers import (
     write_parquet,
 )
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
 from torchtitan.data import streaming as streaming_module
 from torchtitan.data.index import SourceCounts
 from torchtitan.data.order import Cursor
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 from torchtitan.data.spec import MIN_FILE_UNITS
+from torchtitan.data.state import from_tensor, to_tensor
 from torchtitan.data.streaming import StreamSource
 from torchtitan.data.windows import Position, TokenStream
 
@@ -502,8 +502,8 @@ def test_a_file_appended_between_runs_joins_at_the_next_pass(tmp_path, tokenizer
     6-row ones over 96), so a reader that kept pass 0's rows by a unit's index in the pass
     reads stale rows there. Negative control: the cursor moved onto the grown corpus (its
     pass 0 over 5 files, or 128 rows) reads tokens twice or not at all."""
-    from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
     from torchtitan.data import local_plan
+    from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
 
     folder = write_parquet_files(tmp_path / "c", DOCS[:96], files=4, row_group=8)
     old_lengths = lengths_of(DOCS[:96], tokenizer)

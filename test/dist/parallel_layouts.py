@@ -58,7 +58,8 @@ from torchtitan.hf import export, read_dcp_model
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.models import build_model
 from torchtitan.tools.launch import free_port
-from torchtitan.step import BatchLoss, TrainStep
+from torchtitan.loss import BatchLoss
+from torchtitan.step import TrainStep
 
 CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 RECORDS: dict[str, list] = {}  # scenario -> [[what, digest], ...] in call order

@@ -5,11 +5,11 @@ One file per job: ``manager`` (what to save and load, as ``train.py`` drives it)
 from, what to keep), ``integrity`` (digests, verification, format), ``compat`` (does
 a checkpoint fit this run), ``stateful`` (the components' adapters), ``entries``
 (the project's entries as tensors; DCP reads that execute nothing), ``lease`` (one job
-per folder), ``changes`` (config and data diffs) and ``folder`` (names and manifests
+per folder), ``changes`` (config diffs) and ``folder`` (names and manifests
 on disk). None of them imports ``manager``, and none imports the Hugging Face interop.
 """
 
-from torchtitan.checkpoint.changes import config_diff, fingerprint_diff
+from torchtitan.checkpoint.changes import config_diff
 from torchtitan.checkpoint.folder import (
     MANIFEST,
     PENDING,
@@ -32,7 +32,6 @@ __all__ = [
     "check_writable",
     "complete_steps",
     "config_diff",
-    "fingerprint_diff",
     "format_problem",
     "own_files",
     "read_manifest",

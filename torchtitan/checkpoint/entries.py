@@ -1,9 +1,10 @@
 """Checkpoints are data, not code: how the project's own entries are stored, and how
 DCP is made to read a checkpoint without executing anything from it.
 
-Owns: the encoding of the project's own non-tensor entries (the loader position, the
-Python and numpy RNG states) as UTF-8 JSON in a 1-D ``uint8`` tensor, which DCP stores
-and reads as a tensor (``torch.load(weights_only=True)``); and ``DataOnlyLoadPlanner``,
+Owns: the encoding of the project's own non-tensor entries (the Python and numpy RNG
+states; the loader position's is the data side's, data/state.py, in the same format)
+as UTF-8 JSON in a 1-D ``uint8`` tensor, which DCP stores and reads as a tensor
+(``torch.load(weights_only=True)``); and ``DataOnlyLoadPlanner``,
 DCP's default load planner with one change: a non-tensor entry (the optimizer's
 hyperparameters, the LR scheduler's counters, or anything planted in a folder) is
 read with torch's weights-only unpickler, which builds containers, numbers, strings

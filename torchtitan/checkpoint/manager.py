@@ -1,6 +1,6 @@
 """CheckpointManager: save and load the whole training state with torch.distributed.checkpoint.
 
-Owns: when to save, the manifest, and loading the timeline's resume point into every
+Owns: the save interval, the manifest, and loading the timeline's resume point into every
 component. The components come as adapters (``stateful.Adapter``: what each saves,
 which entries it expects from a given checkpoint, how it loads), all handled alike:
 the manager names none of them. It composes the package's parts: ``lifecycle`` writes
@@ -54,7 +54,8 @@ logger = logging.getLogger("torchtitan")
 
 
 class CheckpointManager:
-    """Saves every ``interval`` steps and at the last step; loads the timeline's resume point."""
+    """Saves the steps the loop asks for (``should_save``: every ``interval`` steps; the
+    loop adds the step where the job stops); loads the timeline's resume point."""
 
     def __init__(self, cfg, dims, components: dict[str, Adapter], fingerprint: dict):
         """``components``: name -> adapter, in load order (``stateful.training_components``);
@@ -66,7 +67,6 @@ class CheckpointManager:
         self.options = timeline.recovery_options(ck.load_step, list(ck.exclude_from_loading))
         self.model_weights_only = ck.model_weights_only
         self.fallback_on_corruption = ck.fallback_on_corruption
-        self.last_step = cfg.training.steps
         self.dims = dims
         self.fingerprint = fingerprint
         self.config_dict = cfg.to_dict()
@@ -100,24 +100,18 @@ class CheckpointManager:
             raise CheckpointError(problem)
 
     # ---- saving ---------------------------------------------------------------------
-    def should_save(self, step: int, stop_at: int = -1) -> bool:
-        """Every ``interval`` steps, at the last step, and where the job stops early."""
-        return self.enabled and (step % self.interval == 0 or step in (self.last_step, stop_at))
+    def should_save(self, step: int) -> bool:
+        """Every ``interval`` steps (where the job stops is the loop's to add)."""
+        return self.enabled and step % self.interval == 0
 
-    def save_if_due(self, step: int, stop_at: int = -1) -> bool:
-        """Save ``step`` if ``should_save`` says so; whether it did."""
-        due = self.should_save(step, stop_at)
-        if due:
-            self.save(step)
-        return due
-
-    def save(self, step: int, *, model_only: bool = False):
-        """Write ``step-N`` (see ``Saver.save`` for what blocks the caller)."""
+    def save(self, step: int, *, final: bool = False, model_only: bool = False):
+        """Write ``step-N`` (see ``Saver.save`` for what blocks the caller); ``final``: the
+        training's last step, saved as weights only under ``checkpoint.model_weights_only``."""
         self.lease.check()
         # The previous save's state_dict views must not be reused: wait for it (and say
         # so, once, when that makes the loop wait).
         self.saver.wait_for_previous(step)
-        weights_only = model_only or (self.model_weights_only and step == self.last_step)
+        weights_only = model_only or (self.model_weights_only and final)
         names = [n for n, s in self.states.items() if s.weights or not weights_only]
         state = {name: self.states[name].state_dict() for name in names}
         manifest = {

@@ -5,15 +5,16 @@ Owns: one ``Adapter`` per component, all with the same interface, and the list o
 a training checkpoint holds (``training_components``): the model and optimizer through
 torch's distributed state-dict API (DTensors under FSDP, HSDP and TP, so each rank
 saves and loads its own shard and DCP reshards across layouts), the LR schedule, the
-train state, the loader's position (one entry per data-parallel rank, with the data
-fingerprint it belongs to) and every RNG a rank draws from.
+train state, the loader's position (its entry and its checks are the data side's,
+``data/state.py``; the adapter wraps it) and every RNG a rank draws from.
 
 Adding a component is writing an adapter and listing it in ``training_components``;
 the manager handles every adapter alike and names none.
 
 Every entry of the project's own (``data_only``) is a tensor: the train state's
 counters, the torch generators' states (uint8 tensors already), and JSON in a uint8
-tensor for the loader position and the Python and numpy RNG states (entries.py).
+tensor for the Python and numpy RNG states (entries.py) and the loader position
+(data/state.py).
 Nothing here pickles.
 
 Cost: building the load targets reads DCP's metadata only (O(entries)); the model's and
@@ -38,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.checkpoint.changes import fingerprint_diff, grown_sources
 from torchtitan.checkpoint.compat import model_mismatch, optimizer_mismatch
 from torchtitan.checkpoint.entries import empty_like_saved, from_tensor, to_tensor
 from torchtitan.checkpoint.folder import CheckpointError
@@ -176,66 +176,29 @@ class OptimizerState(Adapter):
 
 
 class DataLoaderState(Adapter):
-    """The loader's ``dp_rank_<d>`` entry, written by the first rank of its TP group only,
-    and the data it is a position in.
-
-    TP peers build the same loader and consume the same batches (test_parallel checks a
-    digest of them), so one writer per data-parallel rank keeps the checkpoint at one
-    entry per DP rank without leaning on DCP's merging of equal keys. Every entry holds
-    the same global position, so a rank loads one (``entry_to_load``), whatever the
-    layout that wrote them. The entry is JSON in a uint8 tensor (the loader's own).
-
-    A position is only meaningful in the data it was saved in: where the manifest's data
-    fingerprint differs from this run's (``fingerprint``), the load is refused in one
-    line, unless ``accept_data_change`` keeps the position anyway.
-    """
+    """The loader's entry, as the data side keeps it (``data.state.LoaderState``: its
+    key and format, which rank writes it, which entry a rank loads, and the refusal of a
+    position saved in other data): the adapter moves it between the loader and DCP."""
 
     data_only = True
 
-    def __init__(self, loader, writes: bool, fingerprint: dict, accept_data_change: bool):
-        self.loader, self.writes = loader, writes
-        self.fingerprint, self.accept_data_change = fingerprint, accept_data_change
+    def __init__(self, state):
+        self.state = state
 
     def state_dict(self) -> dict:
-        return self.loader.state_dict() if self.writes else {}
+        return self.state.state_dict()
 
     def load_targets(self, saved: Saved) -> dict:
         """The one entry this rank loads, as an empty tensor of the saved size for DCP to fill."""
-        diffs = self._data_changes(saved)
-        if diffs and not self.accept_data_change:
-            raise CheckpointError(
-                f"the data stream differs from checkpoint {saved.path}: {'; '.join(diffs)}. "
-                "Resume with the original data settings, or pass "
-                "--checkpoint.accept_data_change (keep the data positions) or "
-                "--checkpoint.exclude_from_loading dataloader (restart the data)"
-            )
-        if diffs:
-            logger.warning(
-                "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
-                "positions are applied to the new data as they are",
-                saved.path, "; ".join(diffs),
-            )  # fmt: skip
-        grown = grown_sources(saved.manifest.get("data_fingerprint") or {}, self.fingerprint)
-        if grown:
-            logger.info(
-                "the corpus grew since %s: %s; the pass in progress reads on the files it began "
-                "with, the new ones join the next pass", saved.path, "; ".join(grown),
-            )  # fmt: skip
-        key = self.loader.entry_to_load(list(saved.entries))
+        fingerprint = saved.manifest.get("data_fingerprint") or {}
+        key = self.state.entry_to_load(list(saved.entries), fingerprint, saved.path)
         return {key: empty_like_saved(saved.entries[key])}
 
     def not_loaded(self, saved: Saved):
-        diffs = self._data_changes(saved)
-        if diffs:
-            logger.warning(
-                "data changed since %s, data state not loaded: %s", saved.path, "; ".join(diffs)
-            )
-
-    def _data_changes(self, saved: Saved) -> list[str]:
-        return fingerprint_diff(saved.manifest.get("data_fingerprint") or {}, self.fingerprint)
+        self.state.not_loaded(saved.manifest.get("data_fingerprint") or {}, saved.path)
 
     def load_state_dict(self, state_dict: dict):
-        self.loader.load_state_dict(state_dict)
+        self.state.load_state_dict(state_dict)
 
 
 class RNGState(Adapter):
@@ -317,10 +280,8 @@ def training_components(cfg, dims, *, model, optimizer, lr_scheduler=None, datal
     if lr_scheduler is not None:
         components["lr_scheduler"] = StatefulAdapter(lr_scheduler)
     if dataloader is not None:
-        # One writer per data-parallel rank: the first of its TP peers and PP stages.
-        writes = dims.tp_rank == 0 and dims.pp_rank == 0
         components["dataloader"] = DataLoaderState(
-            dataloader, writes, fingerprint, cfg.checkpoint.accept_data_change
+            dataloader.checkpoint_state(dims, fingerprint, cfg.checkpoint.accept_data_change)
         )
     components["train_state"] = train_state
     components["rng"] = RNGState(dims.rank, dims.dp_rank, dims.tp_rank, dims.pp_rank)

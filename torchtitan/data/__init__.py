@@ -16,10 +16,18 @@ import os
 from torchtitan.data import index as length_index
 from torchtitan.data.loader import ParallelDataLoader
 from torchtitan.data.packing import document_problem, encode_document
-from torchtitan.data.plan import DataPlan, combine, inspect_share, list_sources, local_plan
+from torchtitan.data.plan import (
+    DataPlan,
+    Ranks,
+    combine,
+    inspect_share,
+    list_sources,
+    local_plan,
+    resolve_plan,
+)
 from torchtitan.data.pretokenized_read import check_tokenizer, stored_lengths
 from torchtitan.data.schedule import BatchSchedule
-from torchtitan.data.sources import DataError, SourceSpec, open_source
+from torchtitan.data.sources import DataError, SourceSpec, open_configured
 from torchtitan.data.windows import Position, TokenStream
 
 __all__ = [
@@ -34,6 +42,7 @@ __all__ = [
     "ParallelDataLoader",
     "TokenStream",
     "build_dataloader",
+    "build_validation_loader",
     "build_stream",
     "document_lengths",
     "source_specs",
@@ -53,23 +62,17 @@ def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStre
     no token is counted until a window needs it."""
     t = training
     plan = plan or local_plan(t, tokenizer)
-    documents = plan.documents or [None] * len(plan.specs)
-    block_rows = plan.block_rows or [None] * len(plan.specs)
-    sources = [
-        open_source(s, t.text_field, t.id_field, t.streaming, n, rows)
-        for s, n, rows in zip(plan.specs, documents, block_rows)
-    ]
+    sources = [open_configured(s, t, rows) for s, rows in zip(plan.specs, plan.block_rows)]
     folder = length_index.cache_dir(t.length_index_dir)
     log = int(os.environ.get("RANK", "0")) == 0
     sha = plan.fingerprint["tokenizer_sha256"]
     counts = []
-    for spec, source, entry in zip(plan.specs, sources, plan.fingerprint["sources"]):
-        keys = length_index.file_keys(entry, len(spec.files), sha, t, t.streaming,
-                                      spec.tokens_field or t.text_field)  # fmt: skip
+    for source, entry in zip(sources, plan.fingerprint["sources"]):
+        keys = source.count_keys(entry, sha, t)
         counts.append(length_index.SourceCounts(
             source, tokenizer, t.bad_data, folder, keys, t.length_index_wait_seconds, log))  # fmt: skip
     return TokenStream(sources, counts, tokenizer, t.seq_len, seed=t.seed,
-                       shuffle=t.shuffle, bad_data=t.bad_data)  # fmt: skip
+                       shuffle=plan.fingerprint["shuffle"], bad_data=t.bad_data)  # fmt: skip
 
 
 def build_dataloader(
@@ -83,8 +86,34 @@ def build_dataloader(
         BatchSchedule.from_config(t, dp_world, dp_rank),
         dp_rank=dp_rank,
         num_workers=t.num_workers,
-        document_layout=cfg.model.attention_mask == "block_causal" or t.mask_document_boundaries,
+        document_layout=_document_layout(cfg),
     )
+
+
+def build_validation_loader(
+    cfg, tokenizer, dp_rank: int, dp_world: int, ranks: Ranks | None = None
+) -> ParallelDataLoader:
+    """The held-out data's loader of one data-parallel rank: ``validation.*``'s sources,
+    resolved once for the job as the training data's are (``resolve_plan`` with
+    ``held_out``, through ``ranks``; in this process when None), read in order by this
+    process (no workers), one micro-batch of ``training.batch_size`` sequences per rank
+    and step: nothing random, nothing that depends on the training stream or its batch
+    schedule. Cost: the plan's (O(files / ranks) reads per rank)."""
+    t = cfg.training
+    plan = resolve_plan(t, tokenizer, ranks, held_out=cfg.validation)
+    return ParallelDataLoader(
+        build_stream(t, tokenizer, plan),
+        BatchSchedule([(0, t.batch_size * dp_world)], t.batch_size, dp_world, dp_rank),
+        dp_rank=dp_rank,
+        num_workers=0,
+        document_layout=_document_layout(cfg),
+    )
+
+
+def _document_layout(cfg) -> bool:
+    """Whether batches carry positions and document ids (the attention mask or the loss
+    needs them)."""
+    return cfg.model.attention_mask == "block_causal" or cfg.training.mask_document_boundaries
 
 
 def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
@@ -101,7 +130,7 @@ def document_lengths(cfg, tokenizer) -> dict[str, dict[str, int]]:
         if spec.tokens_field:
             out[spec.name] = stored_lengths(spec)
             continue
-        src = open_source(spec, t.text_field, t.id_field, t.streaming)
+        src = open_configured(spec, t)
         docs = (
             (doc_id, value) for unit in src.units() for doc_id, value in _unit_documents(src, unit)
         )

@@ -11,7 +11,7 @@ process that needs counts.
 - **Shared, and surviving.** Each unit's counts are one file, written atomically
   (``os.replace``), named by what they depend on: the content signature of the data
   file (size, CRC32 of its first and last MiB; not its path), the unit's range, the
-  tokenizer and the reading settings (``file_keys``). A kill -9 loses at most the units
+  tokenizer and the reading settings (``counts_key``). A kill -9 loses at most the units
   being measured; a relaunch, another job, or another node reading the same folder
   reuses the rest.
 - **Dynamic work.** A process that needs a unit no one has measured claims it (a
@@ -121,34 +121,29 @@ def cache_dir(configured: str) -> str:
     return os.path.join(root, "length_index")
 
 
-def file_keys(source_fingerprint: dict, files: int, tokenizer_sha256: str, training,
-              streaming: bool, value_field: str) -> list[str]:  # fmt: skip
-    """The key of each data file's counts (streaming), or of the whole source's (map-style,
-    whose units are rows of all its files), from the source's fingerprint entry (its
-    ``files`` data files, then its stamps): the files' content signatures (a remote file,
-    unsigned, by its name and the source's revision stamps), the tokenizer, the column
-    read, the bad-data policy and how units are cut. Never the path: a corpus moved or
-    copied elsewhere keeps its counts."""
+def counts_key(source_fingerprint: dict, files: int, which: list[int], tokenizer_sha256: str,
+               training, value_field: str, units: str) -> str:  # fmt: skip
+    """The key of the token counts of data files ``which`` of a source, from the source's
+    fingerprint entry (its ``files`` data files, then its stamps): those files' content
+    signatures (a remote file, unsigned, by its name and the source's revision stamps),
+    the tokenizer, the column read, the bad-data policy and how units are cut (``units``,
+    the source kind's name for it). Never the path: a corpus moved or copied elsewhere
+    keeps its counts. Which files share a key is the source's to say (its
+    ``count_keys``)."""
     t = training
-    settings = [COUNTS_VERSION, tokenizer_sha256, value_field, t.bad_data, UNIT_ROWS,
-                "stream" if streaming else "map"]  # fmt: skip
+    settings = [COUNTS_VERSION, tokenizer_sha256, value_field, t.bad_data, UNIT_ROWS, units]
     entries = source_fingerprint["files"]
-    files, stamps = entries[:files], entries[files:]  # per file, then the source's stamps
-
-    def key(entries) -> str:
-        content = [e[1:] if len(e) > 1 else e for e in entries]
-        what = json.dumps([settings, content, stamps], sort_keys=True)
-        return hashlib.sha256(what.encode()).hexdigest()[:32]
-
-    if not streaming:
-        return [key(files)]
-    return [key([entry]) for entry in files]
+    stamps = entries[files:]  # per file, then the source's stamps
+    content = [entries[f][1:] if len(entries[f]) > 1 else entries[f] for f in which]
+    what = json.dumps([settings, content, stamps], sort_keys=True)
+    return hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
 class SourceCounts:
     """One source's unit counts, read from the shared folder or measured where missing.
 
-    ``keys[f]`` names file ``f``'s counts (map-style: ``keys[0]``, the source's); a unit's
+    ``keys[f]`` names file ``f``'s counts (map-style: ``keys[0]``, the source's; the
+    source's ``count_keys``); a unit's
     counts are ``<folder>/<key>/<lo>-<hi>.npz``. ``measure(unit)`` measures one unit
     (``measure_unit`` by default). ``measured`` counts the units this process measured
     (tests and benchmarks read it)."""

@@ -24,7 +24,8 @@ does. A group is a run of consecutive micro-batches: worker ``w`` of ``W`` makes
 with ``m // group % W == w`` (so a document at the boundary of two micro-batches is
 mostly tokenized by one worker), and this process hands them out in order.
 
-Never: decide which data comes next (order.py, windows.py) or touch checkpoint files.
+Never: decide which data comes next (order.py, windows.py), touch checkpoint files or
+import the checkpoint package.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchtitan.checkpoint.entries import from_tensor, to_tensor
+from torchtitan.data import state
 from torchtitan.data.order import Cursor
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.spec import DataError
@@ -53,8 +53,6 @@ from torchtitan.data.windows import Position, TokenStream, as_tensors, collate
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "dp_rank_"
-STATE_VERSION = 5  # 5: the global order's position (windows, a cursor of lanes per source)
 # Tokens a worker sends per message at least (in whole micro-batches, at most MAX_GROUP):
 # a message costs ~0.5 ms between pickling, queueing and polling, more than a batch of
 # 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
@@ -206,8 +204,10 @@ def _close_running_loaders():
         loader.close()
 
 
-class ParallelDataLoader(Stateful):
-    """Micro-batches for one data-parallel rank, with a checkpoint entry per rank."""
+class ParallelDataLoader:
+    """Micro-batches for one data-parallel rank, with a checkpoint entry per rank (torch's
+    ``Stateful`` protocol: ``state_dict``, ``load_state_dict``; its format, writer and
+    data check are state.py's)."""
 
     def __init__(self, stream: TokenStream, schedule: BatchSchedule, *, dp_rank: int = 0,
                  num_workers: int = 0, document_layout: bool = False):  # fmt: skip
@@ -368,43 +368,33 @@ class ParallelDataLoader(Stateful):
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's entry (every rank's is the same), JSON in a uint8 tensor: a
-        checkpoint holds data, never a pickle (checkpoint/entries.py). Cost: O(sources)."""
+        checkpoint holds data, never a pickle (state.py). Cost: O(sources)."""
         if self._plan is not None:
             raise RuntimeError("the loader state is taken between steps, not inside one")
         entry = {
-            "version": STATE_VERSION,
+            "version": state.STATE_VERSION,
             "windows": self.position.windows,
             "cursors": [cursor.to_list() for cursor in self.position.cursors],
             "sources": list(self.stream.names),
             "seq_len": self.stream.seq_len,
             "step": self.step,
         }
-        return {f"{KEY_PREFIX}{self.dp_rank}": to_tensor(entry)}
+        return {state.entry_key(self.dp_rank): state.to_tensor(entry)}
 
     def entry_to_load(self, saved: list[str]) -> str:
-        """The one entry this rank reads: its own, else the first (all hold the same
-        position). O(1) per rank, whatever the old layout."""
-        mine = f"{KEY_PREFIX}{self.dp_rank}"
-        if mine in saved:
-            return mine
-        entries = sorted(k for k in saved if k.startswith(KEY_PREFIX))
-        if not entries:
-            raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
-        return entries[0]
+        """The one entry this rank reads (``state.entry_to_load``)."""
+        return state.entry_to_load(saved, self.dp_rank)
+
+    def checkpoint_state(self, dims, fingerprint: dict, accept_data_change: bool):
+        """This loader as the checkpoint saves and loads it (``state.LoaderState``) on the
+        rank ``dims`` describes, in the data ``fingerprint`` describes."""
+        writes = state.writes_entry(dims)
+        return state.LoaderState(self, writes, fingerprint, accept_data_change)
 
     def load_state_dict(self, state_dict: dict):
         """Seek to the saved position. Cost: decoding one entry's JSON; the documents are
         read when their windows are."""
-        entries = [v for k, v in sorted(state_dict.items()) if k.startswith(KEY_PREFIX)]
-        if not entries:
-            raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
-        entry = from_tensor(entries[0])
-        if entry.get("version") != STATE_VERSION:
-            raise DataError(
-                f"the checkpoint's dataloader state has format {entry.get('version')}, this "
-                f"version reads {STATE_VERSION}; resume with the version that wrote it, or pass "
-                "--checkpoint.exclude_from_loading dataloader to restart the data"
-            )
+        entry = state.saved_entry(state_dict)
         if entry["sources"] != self.stream.names:
             raise DataError(
                 f"the checkpoint's data position is over sources {entry['sources']}, the "

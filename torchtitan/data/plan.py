@@ -7,9 +7,10 @@ everyone's bytes, and the value they produce (``DataPlan``):
    file lists (a Hub id is resolved here, once, so every rank reads the same revision).
    Cost: O(files) names and sizes, no data read.
 2. ``inspect_share`` (every rank): its share of the files, every ``world``-th from
-   ``rank``: each one's signature (size, CRC32 of its first and last MiB) and, for a
-   streaming source, its blocks' row counts from the footer. Cost: O(files / ranks)
-   opens. Rank 0 also checks that the first file has the text column.
+   ``rank``: each one's signature (size, CRC32 of its first and last MiB) and what the
+   source kind keeps of it (``inspect``: a streaming source's blocks' row counts from
+   the footer, and a check that each source's first file has the text column). Cost:
+   O(files / ranks) opens.
 3. ``combine`` (rank 0 only): the data fingerprint and the block row counts of the job,
    from every share. Cost: O(files + blocks) small values, once.
 4. ``check_shared_folder`` (every rank): whether every rank sees the token-count folder
@@ -36,23 +37,23 @@ from typing import Protocol
 
 from torchtitan.data import index as length_index
 from torchtitan.data.pretokenized_read import check_tokenizer
-from torchtitan.data.sources import DataError, SourceSpec, is_remote, resolve_source
+from torchtitan.data.sources import DataError, SourceSpec, is_remote, resolve_source, source_kind
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class DataPlan:
-    """The resolved sources, the fingerprint of what they hold, and (streaming) their
-    document counts and block row counts (which the sources are opened with): O(files +
-    blocks) names and numbers."""
+    """The resolved sources, the fingerprint of what they hold, and what the source kind
+    kept of their files (streaming: block row counts, which the sources are opened with):
+    O(files + blocks) names and numbers."""
 
     specs: list[SourceSpec]
     fingerprint: dict
-    documents: list[int] | None  # per source; None for map-style (counted when opened)
-    # Streaming: per source, file -> rows of each block (parquet, Arrow, text), so that
-    # units are cut without any rank reading another rank's footers.
-    block_rows: list[dict[int, list[int]]] | None = None
+    # Per source, file -> rows of each block (streaming parquet, Arrow, text), so that
+    # units are cut without any rank reading another rank's footers; empty where the
+    # kind keeps none (map-style, JSON lines).
+    block_rows: list[dict[int, list[int]]]
 
 
 def list_sources(training) -> list[SourceSpec]:
@@ -76,6 +77,15 @@ def list_sources(training) -> list[SourceSpec]:
     return specs
 
 
+def held_out_sources(validation) -> list[SourceSpec]:
+    """The held-out data's source (``validation.*``): a local path, or a registry name or
+    Hub id, resolved as ``list_sources`` resolves training's."""
+    v = validation
+    if v.dataset_path:
+        return [resolve_source(path=v.dataset_path, config=v.dataset_config, split=v.dataset_split)]
+    return [resolve_source(name=v.dataset, config=v.dataset_config, split=v.dataset_split)]
+
+
 def _files(specs: list[SourceSpec]) -> list[tuple[int, int]]:
     """Every (source, file) of the job, in one order all ranks share."""
     return [(s, f) for s, spec in enumerate(specs) for f in range(len(spec.files))]
@@ -84,31 +94,29 @@ def _files(specs: list[SourceSpec]) -> list[tuple[int, int]]:
 def inspect_share(
     specs: list[SourceSpec], training, tokenizer, rank: int, world: int
 ) -> dict[tuple[int, int], tuple]:
-    """This rank's share of the files: ``(source, file) -> (signature, documents, rows)``.
+    """This rank's share of the files: ``(source, file) -> (signature, rows)``.
 
-    Streaming only: ``documents`` is the file's count (parquet and Arrow footers, an
-    estimate for JSON lines) and ``rows`` its blocks' row counts (None for JSON lines).
-    Cost: every ``world``-th file, from ``rank``: one signature read (2 MiB), and for a
-    streaming source one footer.
+    ``rows``: what the source kind keeps of the file (``inspect``; streaming: its blocks'
+    row counts, None for JSON lines; map-style: None). Cost: every ``world``-th file,
+    from ``rank``: one signature read (2 MiB), and for a streaming source one footer.
     """
-    from torchtitan.data.streaming import check_columns, inspect_file
-
+    kind = source_kind(training)
     for spec in specs:
         check_tokenizer(spec, tokenizer)
     share = {}
     for s, f in _files(specs)[rank::world]:
         spec, path = specs[s], specs[s].files[f]
         signature = [] if is_remote(path) else spec.signature(path)
-        documents, rows = inspect_file(spec, path) if training.streaming else (None, None)
-        if training.streaming and f == 0:
-            check_columns(spec, training.text_field)
-        share[(s, f)] = (signature, documents, rows)
+        share[(s, f)] = (signature, kind.inspect(spec, path, training.text_field, f == 0))
     return share
 
 
-def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) -> DataPlan:
-    """The job's plan from every rank's share. Raises DataError if a file is missing
-    from every share (a share lost on the way would otherwise go unnoticed)."""
+def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer,
+            shuffle: bool | None = None) -> DataPlan:  # fmt: skip
+    """The job's plan from every rank's share; its order is shuffled as ``shuffle`` says
+    (``training.shuffle`` when None; the held-out data is read in order). Raises
+    DataError if a file is missing from every share (a share lost on the way would
+    otherwise go unnoticed)."""
     facts = {key: value for share in shares for key, value in share.items()}
     missing = [specs[s].files[f] for s, f in _files(specs) if (s, f) not in facts]
     if missing:
@@ -118,25 +126,20 @@ def combine(specs: list[SourceSpec], shares: list[dict], training, tokenizer) ->
         signatures = [facts[(s, f)][0] for f in range(len(spec.files))]
         sources.append({"name": spec.name, "identity": spec.identity(), "weight": spec.weight,
                         "files": spec.fingerprint(signatures)})  # fmt: skip
-    documents = block_rows = None
-    if training.streaming:
-        documents = [
-            sum(facts[(s, f)][1] for f in range(len(spec.files))) for s, spec in enumerate(specs)
-        ]
-        block_rows = [
-            {f: facts[(s, f)][2] for f in range(len(spec.files)) if facts[(s, f)][2] is not None}
-            for s, spec in enumerate(specs)
-        ]
+    block_rows = [
+        {f: facts[(s, f)][1] for f in range(len(spec.files)) if facts[(s, f)][1] is not None}
+        for s, spec in enumerate(specs)
+    ]
     t = training
     fingerprint = {
         "sources": sources,
         "tokenizer_sha256": tokenizer.sha256(),
-        "shuffle": t.shuffle,
+        "shuffle": t.shuffle if shuffle is None else shuffle,
         "seed": t.seed,
-        "streaming": t.streaming,
+        **source_kind(t).fingerprint_fields(),
         "text_field": t.text_field,
     }
-    return DataPlan(specs, fingerprint, documents, block_rows)
+    return DataPlan(specs, fingerprint, block_rows)
 
 
 class Ranks(Protocol):
@@ -204,20 +207,29 @@ def check_shared_folder(training, ranks: Ranks):
             pass
 
 
-def resolve_plan(training, tokenizer, ranks: Ranks | None = None) -> DataPlan:
+def resolve_plan(training, tokenizer, ranks: Ranks | None = None, held_out=None) -> DataPlan:
     """The steps, each where it belongs: rank 0 lists the sources, every rank inspects
     its share of the files, rank 0 combines the shares; every rank checks that it sees
     the token-count folder. A DataError on any rank is raised on every rank (rank 0
     raises the first share's). Cost: O(files / ranks) file reads per rank, O(files +
-    blocks) values moved; nothing of O(documents), and no token counted."""
+    blocks) values moved; nothing of O(documents), and no token counted.
+
+    ``held_out`` (the ``validation`` section): the plan of the held-out data instead,
+    resolved the same way, read with training's settings and in order (unshuffled)."""
     ranks = ranks or OneProcess()
-    specs = ranks.on_main(list_sources, training)
+    if held_out is None:
+        specs = ranks.on_main(list_sources, training)
+    else:
+        specs = ranks.on_main(held_out_sources, held_out)
     try:
         share = inspect_share(specs, training, tokenizer, ranks.rank, ranks.world)
     except DataError as e:
         share = e  # rank 0 raises it for every rank
-    plan = ranks.on_main(_on_shares(combine, specs, ranks.gather(share)), training, tokenizer)
-    check_shared_folder(training, ranks)
+    shuffle = None if held_out is None else False
+    combined = _on_shares(combine, specs, ranks.gather(share))
+    plan = ranks.on_main(combined, training, tokenizer, shuffle)
+    if held_out is None:  # the held-out counts go to the same folder: checked once
+        check_shared_folder(training, ranks)
     return plan
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT
 from torchtitan.data import hub, pretokenized_read
+from torchtitan.data.index import counts_key
 from torchtitan.data.spec import (
     _FORMATS,
     DEFAULT_SPLIT,
@@ -49,7 +50,8 @@ from torchtitan.data.spec import (
 from torchtitan.data.streaming import StreamSource
 
 __all__ = ["BadText", "DataError", "SourceSpec", "is_remote", "local_path",
-           "text_doc_id", "token_arrays", "open_source", "resolve_source", "resolve_any"]  # fmt: skip
+           "text_doc_id", "token_arrays", "open_configured", "open_source", "resolve_source",
+           "resolve_any", "source_kind"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +252,25 @@ class MapSource:
     def __len__(self) -> int:
         return len(self.ds)
 
+    # ---- what the plan and the token counts ask of the source kind -------------------
+    @staticmethod
+    def fingerprint_fields() -> dict:
+        """What the data fingerprint records of how this kind reads its sources."""
+        return {"streaming": False}
+
+    @staticmethod
+    def inspect(spec: SourceSpec, path: str, text_field: str, first: bool) -> None:
+        """What the data plan keeps of one file: nothing (its rows are counted when the
+        source is opened, and its column checked then). Cost: none."""
+        return None
+
+    def count_keys(self, source_fingerprint: dict, tokenizer_sha256: str, training) -> list[str]:
+        """The one key of the source's token counts: its units are rows of all its files
+        together, so its counts depend on every file (index.counts_key)."""
+        files = len(self.spec.files)
+        return [counts_key(source_fingerprint, files, list(range(files)), tokenizer_sha256,
+                           training, self._field, "map")]  # fmt: skip
+
     # ---- the Source protocol (the same as a streaming source's) ----------------------
     def extent(self) -> int:
         """What the source holds now, in the measure a pass is cut by: its rows."""
@@ -298,16 +319,30 @@ class MapSource:
         return doc_id, row[self.text_field]
 
 
+def source_kind(training) -> type[MapSource] | type[StreamSource]:
+    """The class that reads the configured sources (``training.streaming``): it answers
+    for its kind to the data plan (``inspect``, ``fingerprint_fields``) and, opened, to
+    the token counts (``count_keys``). This and the streaming module are the only readers
+    of the flag: the rest of the data path asks the source."""
+    return StreamSource if training.streaming else MapSource
+
+
 def open_source(
     spec: SourceSpec, text_field: str, id_field: str, streaming: bool,
-    documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
+    block_rows: dict[int, list[int]] | None = None,
 ):  # fmt: skip
-    """A source ready to read. ``documents`` and ``block_rows``: a streaming source's
-    document count and per-file block rows from the data plan (then no file is opened
-    here, and its units are cut without reading any footer)."""
+    """A source ready to read. ``block_rows``: a streaming source's per-file block rows
+    from the data plan (then no file is opened here, and its units are cut without
+    reading any footer); a map-style source has none."""
     if streaming:
-        return StreamSource(spec, text_field, id_field, documents, block_rows)
+        return StreamSource(spec, text_field, id_field, block_rows)
     return MapSource(spec, text_field, id_field)
+
+
+def open_configured(spec: SourceSpec, training, block_rows: dict[int, list[int]] | None = None):
+    """``open_source`` with the configured kind and fields."""
+    return open_source(spec, training.text_field, training.id_field, training.streaming,
+                       block_rows)  # fmt: skip
 
 
 def resolve_any(source: str, config: str = "", split: str = DEFAULT_SPLIT) -> SourceSpec:

@@ -34,6 +34,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from torchtitan.data.index import counts_key
 from torchtitan.data.spec import (
     MIN_FILE_UNITS,
     BadText,
@@ -57,7 +58,7 @@ MIN_UNIT_BYTES = 4 << 10
 KEEP_BLOCK_BYTES = 256 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
-# Bytes read from each file to estimate a JSON lines source's document count.
+# Bytes read from a JSON lines file to find the keys of its objects.
 SAMPLE_BYTES = 1 << 20
 
 
@@ -115,7 +116,7 @@ class StreamSource:
 
     def __init__(
         self, spec: SourceSpec, text_field: str, id_field: str,
-        documents: int | None = None, block_rows: dict[int, list[int]] | None = None,
+        block_rows: dict[int, list[int]] | None = None,
     ):  # fmt: skip
         self.spec = spec
         self.text_field = text_field
@@ -132,10 +133,32 @@ class StreamSource:
         self._kept: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # the last read
         self._kept_bytes = 0
         self.rows_decoded = 0
-        # From a data plan: the count and the column check were made once for the job.
-        self._documents = documents
-        if documents is None:
+        # From a data plan (``block_rows`` given): the column check was made once for the job.
+        if block_rows is None:
             check_columns(spec, text_field)
+
+    # ---- what the plan and the token counts ask of the source kind -------------------
+    @staticmethod
+    def fingerprint_fields() -> dict:
+        """What the data fingerprint records of how this kind reads its sources."""
+        return {"streaming": True}
+
+    @staticmethod
+    def inspect(spec: SourceSpec, path: str, text_field: str, first: bool) -> list[int] | None:
+        """What the data plan keeps of one file: the rows of each of its blocks (None for
+        JSON lines, whose units are byte ranges); the first file of a source is checked
+        for the column read. Cost: one footer (or 1 MiB) read, and a schema for the first."""
+        rows = inspect_file(spec, path)
+        if first:
+            check_columns(spec, text_field)
+        return rows
+
+    def count_keys(self, source_fingerprint: dict, tokenizer_sha256: str, training) -> list[str]:
+        """The key of each file's token counts: a unit lies within one file, so a file's
+        counts depend on that file alone (index.counts_key)."""
+        files = len(self.spec.files)
+        return [counts_key(source_fingerprint, files, [f], tokenizer_sha256, training,
+                           self.value_field, "stream") for f in range(files)]  # fmt: skip
 
     def __getstate__(self):
         # Loader workers decode their own blocks; a weak cache does not pickle.
@@ -232,15 +255,14 @@ def check_columns(spec: SourceSpec, text_field: str):
         check_column(spec, spec.tokens_field or text_field, columns)
 
 
-def inspect_file(spec: SourceSpec, path: str) -> tuple[int, list[int] | None]:
-    """(documents, rows of each block) of one file of a streaming source: the footer's
-    row counts for parquet and Arrow (one block for a text file); for JSON lines an
-    estimate and no blocks (its units are byte ranges). Cost: one footer or 1 MiB read."""
+def inspect_file(spec: SourceSpec, path: str) -> list[int] | None:
+    """The rows of each block of one file of a streaming source: the footer's row counts
+    for parquet and Arrow (one block for a text file); None for JSON lines (its units are
+    byte ranges). Cost: one footer read (none for JSON lines)."""
     reader = _READERS[spec.fmt](spec)
     if isinstance(reader, _RowReader):
-        rows = [int(n) for n in reader.block_rows(path)]
-        return sum(rows), rows
-    return reader.document_estimate(path), None
+        return [int(n) for n in reader.block_rows(path)]
+    return None
 
 
 class _RowReader:
@@ -269,9 +291,6 @@ class _RowReader:
         stop, base = min(end, starts[b + 1]), starts[b]
         docs = [(r, r + 1, *source.document(block, r - base)) for r in range(at, stop)]
         return docs, (stop if stop < end else None), block
-
-    def document_estimate(self, path: str) -> int:
-        return int(sum(self.block_rows(path)))
 
 
 class ParquetReader(_RowReader):
@@ -427,20 +446,6 @@ class JsonLinesReader:
             if isinstance(row, dict):
                 keys.update(dict.fromkeys(row))
         return list(keys) or None
-
-    def document_estimate(self, path: str) -> int:
-        """Non-empty lines: counted in a file up to 1 MiB; in a larger one, the first MiB's
-        count scaled to the file's size (rounded down). At least one per file. A compressed
-        file counts as one: it streams whole (for the data plan's document counts)."""
-        if _compressed(path):
-            return 1
-        with _open_binary(path) as f:
-            head = f.read(SAMPLE_BYTES)
-        lines = sum(1 for line in head.split(b"\n") if line.strip())
-        size = _file_size(path)
-        if size > len(head):
-            lines = lines * size // max(1, len(head))
-        return max(1, lines)
 
     def file_units(self, source: StreamSource, f: int) -> list[tuple[int, int, int]]:
         """Byte ranges of ``UNIT_BYTES`` (smaller in a small file: at least

@@ -1,0 +1,143 @@
+"""The loader's checkpoint entry: how the data position is stored, who writes it, and
+whether a saved one belongs to this run's data.
+
+Owns: the entry's key (``dp_rank_<d>``, one per data-parallel rank) and format (UTF-8
+JSON in a 1-D ``uint8`` tensor, which DCP stores and reads as a tensor: a checkpoint
+holds data, never a pickle); which rank writes it (the first of its TP peers and
+pipeline stages: they build the same loader and consume the same batches, so one
+writer per data-parallel rank keeps one entry each without leaning on DCP's merging of
+equal keys); which entry a rank loads (its own, else the first: every entry holds the
+same global position, whatever layout wrote it); and whether a saved position belongs
+to this run's data: where the checkpoint's data fingerprint differs from this run's,
+the load is refused in one line, unless ``checkpoint.accept_data_change`` keeps the
+position anyway.
+
+``LoaderState`` is what the checkpoint's adapter (``checkpoint.stateful``) wraps: it
+hands over what to save and checks what it is given, and the adapter only moves tensors
+between it and DCP. The loader (loader.py) builds its entry from its position and reads
+it back.
+
+Cost: O(sources) to encode or decode an entry; O(files) to compare two fingerprints,
+once per load.
+
+Never: import the checkpoint package, read or write checkpoint files, or choose a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
+from torchtitan.data.spec import DataError
+
+logger = logging.getLogger("torchtitan")
+
+KEY_PREFIX = "dp_rank_"
+STATE_VERSION = 5  # 5: the global order's position (windows, a cursor of lanes per source)
+
+
+def entry_key(dp_rank: int) -> str:
+    return f"{KEY_PREFIX}{dp_rank}"
+
+
+def to_tensor(entry: dict) -> torch.Tensor:
+    """``entry`` (JSON-serializable) as a 1-D uint8 tensor of its UTF-8 JSON."""
+    return torch.frombuffer(bytearray(json.dumps(entry).encode()), dtype=torch.uint8).clone()
+
+
+def from_tensor(value) -> dict:
+    """The entry ``to_tensor`` encoded; anything but a uint8 tensor is refused."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        raise DataError(
+            f"a checkpoint entry is {type(value).__name__}, not JSON in a uint8 tensor: it was "
+            "written by an older version (pickled); resume it with the version that wrote it"
+        )
+    return json.loads(value.numpy().tobytes().decode())
+
+
+def entry_to_load(saved: list[str], dp_rank: int) -> str:
+    """The one entry of ``saved`` (the checkpoint's loader keys) a rank reads: its own,
+    else the first (all hold the same position). O(1) per rank, whatever the old layout."""
+    mine = entry_key(dp_rank)
+    if mine in saved:
+        return mine
+    entries = sorted(k for k in saved if k.startswith(KEY_PREFIX))
+    if not entries:
+        raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
+    return entries[0]
+
+
+def saved_entry(state_dict: dict) -> dict:
+    """The loader entry of a loaded ``state_dict`` (the first, if several), decoded and of
+    this version's format. Raises DataError naming what to do otherwise."""
+    entries = [v for k, v in sorted(state_dict.items()) if k.startswith(KEY_PREFIX)]
+    if not entries:
+        raise DataError("the checkpoint holds no dataloader entry (dp_rank_<r>)")
+    entry = from_tensor(entries[0])
+    if entry.get("version") != STATE_VERSION:
+        raise DataError(
+            f"the checkpoint's dataloader state has format {entry.get('version')}, this "
+            f"version reads {STATE_VERSION}; resume with the version that wrote it, or pass "
+            "--checkpoint.exclude_from_loading dataloader to restart the data"
+        )
+    return entry
+
+
+class LoaderState:
+    """A loader's checkpoint entry as this rank saves and loads it: written only where
+    ``writes`` (``writes_entry``), loaded only into the data it is a position in
+    (``fingerprint``, this run's), unless ``accept_data_change``."""
+
+    def __init__(self, loader, writes: bool, fingerprint: dict, accept_data_change: bool):
+        self.loader, self.writes = loader, writes
+        self.fingerprint, self.accept_data_change = fingerprint, accept_data_change
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict() if self.writes else {}
+
+    def entry_to_load(self, saved: list[str], saved_fingerprint: dict, where: str) -> str:
+        """The key of the one entry this rank loads from the checkpoint at ``where``, whose
+        loader keys are ``saved`` and data fingerprint ``saved_fingerprint``; refused in
+        one line where the data differs (and not accepted)."""
+        diffs = fingerprint_diff(saved_fingerprint, self.fingerprint)
+        if diffs and not self.accept_data_change:
+            raise DataError(
+                f"the data stream differs from checkpoint {where}: {'; '.join(diffs)}. "
+                "Resume with the original data settings, or pass "
+                "--checkpoint.accept_data_change (keep the data positions) or "
+                "--checkpoint.exclude_from_loading dataloader (restart the data)"
+            )
+        if diffs:
+            logger.warning(
+                "data changed since %s (%s); checkpoint.accept_data_change: the saved data "
+                "positions are applied to the new data as they are",
+                where, "; ".join(diffs),
+            )  # fmt: skip
+        grown = grown_sources(saved_fingerprint, self.fingerprint)
+        if grown:
+            logger.info(
+                "the corpus grew since %s: %s; the pass in progress reads on the files it began "
+                "with, the new ones join the next pass", where, "; ".join(grown),
+            )  # fmt: skip
+        return self.loader.entry_to_load(saved)
+
+    def not_loaded(self, saved_fingerprint: dict, where: str):
+        """The checkpoint at ``where`` holds a position the user chose not to load."""
+        diffs = fingerprint_diff(saved_fingerprint, self.fingerprint)
+        if diffs:
+            logger.warning(
+                "data changed since %s, data state not loaded: %s", where, "; ".join(diffs)
+            )
+
+    def load_state_dict(self, state_dict: dict):
+        self.loader.load_state_dict(state_dict)
+
+
+def writes_entry(dims) -> bool:
+    """Whether this rank writes its loader's entry: the first of its TP peers and pipeline
+    stages, one writer per data-parallel rank."""
+    return dims.tp_rank == 0 and dims.pp_rank == 0
