@@ -38,6 +38,7 @@ or train (step.py); the loop calls ``next_step`` and the step calls ``commit``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -197,6 +198,12 @@ class ReplicaGroup:
             store_addr=addr, store_port=int(port), lighthouse_addr=ft.lighthouse or None,
             replica_id=f"replica_{ft.replica_id}", init_sync=False,
         )  # fmt: skip
+        t = cfg.training
+        if not t.global_batch_size and not t.batch_size_schedule:
+            # The default global batch is every rank's micro-batch, over the most groups.
+            size = t.batch_size * dims.dp_world * ft.replica_groups
+            loader.reshard(dims.dp_rank, BatchSchedule([(0, size)], t.batch_size, dims.dp_world,
+                                                       dims.dp_rank))  # fmt: skip
         # Dropout streams per group and data-parallel rank (group 0's are a plain run's).
         torch.manual_seed(self._stream_seed(0))
         self._synced = False
@@ -204,6 +211,17 @@ class ReplicaGroup:
         self.participants = 0
         self.quorum_s = 0.0  # what the last quorum cost the loop
         self.healed_at: int | None = None
+        # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
+        self._events = None
+        if dims.is_main:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            path = os.path.join(cfg.job.dump_folder, "fault_tolerance.jsonl")
+            self._events = open(path, "a")  # noqa: SIM115 - kept open for the run
+
+    def _event(self, **fields):
+        if self._events is not None:
+            self._events.write(json.dumps({**fields, "time": time.time()}) + "\n")
+            self._events.flush()
 
     def _stream_seed(self, step: int) -> int:
         return self.seed + (self.replica_id * self.dims.dp_world + self.dims.dp_rank) + step * 7919
@@ -257,6 +275,8 @@ class ReplicaGroup:
         flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float()])
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
+        self._event(step=self._before[1] + 1, committed=ok, participants=self.participants,
+                    quorum_s=self.quorum_s)  # fmt: skip
         if ok:
             i = 0
             for g in local:
@@ -298,6 +318,7 @@ class ReplicaGroup:
                 adapter.load_state_dict(value)
         self.healed_at = self.train_state.step
         torch.manual_seed(self._stream_seed(self.healed_at))
+        self._event(healed_at=self.healed_at, heal_s=time.perf_counter() - begin)
         logger.warning(
             "replica group %d healed from a live peer at step %d (%.2f s)",
             self.replica_id, self.healed_at, time.perf_counter() - begin,
@@ -305,6 +326,8 @@ class ReplicaGroup:
 
     def close(self):
         self.manager.shutdown(wait=False)
+        if self._events is not None:
+            self._events.close()
 
 
 class LowestGroupSaves:
