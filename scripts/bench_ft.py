@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from torchtitan.ft_launch import group_command, start_group, start_lighthouse
+from torchtitan.ft_launch import group_command, kill_group, start_group, start_lighthouse
 from torchtitan.runs import DEBUG_CONFIG, torchrun_command
 
 
@@ -58,7 +56,7 @@ def live(work: Path, args: list[str], kill_at: int) -> dict:
              for i in range(2)]  # fmt: skip
         (work / "replica_0").mkdir(exist_ok=True)
         _step_at(work / "replica_1", kill_at)
-        os.killpg(g[1].pid, signal.SIGKILL)
+        kill_group(g[1])
         killed = time.time()
         g[1].wait()
         events = work / "replica_0" / "fault_tolerance.jsonl"
@@ -93,13 +91,17 @@ def plain(work: Path, args: list[str], kill_at: int) -> dict:
             "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10"]  # fmt: skip
     proc = start_group(torchrun_command(2, hsdp), work.parent / "plain.log")
     _step_at(work, kill_at)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_group(proc)
     killed = time.time()
     proc.wait()
     done = max(r["step"] for r in _records(work / "metrics.jsonl"))
-    relaunch = start_group(torchrun_command(2, hsdp), work.parent / "plain_again.log")
     saved = max((int(p.name.split("-")[1]) for p in (work / "checkpoint").glob("step-*")),
                 default=0)  # fmt: skip
+    # The relaunch trims the metrics to the checkpoint's step; done here first, so the
+    # step after it is seen when the relaunch writes it, not in the first life's lines.
+    kept = [r for r in _records(work / "metrics.jsonl") if r["step"] <= saved]
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    relaunch = start_group(torchrun_command(2, hsdp), work.parent / "plain_again.log")
     back = _step_at(work, saved + 1)
     relaunch.wait(timeout=600)
     metrics = _records(work / "metrics.jsonl")
@@ -112,7 +114,7 @@ def plain(work: Path, args: list[str], kill_at: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=120, help="of the live run")
     parser.add_argument("--kill-at", type=int, default=15)
     parser.add_argument("--json", default="")
     a = parser.parse_args()
@@ -121,8 +123,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "live").mkdir()
+        short = [*args[:3], str(2 * a.kill_at), *args[4:]]  # the restart needs no long run
         report = {"live": live(work / "live", args, a.kill_at),
-                  "restart": plain(work / "restart", args, a.kill_at)}  # fmt: skip
+                  "restart": plain(work / "restart", short, a.kill_at)}  # fmt: skip
     print(json.dumps(report, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2))

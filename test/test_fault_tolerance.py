@@ -235,7 +235,8 @@ def _assert_exactly_once(lives, uninterrupted):
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step in expected:
         assert steps[step] == expected[step], f"step {step}: not the uninterrupted run's tokens"
-    combined = {i: read_provenance(str(f / "provenance"))[0] for i, f in enumerate(lives.values())}
+    combined = {(i, rank): steps for i, f in enumerate(lives.values())
+                for rank, steps in read_provenance(str(f / "provenance")).items()}  # fmt: skip
     reports = check_exactly_once(combined)
     assert all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), reports
 

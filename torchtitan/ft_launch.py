@@ -57,5 +57,23 @@ def start_group(command: list[str], log: str | Path, env: dict | None = None) ->
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
+def kill_group(proc: subprocess.Popen):
+    """SIGKILL a group: its torchrun and its workers (torchrun starts each worker in a
+    session of its own, so a signal to torchrun's process group misses them)."""
+    import signal
+
+    children = []
+    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    for pid in [*children, proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def lighthouse_env() -> str | None:
     return os.environ.get("TORCHFT_LIGHTHOUSE")
