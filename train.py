@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from torchtitan import parallel, pipeline, tensor_parallel
+from torchtitan import fault_tolerance, parallel, pipeline, tensor_parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
@@ -44,7 +44,8 @@ logger = logging.getLogger("torchtitan")
 
 # The project's own errors: the inputs are wrong. Reported as one line, not a traceback;
 # anything else is a bug and keeps its traceback.
-USER_ERRORS = (CheckpointError, ConfigError, DataError, TokenizerError)
+USER_ERRORS = (CheckpointError, ConfigError, DataError, TokenizerError,
+               fault_tolerance.FaultToleranceError)  # fmt: skip
 
 
 def setup_logging(rank: int):
@@ -145,6 +146,7 @@ class Run:
     checkpoint: CheckpointManager
     pipeline: pipeline.Pipeline | None = None
     held_out: ParallelDataLoader | None = None  # validation's loader (validation.enable)
+    replicas: fault_tolerance.ReplicaGroup | None = None  # fault_tolerance.enable
 
     @property
     def last_step(self) -> int:
@@ -177,8 +179,13 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
         dataloader=dataloader, train_state=train_state, fingerprint=plan.fingerprint,
     )  # fmt: skip
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
+    replicas = None
+    if cfg.fault_tolerance.enable:  # replica groups: the outer data-parallel dimension
+        replicas = fault_tolerance.ReplicaGroup(cfg, dims, dataloader, components, model,
+                                                train_state)  # fmt: skip
+        checkpoint = fault_tolerance.LowestGroupSaves(checkpoint, replicas)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
-               checkpoint, stages, held_out)  # fmt: skip
+               checkpoint, stages, held_out, replicas)  # fmt: skip
 
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
@@ -199,6 +206,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
             preemption.close()
     finally:  # the folder's lease goes with the job, however it ends (close() released it too)
         run.checkpoint.release_lease()
+        if run.replicas is not None:
+            run.replicas.close()
 
 
 def resume(run: Run):
@@ -225,10 +234,12 @@ def train_loop(run: Run, preemption: Preemption):
         while state.step < last_step:
             begin = time.perf_counter()
             batches, data_wait_s = next_batches(feed)
+            loss, grad_norm, lr = step(batches)
+            if loss is None:  # fault tolerance: not committed; retried with the same windows
+                continue
             state.step += 1
             step_tokens = feed.last_global_batch * cfg.training.seq_len
             state.tokens_seen += step_tokens
-            loss, grad_norm, lr = step(batches)
             step_s = time.perf_counter() - begin  # throughput excludes validation
             if state.step == first_step:  # start-up and the first compile are behind
                 parallel.set_timeout(dims, cfg.comm.train_timeout_seconds)
@@ -268,8 +279,10 @@ def feed_and_step(run: Run, batch_loss: BatchLoss):
     stage and by the schedule's step sizes alone on the others (they read no data)."""
     wait = run.checkpoint.wait_for_staging
     if run.pipeline is None:
-        return run.dataloader, TrainStep(run.cfg, run.model, run.optimizer, run.scheduler,
-                                         batch_loss, wait)  # fmt: skip
+        feed = run.replicas or run.dataloader  # fault tolerance: a quorum before each step
+        commit = run.replicas.commit if run.replicas else None
+        return feed, TrainStep(run.cfg, run.model, run.optimizer, run.scheduler, batch_loss,
+                               wait, commit)  # fmt: skip
     feed = run.dataloader if run.pipeline.first else pipeline.StageFeed(run.dataloader)
     return feed, PipelineStep(run.cfg, run.model, run.optimizer, run.scheduler, batch_loss,
                               wait, run.pipeline, run.dims, feed)  # fmt: skip

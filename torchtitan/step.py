@@ -24,14 +24,19 @@ __all__ = ["BatchLoss", "PipelineStep", "TrainStep"]  # BatchLoss: loss.py's, as
 class TrainStep:
     """Forward and backward over a step's micro-batches, then one optimizer update."""
 
-    def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable):
+    def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable,
+                 commit: Callable | None = None):  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss = loss
         self.max_norm = cfg.training.max_norm
         self.before_update = before_update  # e.g. wait for an async save's staging copy
+        # Fault tolerance (fault_tolerance.ReplicaGroup.commit): averages the gradients
+        # and the loss over the replica groups; False drops the step.
+        self.commit = commit
 
     def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(mean loss over the micro-batches, gradient norm, lr used) of one step.
+        """(mean loss over the micro-batches, gradient norm, lr used) of one step; all
+        None when ``commit`` dropped it.
 
         Each micro-batch's mean loss is scaled by its ``loss_weight`` (ranks x its
         sequences / the global batch; the loader sets it), so the gradient averaged over
@@ -57,6 +62,9 @@ class TrainStep:
                         loss = self.loss(batch, normalizer)
                     loss.backward()
             total += tensor_parallel.local_value(loss.detach())
+        if self.commit is not None and not self.commit(total):
+            self.optimizer.zero_grad(set_to_none=True)  # not committed: nothing was updated
+            return None, None, None
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.max_norm, foreach=True
         )

@@ -366,6 +366,29 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    """Live fault tolerance with torchft (docs/fault_tolerance.md): replica groups, each
+    its own torchrun job, are the outer data-parallel dimension; a group that dies is
+    dropped from the next step's quorum and a group that (re)joins heals from a peer."""
+
+    enable: bool = _opt(False, "train as one replica group of a fault-tolerant job (torchft)")
+    replica_id: int = _opt(0, "this replica group's index, 0 .. replica_groups - 1", ge=0)
+    replica_groups: int = _opt(2, "the most replica groups the job has", ge=1)
+    min_replica_groups: int = _opt(
+        1, "the fewest live replica groups a step is committed with (fewer: it waits)", ge=1
+    )
+    lighthouse: str = _opt(
+        "", "the lighthouse's address (http://host:port); empty: $TORCHFT_LIGHTHOUSE"
+    )
+    timeout_seconds: float = _opt(
+        30.0, "seconds a cross-group collective, commit vote or heal transfer may take", gt=0.0
+    )
+    quorum_timeout_seconds: float = _opt(
+        120.0, "seconds a step waits for its quorum (enough live groups) before it fails", gt=0.0
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -379,6 +402,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict:
         return asdict(self)

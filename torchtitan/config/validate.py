@@ -26,7 +26,12 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import DatasetEntry, JobConfig, range_text
 
 # Modules exporting check_config(cfg), run in this order after the rules below.
-COMPONENTS = ("torchtitan.data.checks", "torchtitan.parallel", "torchtitan.models")
+COMPONENTS = (
+    "torchtitan.data.checks",
+    "torchtitan.parallel",
+    "torchtitan.models",
+    "torchtitan.fault_tolerance",
+)
 
 
 def validate(cfg: JobConfig) -> None:

@@ -345,6 +345,13 @@ class ParallelDataLoader:
             self.step = step
             self._restart()
 
+    def reshard(self, dp_rank: int, schedule: BatchSchedule):
+        """Read as data-parallel rank ``dp_rank`` of ``schedule`` from the next step on,
+        at the same position (fault tolerance: a step's participants changed). O(1)."""
+        self.dp_rank, self.dp_world, self.schedule = dp_rank, schedule.dp_world, schedule
+        self.group = group_size(schedule.micro, self.stream.seq_len, self.num_workers)
+        self._restart()
+
     def seek(self, position: Position | None = None):
         """Continue from ``position`` (the start when None): for validation, which reads
         the same first batches every time, and tools that need a far-along state."""

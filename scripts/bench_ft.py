@@ -1,0 +1,136 @@
+"""Fault tolerance, measured on one machine (docs/benchmarks.md, the last section).
+
+    python scripts/bench_ft.py [--steps 40] [--kill-at 15] [--json out.json]
+
+Side by side, on the debug model, 2 data-parallel replicas of 1 rank each:
+- live (torchft): 2 replica groups; group 1 is SIGKILLed after step ``--kill-at``; the
+  time from its death to the survivor's next committed step; group 1 is started again:
+  the time it takes to heal (the transfer and load) and from its launch to its first
+  committed step; the quorum's per-step cost (``quorum_s``), and the median step against
+  plain HSDP (2 x 1) on the same layout;
+- whole-job restart: plain HSDP with a checkpoint every 10 steps, every rank killed
+  after ``--kill-at``, relaunched: from the kill to the first step after the relaunch,
+  and the steps trained again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from torchtitan.ft_launch import group_command, kill_group, start_group, start_lighthouse
+from torchtitan.runs import DEBUG_CONFIG, torchrun_command
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _wait_for(pred, timeout: float = 300.0, poll: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError("bench_ft: a run did not get there in time")
+
+
+def _step_at(folder: Path, step: int):
+    """The time the metrics line of ``step`` appeared (polled)."""
+    return _wait_for(lambda: any(r["step"] >= step for r in _records(folder / "metrics.jsonl"))
+                     and time.time())  # fmt: skip
+
+
+def live(work: Path, args: list[str], kill_at: int) -> dict:
+    server = start_lighthouse()
+    try:
+        g = [start_group(group_command(i, 2, 1, server.address(), work, args), work / f"g{i}.log")
+             for i in range(2)]  # fmt: skip
+        (work / "replica_0").mkdir(exist_ok=True)
+        _step_at(work / "replica_1", kill_at)
+        kill_group(g[1])
+        killed = time.time()
+        g[1].wait()
+        events = work / "replica_0" / "fault_tolerance.jsonl"
+        after = _wait_for(lambda: [e for e in _records(events)
+                                   if e.get("committed") and e["time"] > killed])  # fmt: skip
+        launched = time.time()
+        again = start_group(
+            group_command(1, 2, 1, server.address(), work, args, work / "replica_1_again"),
+            work / "g1_again.log",
+        )
+        joined = work / "replica_1_again" / "fault_tolerance.jsonl"
+        first = _wait_for(lambda: [e for e in _records(joined) if e.get("committed")])[0]
+        for p in (g[0], again):
+            p.wait(timeout=600)
+    finally:
+        server.shutdown()
+    heal = [e for e in _records(joined) if "heal_s" in e]
+    steady = [e for e in _records(events) if e.get("committed") and e["participants"] == 2]
+    metrics = _records(work / "replica_0" / "metrics.jsonl")
+    return {
+        "death_to_next_commit_s": after[0]["time"] - killed,
+        "heal_s": heal[0]["heal_s"] if heal else None,
+        "launch_to_first_commit_s": first["time"] - launched,
+        "quorum_ms_median": 1e3 * statistics.median(e["quorum_s"] for e in steady),
+        "step_ms_median": statistics.median(r["step_ms"] for r in metrics),
+    }
+
+
+def plain(work: Path, args: list[str], kill_at: int) -> dict:
+    hsdp = [*args, "--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1", "--job.dump_folder", str(work),
+            "--checkpoint.enable_checkpoint", "--checkpoint.interval", "10"]  # fmt: skip
+    proc = start_group(torchrun_command(2, hsdp), work.parent / "plain.log")
+    _step_at(work, kill_at)
+    kill_group(proc)
+    killed = time.time()
+    proc.wait()
+    done = max(r["step"] for r in _records(work / "metrics.jsonl"))
+    saved = max((int(p.name.split("-")[1]) for p in (work / "checkpoint").glob("step-*")),
+                default=0)  # fmt: skip
+    # The relaunch trims the metrics to the checkpoint's step; done here first, so the
+    # step after it is seen when the relaunch writes it, not in the first life's lines.
+    kept = [r for r in _records(work / "metrics.jsonl") if r["step"] <= saved]
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    relaunch = start_group(torchrun_command(2, hsdp), work.parent / "plain_again.log")
+    back = _step_at(work, saved + 1)
+    relaunch.wait(timeout=600)
+    metrics = _records(work / "metrics.jsonl")
+    return {
+        "kill_to_first_step_s": back - killed,
+        "steps_trained_again": done - saved,
+        "step_ms_median": statistics.median(r["step_ms"] for r in metrics),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120, help="of the live run")
+    parser.add_argument("--kill-at", type=int, default=15)
+    parser.add_argument("--json", default="")
+    a = parser.parse_args()
+    args = ["--job.config_file", DEBUG_CONFIG, "--training.steps", str(a.steps),
+            "--training.global_batch_size", "8", "--metrics.log_freq", "1"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "live").mkdir()
+        short = [*args[:3], str(2 * a.kill_at), *args[4:]]  # the restart needs no long run
+        report = {"live": live(work / "live", args, a.kill_at),
+                  "restart": plain(work / "restart", short, a.kill_at)}  # fmt: skip
+    print(json.dumps(report, indent=2))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

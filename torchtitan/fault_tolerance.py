@@ -1,0 +1,352 @@
+"""Live fault tolerance: replica groups as the outer data-parallel dimension (torchft).
+
+Owns: the ``[fault_tolerance]`` section's own rules (``check_config``: torchft present,
+the layouts it fits), this replica group's place in the job (``ReplicaGroup``): the
+per-step quorum through torchft's ``Manager`` and lighthouse, the split of each step's
+windows over the quorum's participants, the cross-group all-reduce of the gradients
+(and of the loss, for the log), the commit vote, the rewind of the loader when a step is
+not committed, healing a joining group from a live peer, and which group writes the
+disk checkpoints (``LowestGroupSaves``).
+
+Layout: each replica group is its own torchrun job (FSDP or DDP over its ranks, as
+without fault tolerance); torchft's process group joins the same group rank of every
+live group. Tensor and pipeline parallelism and HSDP inside a group are refused.
+
+Exactly once: the global order is a function of the window index alone (data/order.py),
+so committed step ``s`` reads the windows an uninterrupted run's step ``s`` reads,
+whoever is alive: the loader reads as data-parallel rank ``participant x group ranks +
+dp_rank`` of ``participants x group ranks`` (``split_loader``), and the loss weights it
+sets (ranks x sequences / global batch) make the gradient, averaged by FSDP over the
+group and by torchft over the participants, the global batch's mean. A step that is not
+committed rewinds the loader to where the step began: the position a peer or a
+checkpoint reads is always that of the last committed step.
+
+Healing: a group that joins (or rejoins) behind the quorum's step receives the model,
+optimizer, LR schedule, train state and loader position of a live peer's same group
+rank through torchft's checkpoint transport (HTTP), not from disk. The position is
+global, so nothing per group is needed. What is per group: the RNG streams (dropout),
+seeded from (seed, replica id, data-parallel rank) at the start and, in a healed group,
+from those and the step it healed at; they are not sent.
+
+Cost per step: one quorum round trip to the lighthouse and one vote inside the group,
+one all-reduce of the gradients' local shards (one flat buffer) across the groups;
+healing: one transfer of the group rank's shard of the training state.
+
+Never: choose windows (data/order.py), decide what a checkpoint holds (checkpoint/),
+or train (step.py); the loop calls ``next_step`` and the step calls ``commit``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config import ConfigError
+from torchtitan.data.schedule import BatchSchedule
+
+logger = logging.getLogger("torchtitan")
+
+# What a joining group receives from a peer, by checkpoint component (stateful.py).
+HEALED = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+class FaultToleranceError(RuntimeError):
+    """A fault-tolerance step that cannot go on (no quorum within its timeout, a heal
+    that failed): one line, the group stops."""
+
+
+def check_config(cfg) -> None:
+    """The section's rules, run by config.validate: torchft importable, and the layouts
+    it fits (each refused in one line)."""
+    ft, p, t = cfg.fault_tolerance, cfg.parallelism, cfg.training
+    if not ft.enable:
+        return
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"fault_tolerance.enable needs torchft, which cannot be imported ({e}); "
+            'pip install -e ".[ft]" (torchft==0.2.0), or drop --fault_tolerance.enable'
+        ) from None
+    if ft.replica_id >= ft.replica_groups:
+        raise ConfigError(
+            f"fault_tolerance.replica_id {ft.replica_id} is not below "
+            f"fault_tolerance.replica_groups {ft.replica_groups}; number the groups 0 .. "
+            f"{ft.replica_groups - 1}"
+        )
+    if ft.min_replica_groups > ft.replica_groups:
+        raise ConfigError(
+            f"fault_tolerance.min_replica_groups {ft.min_replica_groups} is above "
+            f"fault_tolerance.replica_groups {ft.replica_groups}; lower it"
+        )
+    refused = [
+        (p.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree {p.tensor_parallel_degree}",
+         "the cross-group all-reduce takes FSDP or DDP shards only; use 1"),
+        (p.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
+         "a pipeline's stages do not heal from peers yet; use 1"),
+        (p.data_parallel_replicate_degree > 1,
+         f"parallelism.data_parallel_replicate_degree {p.data_parallel_replicate_degree}",
+         "the replica groups are the replicas (HSDP across groups); use 1"),
+        (t.mask_document_boundaries, "training.mask_document_boundaries",
+         "its label count is summed inside a group only; turn it off"),
+    ]  # fmt: skip
+    for broken, key, why in refused:
+        if broken:
+            raise ConfigError(f"{key} with fault_tolerance.enable: {why}")
+    if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError(
+            "fault_tolerance.enable needs a lighthouse: pass --fault_tolerance.lighthouse "
+            "http://host:29510 or set TORCHFT_LIGHTHOUSE (start one with torchft_lighthouse "
+            "--min_replicas 1; docs/fault_tolerance.md)"
+        )
+
+
+def split_loader(loader, participant: int, participants: int, group_rank: int, group_world: int):
+    """Make ``loader`` read as data-parallel rank ``participant x group_world +
+    group_rank`` of ``participants x group_world`` from its next step on: the same
+    global windows per step, split over this step's ranks. A seek (O(1)) when the split
+    changes, nothing otherwise."""
+    world, rank = participants * group_world, participant * group_world + group_rank
+    if (loader.dp_rank, loader.dp_world) == (rank, world):
+        return
+    old = loader.schedule
+    loader.reshard(rank, BatchSchedule(old.points, old.micro, world, rank))
+
+
+def _local(value):
+    """``value`` with every DTensor replaced by its local shard (what crosses to a peer's
+    same group rank, whose shard is the same slice)."""
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_local(v) for v in value)
+    if hasattr(value, "to_local"):
+        return value.to_local().detach()
+    return value
+
+
+def _fill(target, got):
+    """``got`` (a peer's ``_local`` state) put into the shape of ``target`` (this rank's
+    own state): DTensors keep their placement and receive the peer's shard."""
+    if isinstance(target, dict):
+        return {k: _fill(target[k], got[k]) if k in target else got[k] for k in got}
+    if isinstance(target, list | tuple) and isinstance(got, list | tuple):
+        return type(target)(_fill(a, b) for a, b in zip(target, got))
+    if hasattr(target, "to_local"):
+        target.to_local().copy_(got)
+        return target
+    if isinstance(target, torch.Tensor) and isinstance(got, torch.Tensor):
+        return got.to(target.device).clone()
+    return got
+
+
+def _like(param, got: torch.Tensor) -> torch.Tensor:
+    """A peer's optimizer moment for a parameter this rank has no state for yet (it has
+    not stepped): placed like the parameter (a DTensor under FSDP)."""
+    if hasattr(param, "device_mesh") and got.dim() > 0:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(got.to(param.to_local().device).clone(), param.device_mesh,
+                                  param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())  # fmt: skip
+    return got.clone()
+
+
+def _fill_optimizer(target: dict, got: dict, params: dict) -> dict:
+    """``_fill`` for an optimizer state dict, whose per-parameter entries this rank may
+    lack (a fresh joiner)."""
+    state = {}
+    for fqn, entries in got["state"].items():
+        mine = target["state"].get(fqn, {})
+        state[fqn] = {k: _fill(mine[k], v) if k in mine else _like(params[fqn], v)
+                      for k, v in entries.items()}  # fmt: skip
+    return {"state": state, "param_groups": got["param_groups"]}
+
+
+class ReplicaGroup:
+    """This replica group in the fault-tolerant job: the feed the loop reads each step's
+    batches from (``next_step``, otherwise the loader's), and the commit the step calls
+    between backward and update (``commit``)."""
+
+    def __init__(self, cfg, dims, loader, components: dict, model: torch.nn.Module, train_state):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        ft = cfg.fault_tolerance
+        self.cfg, self.dims, self.loader, self.model = cfg, dims, loader, model
+        self.components, self.train_state = components, train_state
+        self.replica_id = ft.replica_id
+        self.seed = cfg.training.seed
+        timeout = timedelta(seconds=ft.timeout_seconds)
+        pg = (ProcessGroupNCCL(timeout=timeout) if dims.device.type == "cuda"
+              else ProcessGroupGloo(timeout=timeout))  # fmt: skip
+        self._store = None
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if addr is None or port is None:  # one plain process: a store of its own
+            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            addr, port = "localhost", str(self._store.port)
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._heal, state_dict=self._peer_state,
+            min_replica_size=ft.min_replica_groups, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+            connect_timeout=timeout, rank=dims.rank, world_size=dims.world_size,
+            store_addr=addr, store_port=int(port), lighthouse_addr=ft.lighthouse or None,
+            replica_id=f"replica_{ft.replica_id}", init_sync=False,
+        )  # fmt: skip
+        t = cfg.training
+        if not t.global_batch_size and not t.batch_size_schedule:
+            # The default global batch is every rank's micro-batch, over the most groups.
+            size = t.batch_size * dims.dp_world * ft.replica_groups
+            loader.reshard(dims.dp_rank, BatchSchedule([(0, size)], t.batch_size, dims.dp_world,
+                                                       dims.dp_rank))  # fmt: skip
+        # Dropout streams per group and data-parallel rank (group 0's are a plain run's).
+        torch.manual_seed(self._stream_seed(0))
+        self._synced = False
+        self._before = None  # (position, step) where the step being trained began
+        self.participants = 0
+        self.quorum_s = 0.0  # what the last quorum cost the loop
+        self.healed_at: int | None = None
+        # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
+        self._events = None
+        if dims.is_main:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            path = os.path.join(cfg.job.dump_folder, "fault_tolerance.jsonl")
+            self._events = open(path, "a")  # noqa: SIM115 - kept open for the run
+
+    def _event(self, **fields):
+        if self._events is not None:
+            self._events.write(json.dumps({**fields, "time": time.time()}) + "\n")
+            self._events.flush()
+
+    def _stream_seed(self, step: int) -> int:
+        return self.seed + (self.replica_id * self.dims.dp_world + self.dims.dp_rank) + step * 7919
+
+    # ---- the feed ------------------------------------------------------------------------
+    def next_step(self) -> list[dict]:
+        """The next step's micro-batches for this rank: a quorum first (healing this group
+        from a peer when it is behind), then the loader split over the participants."""
+        if not self._synced:  # the committed step count is the train state's (a resume)
+            self.manager.load_state_dict({"step": self.train_state.step, "batches_committed": 0})
+            self._synced = True
+        begin = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001 - one line: the lighthouse or the quorum failed
+            raise FaultToleranceError(
+                f"replica group {self.replica_id}: no quorum ({type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0][:200]}); is the lighthouse up, and are "
+                "fault_tolerance.min_replica_groups groups alive?"
+            ) from None
+        self.quorum_s = time.perf_counter() - begin
+        participant, self.participants = self.participation()
+        split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
+                     self.dims.dp_world)  # fmt: skip
+        self._before = (self.loader.position.copy(), self.loader.step)
+        return self.loader.next_step()
+
+    def participation(self) -> tuple[int, int]:
+        """(this group's index among the step's participants, how many there are)."""
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise FaultToleranceError(
+                f"replica group {self.replica_id} is not a participant of quorum step "
+                f"{self.manager.current_step()}"
+            )
+        return rank, self.manager.num_participants()
+
+    def __getattr__(self, name):  # what the loop and the metrics read: the loader's
+        if name == "loader":  # not set yet (during __init__)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    # ---- the step ------------------------------------------------------------------------
+    def commit(self, loss: torch.Tensor) -> bool:
+        """Average the gradients' local shards (and ``loss``, in place) over the step's
+        participants, then vote: True when every group rank and the quorum agree the step
+        counts. False: the gradients are to be dropped, and the loader is back where the
+        step began, so the next try reads the same windows."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float()])
+        self.manager.allreduce(flat).wait()
+        ok = self.manager.should_commit()
+        self._event(step=self._before[1] + 1, committed=ok, participants=self.participants,
+                    quorum_s=self.quorum_s)  # fmt: skip
+        if ok:
+            i = 0
+            for g in local:
+                g.copy_(flat[i : i + g.numel()].view_as(g))
+                i += g.numel()
+            loss.copy_(flat[-1])
+        else:
+            position, step = self._before
+            logger.warning("step %d not committed: it is tried again with the same windows",
+                           step + 1)  # fmt: skip
+            self.loader.seek(position)
+            self.loader.set_step(step)
+        return ok
+
+    @property
+    def lowest(self) -> bool:
+        """This group is the first participant of the last quorum (the one that saves)."""
+        return self.manager.participating_rank() == 0
+
+    # ---- healing -------------------------------------------------------------------------
+    def _peer_state(self) -> dict:
+        """What a joining peer's same group rank receives (torchft's quorum thread calls
+        it while the loop waits for the quorum: between steps)."""
+        return {name: _local(self.components[name].state_dict()) for name in HEALED
+                if name in self.components}  # fmt: skip
+
+    def _heal(self, state: dict):
+        """Load a peer's state (torchft calls it in the loop's thread, inside
+        ``start_quorum``), then reseed this group's RNG streams for the step healed at."""
+        begin = time.perf_counter()
+        for name in HEALED:
+            if name in state:
+                adapter = self.components[name]
+                if name == "optimizer":
+                    params = self.components["model"].state_dict()
+                    value = _fill_optimizer(adapter.state_dict(), state[name], params)
+                else:
+                    value = _fill(adapter.state_dict(), state[name])
+                adapter.load_state_dict(value)
+        self.healed_at = self.train_state.step
+        torch.manual_seed(self._stream_seed(self.healed_at))
+        self._event(healed_at=self.healed_at, heal_s=time.perf_counter() - begin)
+        logger.warning(
+            "replica group %d healed from a live peer at step %d (%.2f s)",
+            self.replica_id, self.healed_at, time.perf_counter() - begin,
+        )  # fmt: skip
+
+    def close(self):
+        self.manager.shutdown(wait=False)
+        if self._events is not None:
+            self._events.close()
+
+
+class LowestGroupSaves:
+    """The checkpoint manager of a replica group, saving only while this group is the
+    quorum's first participant: one durable checkpoint per interval for the job, in that
+    group's folder. Whole-job restart: every group loads its own folder's newest, and the
+    first quorum heals those behind from the group at the highest step."""
+
+    def __init__(self, checkpoint, replicas: ReplicaGroup):
+        self._checkpoint, self._replicas = checkpoint, replicas
+
+    def should_save(self, step: int) -> bool:
+        return self._replicas.lowest and self._checkpoint.should_save(step)
+
+    def save(self, step: int, **kw):
+        if self._replicas.lowest:
+            self._checkpoint.save(step, **kw)
+
+    def __getattr__(self, name):
+        if name == "_checkpoint":
+            raise AttributeError(name)
+        return getattr(self._checkpoint, name)
