@@ -247,10 +247,10 @@ def test_a_dead_pid_of_another_container_or_machine_is_waited_for(tmp_path, toke
 
 def test_a_torn_claim_is_judged_by_its_age(tmp_path, tokenizer, monkeypatch):
     """A claim left empty or half-written names no holder to ask: it is waited for while
-    it is younger than ``CLAIM_STALE_S`` (1.5 s here) and taken over once it is older, so a
+    it is younger than ``CLAIM_STALE_S`` (0.6 s here) and taken over once it is older, so a
     later process never waits out ``length_index_wait_seconds`` on nobody. Negative
     control: a fresh one is not taken over before the limit."""
-    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 1.5)
+    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 0.6)
     folder = corpus(tmp_path / "c", files=1)
     c = cfg(folder, length_index_dir=tmp_path / "counts", length_index_wait_seconds=30,
             streaming="true")  # fmt: skip
@@ -265,76 +265,66 @@ def test_a_torn_claim_is_judged_by_its_age(tmp_path, tokenizer, monkeypatch):
         os.utime(path, (old, old))
         begin = time.monotonic()
         assert order.counts.counts(units[u]).total > 0
-        assert time.monotonic() - begin < 1.0  # older than the limit: taken over at once
+        assert time.monotonic() - begin < 0.5  # older than the limit: taken over at once
     path = order.counts.path(units[2]) + ".claim"
     open(path, "w").close()
     begin = time.monotonic()
     assert order.counts.counts(units[2]).total > 0
-    assert 1.0 < time.monotonic() - begin < 10
+    assert 0.4 < time.monotonic() - begin < 10
     assert order.counts.measured == 3 and not list((tmp_path / "counts").rglob("*.claim"))
 
 
-KILLED_AT_WRITE = textwrap.dedent("""
-    import os, signal, sys
-    from helpers import cfg
-    from torchtitan import claims
-    from torchtitan.data import build_stream
-    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-    stream = build_stream(cfg(sys.argv[1], length_index_dir=sys.argv[2], streaming="true").training,
-                          Tokenizer(DEFAULT_TOKENIZER_PATH))
-    def no_links(*_):
-        raise PermissionError("this file system has no hard links")
-    os.link = no_links  # the fallback: an exclusive create, then the write
-    dump, calls = claims.json.dump, []
-    def killed(*args, **kw):
-        calls.append(1)
-        if len(calls) == 2:  # the write after the create: killed right before it
-            os.kill(os.getpid(), signal.SIGKILL)
-        return dump(*args, **kw)
-    claims.json.dump = killed
-    order = stream.orders[0]
-    order.counts.counts(order.units(1)[0])
-""")
+def _killed_child(run) -> int:
+    """Run ``run()`` in a fork of this process (the imports and the built stream warm, so
+    no interpreter start-up), which ``run`` ends by a SIGKILL of itself; its exit status."""
+    pid = os.fork()
+    if pid == 0:  # the child: whatever happens, it never returns into pytest
+        try:
+            run()
+        finally:
+            os._exit(3)  # run() did not kill itself
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def _sigkilled(status: int) -> bool:
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
 def test_a_measurer_killed_between_create_and_write_is_taken_over(tmp_path, tokenizer,
                                                                    monkeypatch):  # fmt: skip
-    """A process killed -9 between a claim's exclusive create and its write leaves an
-    empty claim; the next process takes the unit over within ``CLAIM_STALE_S`` (1.5 s
-    here) and measures it, instead of waiting ``length_index_wait_seconds`` for nobody."""
+    """A process killed -9 between a claim's exclusive create and its write (a file system
+    without hard links: the fallback) leaves an empty claim; the next process takes the
+    unit over within ``CLAIM_STALE_S`` (0.5 s here) and measures it, instead of waiting
+    ``length_index_wait_seconds`` for nobody."""
     folder = corpus(tmp_path / "c", files=1)
     counts = tmp_path / "counts"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["test", "."])}
-    killed = subprocess.run([sys.executable, "-c", KILLED_AT_WRITE, str(folder), str(counts)],
-                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    (torn,) = counts.rglob("*.claim")
-    assert torn.read_text() == ""
-    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 1.5)
     c = cfg(folder, length_index_dir=counts, length_index_wait_seconds=30, streaming="true")
     order = build_stream(c.training, tokenizer).orders[0]
+
+    def measure_killed_at_the_write():
+        def no_links(*_):
+            raise PermissionError("this file system has no hard links")
+
+        dump, calls = claims.json.dump, []
+
+        def killed(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:  # the write after the exclusive create: killed before it
+                os.kill(os.getpid(), signal.SIGKILL)
+            return dump(*args, **kw)
+
+        os.link, claims.json.dump = no_links, killed
+        order.counts.counts(order.units(1)[0])
+
+    assert _sigkilled(_killed_child(measure_killed_at_the_write))
+    (torn,) = counts.rglob("*.claim")
+    assert torn.read_text() == ""
+    monkeypatch.setattr(length_index, "CLAIM_STALE_S", 0.5)
     begin = time.monotonic()
     assert order.counts.counts(order.units(1)[0]).total > 0
-    assert time.monotonic() - begin < 1.5 + 5
+    assert time.monotonic() - begin < 0.5 + 5
     assert order.counts.measured == 1 and not torn.exists()
-
-
-KILLED_IN_WRITE = textwrap.dedent("""
-    import os, signal, sys
-    from helpers import cfg
-    from torchtitan.data import build_stream
-    from torchtitan.data import index
-    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-    stream = build_stream(cfg(sys.argv[1], length_index_dir=sys.argv[2], streaming="true").training,
-                          Tokenizer(DEFAULT_TOKENIZER_PATH))
-    def killed(f, **arrays):  # half a file written, then kill -9
-        f.write(b"PK" + bytes(100))
-        f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    index.np.savez = killed
-    order = stream.orders[0]
-    order.counts.counts(order.units(1)[0])
-""")
 
 
 def test_a_kill_while_counts_are_written_leaves_no_partial_file(tmp_path, tokenizer, caplog):
@@ -346,17 +336,25 @@ def test_a_kill_while_counts_are_written_leaves_no_partial_file(tmp_path, tokeni
     the folder itself.)"""
     folder = corpus(tmp_path / "c", files=1)
     counts = tmp_path / "counts"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["test", "."])}
-    killed = subprocess.run([sys.executable, "-c", KILLED_IN_WRITE, str(folder), str(counts)],
-                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    c = cfg(folder, length_index_dir=counts, streaming="true")
+    order = build_stream(c.training, tokenizer).orders[0]
+
+    def measure_killed_in_the_write():
+        def killed(f, **arrays):  # half a file written, then kill -9
+            f.write(b"PK" + bytes(100))
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        length_index.np.savez = killed
+        order.counts.counts(order.units(1)[0])
+
+    assert _sigkilled(_killed_child(measure_killed_in_the_write))
     written = [p for p in counts.rglob("*.npz") if not p.name.startswith(".")]
     assert written == [] and list(counts.rglob(".*.npz")), list(counts.rglob("*"))
-    order = build_stream(cfg(folder, length_index_dir=counts, streaming="true").training,
-                         tokenizer).orders[0]  # fmt: skip
+    fresh = build_stream(c.training, tokenizer).orders[0]
     with caplog.at_level(logging.WARNING, logger=length_index.logger.name):
-        assert order.counts.counts(order.units(1)[0]).total > 0
-    assert order.counts.measured == 1 and "unreadable" not in caplog.text
+        assert fresh.counts.counts(fresh.units(1)[0]).total > 0
+    assert fresh.counts.measured == 1 and "unreadable" not in caplog.text
 
 
 def test_measuring_and_waiting_say_how_far_they_are(tmp_path, tokenizer, monkeypatch):
