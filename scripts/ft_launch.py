@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from torchtitan.ft_launch import group_command, group_dump, start_group, start_lighthouse
+from torchtitan.tools.ft_launch import group_command, group_dump, start_group, start_lighthouse
 
 
 def main() -> int:

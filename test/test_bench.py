@@ -143,8 +143,18 @@ def check_order(r: dict):
     assert positive(r["throughput"]["ours"]["median"])
 
 
+def check_ft(r: dict):
+    live, restart = r["live"], r["restart"]
+    assert positive(live["death_to_next_commit_s"], live["launch_to_first_commit_s"],
+                    live["quorum_ms_median"], live["step_ms_median"],
+                    restart["kill_to_first_step_s"], restart["step_ms_median"])  # fmt: skip
+    assert live["heal_s"] is not None and live["heal_s"] > 0, "the joiner must have healed"
+    assert restart["steps_trained_again"] >= 0
+
+
 CHECKS = {
     "bench_attention.py": check_attention,
+    "bench_ft.py": check_ft,
     "bench_data.py": check_data,
     "bench_order.py": check_order,
     "bench_pretokenized.py": check_pretokenized,
@@ -236,6 +246,11 @@ NONSENSE = [
          "per_rank_first_start": {"files_opened": 6},
          "baseline_resolving_alone": {"files_opened": 200}}]},
      "a rank opens its share only"),
+    (check_ft, {"live": {"death_to_next_commit_s": 1.0, "launch_to_first_commit_s": 1.0,
+                         "quorum_ms_median": 1.0, "step_ms_median": 1.0, "heal_s": None},
+                "restart": {"kill_to_first_step_s": 1.0, "step_ms_median": 1.0,
+                            "steps_trained_again": 1}},
+     "the joiner must have healed"),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
                                                   "result": "3 of 4 steps bit-equal"}],
                        "rows": []},

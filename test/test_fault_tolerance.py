@@ -173,7 +173,7 @@ def _wait(proc, what: str, timeout: float = 300) -> int:
 def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
     """2 groups; group 1 dies at KILL_AT, group 0 trains on alone, group 1 starts again
     and heals; returns the folders of the three lives."""
-    from torchtitan.ft_launch import group_command, start_group, start_lighthouse
+    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
 
     server = start_lighthouse()
     shim = shim_env(tmp / "shim", SHIM, **({"FT_PER_GROUP": "1"} if per_group else {}))
@@ -270,3 +270,54 @@ def test_per_group_sharding_loses_tokens_in_the_same_scenario(tmp_path, uninterr
     lives = _faulted_run(tmp_path, 1, per_group=True)
     with pytest.raises(AssertionError, match="not the uninterrupted run's tokens"):
         _assert_exactly_once(lives, uninterrupted)
+
+
+# ---- disk checkpoints with fault tolerance (slow tier) -----------------------------------
+
+DISK = [*ARGS, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
+        "--fault_tolerance.min_replica_groups", 2]  # fmt: skip
+
+
+def _both_groups(tmp, name: str, folders: list, *extra) -> list[str]:
+    """Both groups of 1 rank, every quorum of both (min 2: the same two participants
+    each step, so two runs reduce alike), to their end; their logs."""
+    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
+
+    server = start_lighthouse(min_replicas=2)
+    shim = shim_env(tmp / "shim", SHIM)
+    logs = [tmp / f"{name}_g{i}.log" for i in range(2)]
+    try:
+        groups = [start_group(group_command(i, 2, 1, server.address(), tmp, [*DISK, *extra],
+                                            folders[i]), logs[i], shim)
+                  for i in range(2)]  # fmt: skip
+        for i, g in enumerate(groups):
+            assert _wait(g, f"{name} group {i}") == 0, logs[i].read_text()[-4000:]
+    finally:
+        server.shutdown()
+    return [log.read_text() for log in logs]
+
+
+@pytest.mark.slow
+def test_a_whole_job_restart_resumes_from_the_lowest_groups_checkpoint_exactly(tmp_path):
+    """Disk checkpoints still work with fault tolerance on: only the lowest live group
+    (group 0) writes them, every 3 steps and where the job stops (step 7, stop_at_step);
+    group 1's folder holds none. The whole job is then started again: group 0 loads its
+    step-7, group 1 (nothing on disk) heals from it at the first quorum, and the rest
+    equals an uninterrupted fault-tolerant run bit for bit: every step's loss, and both
+    groups' final weights (``torch.equal``)."""
+    from torchtitan.checkpoint import complete_steps
+
+    ref = [tmp_path / "ref0", tmp_path / "ref1"]
+    _both_groups(tmp_path, "ref", ref)
+    run = [tmp_path / "run0", tmp_path / "run1"]
+    _both_groups(tmp_path, "first", run, "--training.stop_at_step", 7)
+    assert complete_steps(str(run[0] / "checkpoint"))[-2:] == [6, 7]
+    assert not (run[1] / "checkpoint").exists() or complete_steps(str(run[1] / "checkpoint")) == []
+    g0, g1 = _both_groups(tmp_path, "again", run)
+    assert "step-7" in g0.split("loaded checkpoint", 1)[1][:300], g0[-3000:]
+    assert "healed from a live peer" in g1, g1[-3000:]
+    assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
+    reference = torch.load(ref[0] / "final_weights.pt")
+    for folder in run:
+        weights = torch.load(folder / "final_weights.pt")
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), folder

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from torchtitan import REPO_ROOT
-from torchtitan.runs import run_env, torchrun_command
+from torchtitan.tools.launch import run_env, torchrun_command
 
 # join_timeout_ms: how long a quorum waits for a live (heartbeating) group that has not
 # asked yet; long, so a group that is slower than its peer between two steps is waited

@@ -1,6 +1,6 @@
 """Fault tolerance, measured on one machine (docs/benchmarks.md, the last section).
 
-    python scripts/bench_ft.py [--steps 40] [--kill-at 15] [--json out.json]
+    python scripts/benchmarks/bench_ft.py [--steps 40] [--kill-at 15] [--json out.json]
 
 Side by side, on the debug model, 2 data-parallel replicas of 1 rank each:
 - live (torchft): 2 replica groups; group 1 is SIGKILLed after step ``--kill-at``; the
@@ -15,16 +15,17 @@ Side by side, on the debug model, 2 data-parallel replicas of 1 rank each:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from torchtitan.ft_launch import group_command, kill_group, start_group, start_lighthouse
-from torchtitan.runs import DEBUG_CONFIG, torchrun_command
+import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
+
+from harness import bench
+from torchtitan.tools.ft_launch import group_command, kill_group, start_group, start_lighthouse
+from torchtitan.tools.launch import DEBUG_CONFIG, torchrun_command
 
 
 def _records(path: Path) -> list[dict]:
@@ -112,24 +113,32 @@ def plain(work: Path, args: list[str], kill_at: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = bench.Arguments(__doc__, smoke={"steps": 12, "kill_at": 4}, work="")
     parser.add_argument("--steps", type=int, default=120, help="of the live run")
     parser.add_argument("--kill-at", type=int, default=15)
-    parser.add_argument("--json", default="")
-    a = parser.parse_args()
+    a = parser.parse(argv)
     args = ["--job.config_file", DEBUG_CONFIG, "--training.steps", str(a.steps),
             "--training.global_batch_size", "8", "--metrics.log_freq", "1"]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        (work / "live").mkdir()
+    with bench.work_folder(a, "bench_ft-") as work:
+        (work / "live").mkdir(exist_ok=True)
         short = [*args[:3], str(2 * a.kill_at), *args[4:]]  # the restart needs no long run
         report = {"live": live(work / "live", args, a.kill_at),
                   "restart": plain(work / "restart", short, a.kill_at)}  # fmt: skip
-    print(json.dumps(report, indent=2))
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=2))
-    return 0
+    live_, restart = report["live"], report["restart"]
+    bench.print_table(
+        ["", "live (torchft)", "whole-job restart"],
+        [["death -> next committed step (s)", f"{live_['death_to_next_commit_s']:.2f}",
+          f"{restart['kill_to_first_step_s']:.2f} (to the first step after the relaunch)"],
+         ["steps trained again", 0, restart["steps_trained_again"]],
+         ["joiner heal (s)", f"{live_['heal_s']:.2f}" if live_["heal_s"] else "-", "-"],
+         ["joiner launch -> first commit (s)", f"{live_['launch_to_first_commit_s']:.2f}", "-"],
+         ["quorum per step (ms, median)", f"{live_['quorum_ms_median']:.1f}", "-"],
+         ["median step (ms)", f"{live_['step_ms_median']:.0f}",
+          f"{restart['step_ms_median']:.0f} (plain HSDP, same layout)"]],
+        "fault tolerance: a replica group killed, live recovery against a whole-job restart",
+    )  # fmt: skip
+    return bench.save(a, report | {"about": bench.about(argv)})
 
 
 if __name__ == "__main__":
