@@ -341,3 +341,33 @@ def test_a_schedule_run_resumed_on_other_ranks_and_batch_size_reads_the_same_win
 
     assert resumed(mix_schedule=points) == reference[5:]
     assert tokens(resumed()) != tokens(reference[5:])
+
+
+# ---- seeing it ----------------------------------------------------------------------------
+
+
+def test_the_metrics_and_the_plot_show_the_weights_shares_and_passes(tmp_path, tiny_corpus,
+                                                                    second_corpus, tokenizer):  # fmt: skip
+    """The loader reports the weights of the step just taken and each source's pass and
+    share of it read; plot_mix's shares are the tokens' over the window, and it draws a
+    PNG. Negative control: a step before the change reports the old weights."""
+    from torchtitan.tools.plot_mix import mix_series, plot_mix
+
+    mix = f"{tiny_corpus}:0.5,{second_corpus}:0.5"
+    points = schedule((2, {"shakespeare": 0.25, "kjv": 0.75}, 0))
+    (loader,) = loaders(None, tokenizer, 1, datasets=mix, global_batch_size=8, mix_schedule=points)
+    loader.next_step()
+    loader.next_step()
+    assert loader.mix_by_source() == {"shakespeare": 0.5, "kjv": 0.5}
+    loader.next_step()
+    assert loader.mix_by_source() == {"shakespeare": 0.25, "kjv": 0.75}
+    passes = loader.passes_by_source()
+    assert all(p == 0 and 0 < read < 1 for p, read in passes.values()), passes
+    records = [{"step": s, "source_tokens/a": 30 * s, "source_tokens/b": 10 * s,
+                "mix_weight/a": 0.75, "mix_weight/b": 0.25, "source_pass/a": s // 4,
+                "source_read/a": 0.5} for s in range(1, 11)]  # fmt: skip
+    series = mix_series(records, 4)
+    assert series["sources"]["a"]["share"][4] == 0.75 and series["sources"]["b"]["passes"][0] == 0
+    assert series["sources"]["a"]["passes"][8] == 2.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_mix(tmp_path).stat().st_size > 0

@@ -366,6 +366,19 @@ class ParallelDataLoader:
         """Tokens read from each source since the data started (all ranks')."""
         return dict(zip(self.stream.names, self.position.tokens()))
 
+    def mix_by_source(self) -> dict[str, float]:
+        """Each source's weight (normalized) in the last step handed out in full."""
+        weights = self.stream.mix.weights(max(self.step - 1, 0))
+        total = sum(weights)
+        return {name: w / total for name, w in zip(self.stream.names, weights)}
+
+    def passes_by_source(self) -> dict[str, tuple[int, float]]:
+        """Each source's pass in progress and the share of it read (by units). O(lanes)."""
+        return {
+            order.name: (cursor.pass_, order.pass_read(cursor))
+            for order, cursor in zip(self.stream.orders, self.position.cursors)
+        }
+
     def take_epoch_starts(self) -> list[list]:
         """``[source, pass]`` of every pass begun since the last call."""
         out, self._epoch_starts = self._epoch_starts, []
