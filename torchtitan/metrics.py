@@ -118,8 +118,11 @@ def passes_begun(epoch_starts: list) -> str:
     return "; ".join(parts)
 
 
-# Keys of the cumulative tokens read from each source (``source_tokens/<name>``).
+# Keys of the cumulative tokens read from each source (``source_tokens/<name>``), the
+# source's weight in the step (``mix_weight/<name>``, normalized), its pass in progress
+# (``source_pass/<name>``) and the share of that pass read (``source_read/<name>``).
 SOURCE_TOKENS = "source_tokens/"
+MIX_WEIGHT, SOURCE_PASS, SOURCE_READ = "mix_weight/", "source_pass/", "source_read/"
 
 
 class MetricLogger:
@@ -332,6 +335,9 @@ class StepMetrics:
         mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
         ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s)
         sources = {f"{SOURCE_TOKENS}{k}": v for k, v in self.loader.tokens_by_source().items()}
+        sources.update({f"{MIX_WEIGHT}{k}": v for k, v in self.loader.mix_by_source().items()})
+        for name, (pass_, read) in self.loader.passes_by_source().items():
+            sources[f"{SOURCE_PASS}{name}"], sources[f"{SOURCE_READ}{name}"] = pass_, read
         values = {
             "loss": ranks.get("loss", 0.0),
             "grad_norm": grad_norm.item(),

@@ -261,6 +261,12 @@ class StageFeed:
     def tokens_by_source(self) -> dict:
         return {}
 
+    def mix_by_source(self) -> dict:
+        return {}
+
+    def passes_by_source(self) -> dict:
+        return {}
+
     def skipped_documents(self) -> int:
         return 0
 

@@ -22,7 +22,13 @@ def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 # Config settings a resume may change (the config wins); the log lists what did change.
-RESUMABLE = ("optimizer", "lr_scheduler", "training.steps", "training.stop_at_step")
+RESUMABLE = (
+    "optimizer",
+    "lr_scheduler",
+    "training.steps",
+    "training.stop_at_step",
+    "training.mix_schedule",
+)
 
 
 def resumable_changes(old: dict, new: dict) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torchtitan import REPO_ROOT
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.schema import DatasetEntry, JobConfig, range_text
+from torchtitan.config.schema import DatasetEntry, JobConfig, MixPoint, range_text
 from torchtitan.config.validate import validate
 
 try:
@@ -52,6 +52,8 @@ def resolve_path(p: str) -> str:
 def _type_name(tp) -> str:
     if tp == list[DatasetEntry]:
         return "list[name_or_path:weight]"
+    if tp == list[MixPoint]:
+        return "json[{step, weights, ramp}]"
     return tp.__name__ if isinstance(tp, type) else str(tp)
 
 
@@ -100,6 +102,15 @@ def _parse_dataset_item(key: str, item: str) -> DatasetEntry:
 
 def _from_text(key: str, tp, text: str):
     """Convert one command-line string to the field's type."""
+    if tp == list[MixPoint]:
+        try:
+            value = json.loads(text) if text.strip() else []
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{key}: {text!r} is not JSON ({e.msg}); write "
+                '[{"step": 1000, "weights": {"web": 0.5, "code": 0.5}, "ramp": 200}]'
+            ) from None
+        return _from_toml(key, tp, value)
     items = [s.strip() for s in text.split(",") if s.strip()]
     if tp == list[DatasetEntry]:
         return [_parse_dataset_item(key, item) for item in items]
@@ -133,6 +144,8 @@ def _from_toml(key: str, tp, value):
             spec = {n: _from_toml(f"{key}[{i}].{n}", types[n], v) for n, v in table.items()}
             specs.append(DatasetEntry(**spec))
         return specs
+    if tp == list[MixPoint]:
+        return _mix_points(key, value)
     if tp == list[str]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
@@ -144,6 +157,32 @@ def _from_toml(key: str, tp, value):
     if tp is float and not math.isfinite(value):
         raise ConfigError(f"{key}: expected a finite float, got {value!r}")
     return value
+
+
+def _mix_points(key: str, value) -> list[MixPoint]:
+    """``training.mix_schedule`` from TOML (an array of tables) or parsed JSON: typed
+    points; whether they make a schedule is the data's check (``data.checks``)."""
+    if isinstance(value, str):
+        return _from_text(key, list[MixPoint], value)
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(
+            f"{key}: expected an array of tables {{step, weights, ramp}}, got {value!r}"
+        )
+    points = []
+    for i, table in enumerate(value):
+        for name in set(table) - {"step", "weights", "ramp"}:
+            raise ConfigError(f"unknown key {key}[{i}].{name}; valid keys: step, weights, ramp")
+        step = _from_toml(f"{key}[{i}].step", int, table.get("step", 0))
+        ramp = _from_toml(f"{key}[{i}].ramp", int, table.get("ramp", 0))
+        weights = table.get("weights", {})
+        if not isinstance(weights, dict):
+            raise ConfigError(
+                f"{key}[{i}].weights: expected a table name = weight, got {weights!r}"
+            )
+        weights = {str(n): _from_toml(f"{key}[{i}].weights.{n}", float, w)
+                   for n, w in weights.items()}  # fmt: skip
+        points.append(MixPoint(step=step, weights=weights, ramp=ramp))
+    return points
 
 
 def _read_toml(path: str) -> dict:
@@ -226,7 +265,8 @@ def help_text() -> str:
         lines.append(f"[{section.name}]")
         for f in fields(section.type):
             default = f.default if f.default_factory is MISSING else f.default_factory()
-            default = [asdict(d) for d in default] if f.type == list[DatasetEntry] else default
+            if f.type in (list[DatasetEntry], list[MixPoint]):
+                default = [asdict(d) for d in default]
             choices, limits = f.metadata.get("choices"), range_text(f.metadata)
             extra = f" (choices: {', '.join(choices)})" if choices else ""
             extra += f" (range: {limits})" if limits else ""

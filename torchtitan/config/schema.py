@@ -41,6 +41,18 @@ class DatasetEntry:
 
 
 @dataclass
+class MixPoint:
+    """One point of ``training.mix_schedule``: from training step ``step`` the source
+    weights move in a straight line to ``weights`` (by source name; a source not named
+    is at 0), reaching them at ``step + ramp`` (at once for ramp 0). The data package
+    checks it (``data.checks``)."""
+
+    step: int = 0
+    weights: dict[str, float] = field(default_factory=dict)
+    ramp: int = 0
+
+
+@dataclass
 class Job:
     config_file: str = _opt("", "TOML file to read")
     dump_folder: str = _opt("./outputs", "folder for checkpoints, metrics, logs")
@@ -125,6 +137,12 @@ class Training:
         [],
         "weighted mix as name_or_path:weight,... (a Hub id as hub:owner/name[/config[/split]]); "
         "replaces training.dataset",
+    )
+    mix_schedule: list[MixPoint] = _opt(
+        [],
+        "source weights by step: a TOML array of tables {step, weights = {name = w}, ramp}, "
+        'or JSON on the command line ([{"step": 1000, "weights": {"web": 1, "code": 1}, '
+        '"ramp": 200}]); before the first point, training.datasets\' weights',
     )
     streaming: bool = _opt(
         False,

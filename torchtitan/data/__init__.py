@@ -54,10 +54,12 @@ def source_specs(training) -> list[SourceSpec]:
     return list_sources(training)
 
 
-def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStream:
+def build_stream(training, tokenizer, plan: DataPlan | None = None,
+                 scheduled: bool = True) -> TokenStream:  # fmt: skip
     """The job's token stream over the plan's sources (resolved in this process when no
     plan is given), with each source's token counts read from, or measured into,
-    ``training.length_index_dir``. Cost: opening the sources (a map-style one is
+    ``training.length_index_dir``, mixed by ``training.mix_schedule`` where
+    ``scheduled`` (the held-out data is not). Cost: opening the sources (a map-style one is
     memory-mapped by ``datasets``; a streaming one opens no file until a window reads it);
     no token is counted until a window needs it."""
     t = training
@@ -71,8 +73,10 @@ def build_stream(training, tokenizer, plan: DataPlan | None = None) -> TokenStre
         keys = source.count_keys(entry, sha, t)
         counts.append(length_index.SourceCounts(
             source, tokenizer, t.bad_data, folder, keys, t.length_index_wait_seconds, log))  # fmt: skip
+    points = [(p.step, p.weights, p.ramp) for p in t.mix_schedule] if scheduled else []
     return TokenStream(sources, counts, tokenizer, t.seq_len, seed=t.seed,
-                       shuffle=plan.fingerprint["shuffle"], bad_data=t.bad_data)  # fmt: skip
+                       shuffle=plan.fingerprint["shuffle"], bad_data=t.bad_data,
+                       mix_points=points)  # fmt: skip
 
 
 def build_dataloader(
@@ -102,7 +106,7 @@ def build_validation_loader(
     t = cfg.training
     plan = resolve_plan(t, tokenizer, ranks, held_out=cfg.validation)
     return ParallelDataLoader(
-        build_stream(t, tokenizer, plan),
+        build_stream(t, tokenizer, plan, scheduled=False),
         BatchSchedule([(0, t.batch_size * dp_world)], t.batch_size, dp_world, dp_rank),
         dp_rank=dp_rank,
         num_workers=0,

@@ -2,8 +2,10 @@
 
 Owns: turning two data fingerprints into readable 'field: old -> new' lines, and
 telling a corpus that grew (files appended, nothing else changed) from one that
-changed. Never: decide what a change means (the loader's checkpoint entry does,
-``state.py``).
+changed. Sources are matched by name: the mix (the weights, sources added or gone) is
+no difference of the data, as the config may change it on resume (the loader's entry
+says what changed, ``state.restore_cursors``); a changed file of a source in both is.
+Never: decide what a change means (the loader's checkpoint entry does, ``state.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ def fingerprint_diff(old: dict, new: dict) -> list[str]:
 
 
 def _sources_diff(old: list[dict], new: list[dict]) -> list[str]:
-    if [(s["name"], s["weight"]) for s in old] != [(s["name"], s["weight"]) for s in new]:
-        return [
-            f"sources: {[(s['name'], s['weight']) for s in old]} -> {[(s['name'], s['weight']) for s in new]}"
-        ]
+    """The changed files of each source both fingerprints hold (by name)."""
+    before = {s["name"]: s for s in old}
     diffs = []
-    for a, b in zip(old, new):
-        if appended_files(a, b):
-            continue  # grown: the saved files are the first of the new ones, unchanged
+    for b in new:
+        a = before.get(b["name"])
+        if a is None or appended_files(a, b):
+            continue  # new to the mix, or grown: the saved files are the first, unchanged
         files_a = {f[0]: f[1:] for f in a["files"]}
         files_b = {f[0]: f[1:] for f in b["files"]}
         for name in sorted(set(files_a) | set(files_b)):
@@ -60,7 +61,7 @@ def appended_files(old: dict, new: dict) -> list[str]:
     fa, fb = old.get("files") or [], new.get("files") or []
     if len(fb) <= len(fa) or fb[: len(fa)] != fa:
         return []
-    if any(old.get(k) != new.get(k) for k in ("name", "identity", "weight")):
+    if any(old.get(k) != new.get(k) for k in ("name", "identity")):
         return []
     added = fb[len(fa) :]
     if any(len(f) == 2 for f in added):  # a stamp (revision) appeared: not a pure append
@@ -71,9 +72,10 @@ def appended_files(old: dict, new: dict) -> list[str]:
 def grown_sources(old: dict, new: dict) -> list[str]:
     """'source X: N files appended (a, b, ...)' per source of two data fingerprints that
     grew without any other change."""
-    out = []
-    for a, b in zip(old.get("sources") or [], new.get("sources") or []):
-        added = appended_files(a, b)
+    out, before = [], {s["name"]: s for s in old.get("sources") or []}
+    for b in new.get("sources") or []:
+        a = before.get(b["name"])
+        added = appended_files(a, b) if a is not None else []
         if added:
             out.append(f"source {b['name']!r}: {len(added)} file(s) appended ({', '.join(added[:3])}"
                        f"{', ...' if len(added) > 3 else ''})")  # fmt: skip

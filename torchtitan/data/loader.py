@@ -46,7 +46,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchtitan.data import state
-from torchtitan.data.order import Cursor
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.spec import DataError
 from torchtitan.data.windows import Position, TokenStream, as_tensors, collate
@@ -90,7 +89,7 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
     just in time where no one has); no document is read."""
     while True:
         size = schedule.global_batch(step)
-        windows, after = stream.advance(position, size)  # grouped by unit (see there)
+        windows, after = stream.advance(position, size, step)  # grouped by unit (see there)
         lo, hi = schedule.rank_slice(size, rank)
         sizes = schedule.micro_sizes(hi - lo, schedule.accumulation(size))
         micro, i = [], lo
@@ -367,6 +366,19 @@ class ParallelDataLoader:
         """Tokens read from each source since the data started (all ranks')."""
         return dict(zip(self.stream.names, self.position.tokens()))
 
+    def mix_by_source(self) -> dict[str, float]:
+        """Each source's weight (normalized) in the last step handed out in full."""
+        weights = self.stream.mix.weights(max(self.step - 1, 0))
+        total = sum(weights)
+        return {name: w / total for name, w in zip(self.stream.names, weights)}
+
+    def passes_by_source(self) -> dict[str, tuple[int, float]]:
+        """Each source's pass in progress and the share of it read (by units). O(lanes)."""
+        return {
+            order.name: (cursor.pass_, order.pass_read(cursor))
+            for order, cursor in zip(self.stream.orders, self.position.cursors)
+        }
+
     def take_epoch_starts(self) -> list[list]:
         """``[source, pass]`` of every pass begun since the last call."""
         out, self._epoch_starts = self._epoch_starts, []
@@ -378,11 +390,14 @@ class ParallelDataLoader:
         checkpoint holds data, never a pickle (state.py). Cost: O(sources)."""
         if self._plan is not None:
             raise RuntimeError("the loader state is taken between steps, not inside one")
+        names = self.stream.names
         entry = {
             "version": state.STATE_VERSION,
             "windows": self.position.windows,
             "cursors": [cursor.to_list() for cursor in self.position.cursors],
-            "sources": list(self.stream.names),
+            "sources": list(names),
+            "retired": self.position.retired,
+            "weights": dict(zip(names, self.stream.mix.weights(self.step))),
             "seq_len": self.stream.seq_len,
             "step": self.step,
         }
@@ -402,18 +417,17 @@ class ParallelDataLoader:
         """Seek to the saved position. Cost: decoding one entry's JSON; the documents are
         read when their windows are."""
         entry = state.saved_entry(state_dict)
-        if entry["sources"] != self.stream.names:
-            raise DataError(
-                f"the checkpoint's data position is over sources {entry['sources']}, the "
-                f"config has {self.stream.names}; resume with the original training.datasets "
-                "or pass --checkpoint.exclude_from_loading dataloader"
-            )
+        step = int(entry["step"])
         if entry["seq_len"] != self.stream.seq_len:
             logger.info(
                 "sequence length %d -> %d: the stream continues where each lane stopped",
                 entry["seq_len"], self.stream.seq_len,
             )  # fmt: skip
-        cursors = [Cursor.from_list(values) for values in entry["cursors"]]
-        self.position = Position(int(entry["windows"]), cursors)
+        # Sources by name: the mix may have changed since (the config wins, state.py).
+        weights = list(self.stream.mix.weights(step))
+        cursors, retired, changes = state.restore_cursors(entry, self.stream.names, weights)
+        for line in changes:
+            logger.info("step %d: %s", step, line)
+        self.position = Position(int(entry["windows"]), cursors, retired)
         self.step = int(entry["step"])
         self._restart()

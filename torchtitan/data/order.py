@@ -2,7 +2,7 @@
 
 Owns: a source's stream (``SourceOrder``) and its position (``Cursor``), and the choice
 of the source of every global window (``MixSchedule``), a function of the window's
-index alone.
+index and the weights of the step that takes it (``MixByStep``: the weights by step).
 
 A source's stream, pass after pass: the units of the pass (cut from the files, or rows,
 the source held when the pass began) in a seeded order per pass, read by ``LANES``
@@ -33,6 +33,7 @@ Never: read or tokenize documents (windows.py), or know about ranks and batches.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from dataclasses import dataclass, field
 
@@ -187,6 +188,18 @@ class SourceOrder:
         units = self.units(self.source.extent() if extent is None else extent)
         return sum(self.counts.counts(unit).total for unit in units)
 
+    def pass_read(self, cursor: Cursor) -> float:
+        """The share of the cursor's pass read, by units (a unit a lane is in counts its
+        share of tokens read): 0 before the pass begins. For the metrics. Cost: O(lanes),
+        over counts the lanes have (measured already)."""
+        if not cursor.lanes:
+            return 0.0
+        done = cursor.taken - len(cursor.lanes)
+        for _, k, token in cursor.lanes:
+            if token:
+                done += token / self.unit_counts(cursor, k).total
+        return done / len(self.units(cursor.extent))
+
     def skipped_before(self, cursor: Cursor) -> int:
         """Documents skipped (no tokens) before ``cursor`` since the stream's start."""
         partial = 0
@@ -238,16 +251,22 @@ class MixSchedule:
     A pure function of ``g``, so any rank finds the source of any window without
     knowing the others, and a resume on any layout continues it. Every source's share
     of any ``n`` consecutive windows is within O(log n) windows of its weight: after
-    10,000 windows, well inside 1 %."""
+    10,000 windows, well inside 1 %. A source of weight 0 (retired) has an empty
+    interval: no window goes to it."""
 
     def __init__(self, weights: list[float], seed: int):
         w = np.asarray(weights, dtype=np.float64)
-        if (w <= 0).any() or not np.isfinite(w).all():
-            raise DataError(f"source weights must be positive, got {list(weights)}")
+        if (w < 0).any() or not np.isfinite(w).all() or not (w > 0).any():
+            raise DataError(
+                f"source weights must be >= 0, finite and not all 0, got {list(weights)}"
+            )
         cumulative = np.cumsum(w / w.sum())
         # Bounds in the same fixed point as the draws: the choice is exact integer math.
         self.bounds = (cumulative * 2.0**53).astype(np.uint64) << np.uint64(11)
-        self.bounds[-1] = np.uint64(2**64 - 1)
+        # The last source of positive weight ends at the top (1.0 wraps to 0 in 64 bits):
+        # sources of weight 0 after it keep an empty interval.
+        self.last = int(np.flatnonzero(w > 0)[-1])
+        self.bounds[self.last :] = np.uint64(2**64 - 1)
         self.beta = np.uint64((seed * 0x632BE59BD9B4E019 + 0x1B873593) % 2**64)
         self.count = len(w)
 
@@ -259,4 +278,75 @@ class MixSchedule:
         with np.errstate(over="ignore"):
             u = g * _ALPHA + self.beta  # wraps modulo 2**64, as intended
         chosen = np.searchsorted(self.bounds, u, side="right")
-        return np.minimum(chosen, self.count - 1).astype(np.int64)
+        return np.minimum(chosen, self.last).astype(np.int64)
+
+
+class MixByStep:
+    """The weights of every step, and the ``MixSchedule`` of a step's windows.
+
+    ``base``: the sources' own weights (``training.datasets``), in effect before the
+    first point. ``points``: ``(step, {name: weight}, ramp)`` in increasing steps; from
+    ``step`` the weights move in a straight line from those in effect there to the
+    point's (normalized; a source it does not name is at 0), reaching them at ``step +
+    ramp`` (at once for ramp 0), and stay until the next point. A pure function of the
+    step: the same on any layout, and a resume at any step continues it.
+
+    The source of window ``g`` is ``MixSchedule(weights(s)).sources(g)`` for the step
+    ``s`` that takes it: the draws ``frac(g / phi + seed)`` run on across the steps, so
+    over any ``n`` windows of constant weights each source's share is within O(log n)
+    windows of its weight, from any window on (right after a change, too).
+
+    Cost: O(points) to build, O(log points + sources) per step; one ``MixSchedule``
+    kept per distinct weights of the last steps (a ramp makes one a step)."""
+
+    def __init__(self, names: list[str], base: list[float], points: list[tuple], seed: int):
+        self.names, self.seed = list(names), seed
+        self.base = tuple(float(w) for w in base)
+        self.points = []  # (step, ramp, weights normalized, the weights before it)
+        before = _normalized(self.base)
+        for step, weights, ramp in points:
+            unknown = sorted(set(weights) - set(self.names))
+            if unknown:
+                raise DataError(
+                    f"training.mix_schedule at step {step} names {unknown}, which are not "
+                    f"sources of this run (sources: {self.names}); name sources of "
+                    "training.datasets"
+                )
+            w = _normalized(tuple(float(weights.get(n, 0.0)) for n in self.names))
+            self.points.append((int(step), int(ramp), w, before))
+            before = w
+        self.steps = [p[0] for p in self.points]
+        self._mixes: dict[tuple, MixSchedule] = {}
+
+    def weights(self, step: int) -> tuple[float, ...]:
+        """The weights of ``step`` (the step that follows ``step`` steps taken), one per
+        source: the base weights as given before the first point, normalized after."""
+        i = bisect.bisect_right(self.steps, step) - 1
+        if i < 0:
+            return self.base
+        start, ramp, w, before = self.points[i]
+        if ramp == 0 or step >= start + ramp:
+            return w
+        t = (step - start) / ramp
+        return tuple(a + (b - a) * t for a, b in zip(before, w))
+
+    def at(self, step: int) -> MixSchedule:
+        """The mix of ``step``'s windows."""
+        weights = self.weights(step)
+        mix = self._mixes.get(weights)
+        if mix is None:
+            if len(self._mixes) >= 4:
+                self._mixes.pop(next(iter(self._mixes)))
+            mix = self._mixes[weights] = MixSchedule(list(weights), self.seed)
+        return mix
+
+    def changes(self) -> list[int]:
+        """The steps at which the weights begin to change."""
+        return list(self.steps)
+
+
+def _normalized(weights: tuple[float, ...]) -> tuple[float, ...]:
+    total = sum(weights)
+    if not total > 0:
+        raise DataError(f"source weights {list(weights)} are all 0; give one a weight > 0")
+    return tuple(w / total for w in weights)

@@ -7,17 +7,21 @@ holds data, never a pickle); which rank writes it (the first of its TP peers and
 pipeline stages: they build the same loader and consume the same batches, so one
 writer per data-parallel rank keeps one entry each without leaning on DCP's merging of
 equal keys); which entry a rank loads (its own, else the first: every entry holds the
-same global position, whatever layout wrote it); and whether a saved position belongs
-to this run's data: where the checkpoint's data fingerprint differs from this run's,
-the load is refused in one line, unless ``checkpoint.accept_data_change`` keeps the
-position anyway.
+same global position, whatever layout wrote it); whether a saved position belongs
+to this run's data: where the checkpoint's data fingerprint differs from this run's
+(a file of a source changed), the load is refused in one line, unless
+``checkpoint.accept_data_change`` keeps the position anyway; and how a saved position
+meets a changed mix, the config winning (``restore_cursors``): sources are keyed by
+name, a source added begins its pass 0, a source that left the list keeps its cursor
+in the entry (``retired``) to continue where it stopped if it comes back, and each
+change (weights, a source added, left or back) is one line naming the step.
 
 ``LoaderState`` is what the checkpoint's adapter (``checkpoint.stateful``) wraps: it
 hands over what to save and checks what it is given, and the adapter only moves tensors
 between it and DCP. The loader (loader.py) builds its entry from its position and reads
 it back.
 
-Cost: O(sources) to encode or decode an entry; O(files) to compare two fingerprints,
+Cost: O(sources, retired ones included) to encode or decode an entry; O(files) to compare two fingerprints,
 once per load.
 
 Never: import the checkpoint package, read or write checkpoint files, or choose a
@@ -32,12 +36,16 @@ import logging
 import torch
 
 from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
+from torchtitan.data.order import Cursor
 from torchtitan.data.spec import DataError
 
 logger = logging.getLogger("torchtitan")
 
 KEY_PREFIX = "dp_rank_"
-STATE_VERSION = 5  # 5: the global order's position (windows, a cursor of lanes per source)
+# 5: the global order's position (windows, a cursor of lanes per source); the keys
+# ``retired`` (cursors of sources not in the list, by name) and ``weights`` (the mix of
+# the next step) came later, and an entry without them has none.
+STATE_VERSION = 5
 
 
 def entry_key(dp_rank: int) -> str:
@@ -85,6 +93,59 @@ def saved_entry(state_dict: dict) -> dict:
             "--checkpoint.exclude_from_loading dataloader to restart the data"
         )
     return entry
+
+
+def restore_cursors(entry: dict, names: list[str],
+                    weights: list[float]) -> tuple[list[Cursor], dict, list[str]]:  # fmt: skip
+    """The saved ``entry``'s position over this run's sources ``names``, whose weights at
+    the entry's step are ``weights``: a cursor per source (its saved one, by name; the
+    one it had when it left the list; or a fresh one, pass 0, for a source new to the
+    run), the cursors of saved sources this run does not hold (kept, by name), and one
+    line per change of the mix, the config winning. Cost: O(sources)."""
+    active = dict(zip(entry["sources"], entry["cursors"]))
+    retired = {k: v for k, v in (entry.get("retired") or {}).items() if k not in active}
+    cursors, lines = [], []
+    for name in names:
+        if name in active:
+            cursors.append(Cursor.from_list(active[name]))
+        elif name in retired:
+            cursor = Cursor.from_list(retired[name])
+            cursors.append(cursor)
+            lines.append(f"source {name!r} is back: it continues its pass {cursor.pass_} "
+                         f"where it stopped ({cursor.tokens} tokens read before)")  # fmt: skip
+        else:
+            cursors.append(Cursor())
+            lines.append(f"source {name!r} joins the mix: it begins its pass 0")
+    kept = {k: list(v) for k, v in retired.items() if k not in names}
+    for name in entry["sources"]:
+        if name not in names:
+            kept[name] = list(active[name])
+            lines.append(
+                f"source {name!r} left training.datasets: its cursor (pass "
+                f"{Cursor.from_list(active[name]).pass_}) stays in the checkpoint, and it "
+                "continues there if it comes back"
+            )
+    old = entry.get("weights")
+    new = dict(zip(names, _normal(weights)))
+    if old is not None:
+        old = dict(zip(old, _normal(list(old.values()))))
+        if any(old.get(n, 0.0) != w for n, w in new.items()) or set(old) - set(new):
+            out = [n for n, w in new.items() if w == 0 and old.get(n, 0.0) > 0]
+            lines.append(
+                f"source weights {_shown(old)} -> {_shown(new)}"
+                + (f" ({', '.join(map(repr, out))} retired: weight 0)" if out else "")
+                + "; the config wins"
+            )
+    return cursors, kept, lines
+
+
+def _normal(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights] if total > 0 else list(weights)
+
+
+def _shown(weights: dict) -> str:
+    return "{" + ", ".join(f"{n}: {w:.4g}" for n, w in weights.items()) + "}"
 
 
 class LoaderState:

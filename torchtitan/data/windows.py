@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchtitan.data.order import LANES, Cursor, MixSchedule, SourceOrder
+from torchtitan.data.order import LANES, Cursor, MixByStep, SourceOrder
 from torchtitan.data.packing import document_tokens
 from torchtitan.data.spec import DataError
 
@@ -41,13 +41,18 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Position:
     """Where the job's stream stands: windows taken, and each source's cursor. The whole
-    loader state: a few integers per lane, the same on every rank."""
+    loader state: a few integers per lane, the same on every rank. ``retired``: the
+    cursors (``Cursor.to_list``) of sources an earlier run read and this one's list
+    does not hold, by name, carried from checkpoint to checkpoint so that a source that
+    comes back continues where it stopped (a few integers per lane per such source)."""
 
     windows: int = 0
     cursors: list[Cursor] = field(default_factory=list)
+    retired: dict[str, list[int]] = field(default_factory=dict)
 
     def copy(self) -> Position:
-        return Position(self.windows, [c.copy() for c in self.cursors])
+        return Position(self.windows, [c.copy() for c in self.cursors],
+                        {k: list(v) for k, v in self.retired.items()})  # fmt: skip
 
     def tokens(self) -> list[int]:
         """Tokens read from each source since the data started."""
@@ -142,7 +147,8 @@ class TokenStream:
     """The job's windows: every source's stream, and the mix that interleaves them."""
 
     def __init__(self, sources: list, counts: list, tokenizer, seq_len: int, *,
-                 seed: int = 0, shuffle: bool = True, bad_data: str = "skip"):  # fmt: skip
+                 seed: int = 0, shuffle: bool = True, bad_data: str = "skip",
+                 mix_points: list[tuple] = ()):  # fmt: skip
         if not sources:
             raise DataError(
                 "no data source configured; set training.dataset or training.dataset_path"
@@ -155,7 +161,9 @@ class TokenStream:
             for src, c in zip(sources, counts)
         ]
         self.names = [src.spec.name for src in sources]
-        self.mix = MixSchedule([src.spec.weight for src in sources], seed)
+        # The weights by step (``mix_points``: training.mix_schedule), from the sources' own.
+        self.mix = MixByStep(self.names, [src.spec.weight for src in sources],
+                             list(mix_points), seed)  # fmt: skip
         self.readers = [
             DocumentReader(src, order, tokenizer, bad_data)
             for src, order in zip(sources, self.orders)
@@ -172,16 +180,17 @@ class TokenStream:
     def start(self) -> Position:
         return Position(0, [Cursor() for _ in self.sources])
 
-    def advance(self, position: Position, count: int) -> tuple[list, Position]:
-        """``(source, pieces)`` of the next ``count`` windows from ``position``, grouped by
-        the unit each starts in, and the position after them. Cost: O(count) and the counts of the units the lanes take;
-        nothing read."""
-        key = (position.windows, count, self.seq_len,
+    def advance(self, position: Position, count: int, step: int = 0) -> tuple[list, Position]:
+        """``(source, pieces)`` of the next ``count`` windows from ``position``, taken by
+        ``step`` (whose weights choose their sources), grouped by the unit each starts in,
+        and the position after them. Cost: O(count) and the counts of the units the lanes
+        take; nothing read."""
+        key = (position.windows, count, step, self.seq_len,
                tuple(tuple(c.to_list()) for c in position.cursors))  # fmt: skip
         if self._last is not None and self._last[0] == key:
             windows, after = self._last[1]
             return windows, after.copy()
-        chosen = self.mix.sources(position.windows, count).tolist()
+        chosen = self.mix.at(step).sources(position.windows, count).tolist()
         after = position.copy()
         after.windows += count
         w = self.window_size
@@ -197,8 +206,9 @@ class TokenStream:
         return windows, after
 
     def position_after(self, windows: int) -> Position:
-        """The position ``windows`` windows from the start (tools and tests that need a
-        far-along position). Cost: O(windows) arithmetic over the counts, nothing read."""
+        """The position ``windows`` windows from the start, at the weights of step 0 (tools
+        and tests that need a far-along position). Cost: O(windows) arithmetic over the
+        counts, nothing read."""
         position = self.start()
         while position.windows < windows:
             _, position = self.advance(position, min(4096, windows - position.windows))
