@@ -6,6 +6,7 @@ Loaders are the real ones, several ranks several loaders in one process (test_lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -18,6 +19,18 @@ from helpers import bundled_documents, doc_tokens, global_steps, loaders, write_
 from torchtitan.config import ConfigError
 from torchtitan.data.order import MixByStep, MixSchedule
 from torchtitan.data.state import from_tensor, to_tensor
+
+
+@contextlib.contextmanager
+def _heard(caplog):
+    """caplog hears the project's logger even after a train.main() in this process,
+    which stops it propagating to the root (train.setup_logging)."""
+    logger = logging.getLogger("torchtitan")
+    logger.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def schedule(*points) -> str:
@@ -65,7 +78,7 @@ def test_a_schedule_change_at_k_reads_what_a_resume_at_k_with_new_weights_reads(
     reference, _ = run(before, 12, mix_schedule=schedule((4, new, 0)))
     _, stopped = run(before, 4)
     state = stopped.state_dict()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="torchtitan"), _heard(caplog):
         resumed, _ = run(after, 8, state)
     assert tokens(resumed) == tokens(reference[4:])
     assert resumed == reference[4:]
@@ -126,7 +139,7 @@ def test_a_source_added_begins_pass_0_and_one_retired_continues_where_it_stopped
         return global_steps([loader], steps), loader.state_dict()
 
     first, s3 = run(both, 3)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="torchtitan"), _heard(caplog):
         alone, s6 = run(str(tiny_corpus), 3, s3)
         back, _ = run(both, 4, s6)
     assert "step 3: source 'kjv' left training.datasets" in caplog.text
@@ -147,7 +160,7 @@ def test_a_source_added_begins_pass_0_and_one_retired_continues_where_it_stopped
 
     caplog.clear()
     _, s3_alone = run(str(tiny_corpus), 3)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="torchtitan"), _heard(caplog):
         added, _ = run(both, 4, s3_alone)
     assert "step 3: source 'kjv' joins the mix: it begins its pass 0" in caplog.text
     kjv = source_windows(added, "kjv")
