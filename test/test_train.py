@@ -593,6 +593,15 @@ def _wait(condition, seconds: float) -> float | None:
     return None
 
 
+def _start_fault_job(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen]:
+    """A 2-rank FAULT_JOB under torchrun, logging to a file: (its dump, its log, torchrun)."""
+    dump, log = tmp_path / "job", tmp_path / "job.log"
+    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    return dump, log, launcher
+
+
 @pytest.mark.slow
 def test_a_killed_launcher_stops_its_ranks_and_the_relaunch_is_exact(tmp_path, uninterrupted):
     """torchrun alone is killed -9 after step 4 of 10 (2 ranks, each with a loader worker):
@@ -601,11 +610,7 @@ def test_a_killed_launcher_stops_its_ranks_and_the_relaunch_is_exact(tmp_path, u
     left within 15 s. The relaunch resumes from that step, not from the last one, to
     losses equal to an uninterrupted run's. Negative control (the launcher watch off):
     the orphaned ranks train on to step 10, so no step before it is the newest."""
-    dump = tmp_path / "job"
-    log = tmp_path / "job.log"
-    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
-    with open(log, "w") as out:
-        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    dump, log, launcher = _start_fault_job(tmp_path)
     try:
         assert _wait(lambda: _steps_logged(dump) >= 4, 240) is not None, log.read_text()
         os.kill(launcher.pid, signal.SIGKILL)
@@ -637,11 +642,7 @@ def test_a_stopped_or_killed_rank_ends_the_job_promptly_and_the_relaunch_is_exac
     0 exits within 5 s of torchrun's SIGTERM. Either way no process of the job is left
     once torchrun returns, and the relaunch resumes from the newest complete checkpoint
     to losses equal to an uninterrupted run's."""
-    dump = tmp_path / "job"
-    log = tmp_path / "job.log"
-    cmd = torchrun_command(2, [*FAULT_JOB, "--job.dump_folder", dump])
-    with open(log, "w") as out:
-        launcher = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=out, stderr=out)
+    dump, log, launcher = _start_fault_job(tmp_path)
     try:
         assert _wait(lambda: _steps_logged(dump) >= 3, 240) is not None, log.read_text()
         ranks = _rank_pids(launcher.pid)

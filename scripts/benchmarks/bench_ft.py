@@ -75,6 +75,11 @@ def live(work: Path, args: list[str], kill_at: int) -> dict:
     finally:
         server.shutdown()
     heal = [e for e in _records(joined) if "heal_s" in e]
+    if not heal:
+        raise SystemExit(
+            "bench_ft: the survivor finished before the restarted group joined "
+            "(it heals only from a live peer); raise --steps"
+        )
     steady = [e for e in _records(events) if e.get("committed") and e["participants"] == 2]
     metrics = _records(work / "replica_0" / "metrics.jsonl")
     return {
@@ -114,7 +119,7 @@ def plain(work: Path, args: list[str], kill_at: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = bench.Arguments(__doc__, smoke={"steps": 12, "kill_at": 4}, work="")
+    parser = bench.Arguments(__doc__, smoke={"steps": 150, "kill_at": 4}, work="")
     parser.add_argument("--steps", type=int, default=120, help="of the live run")
     parser.add_argument("--kill-at", type=int, default=15)
     a = parser.parse(argv)
