@@ -22,29 +22,26 @@ Never: call ``pickle.loads``/``torch.load(weights_only=False)`` on a checkpoint'
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import re
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from torchtitan import tensor_json
 from torchtitan.checkpoint.folder import CheckpointError
 
-
-def to_tensor(obj) -> torch.Tensor:
-    """``obj`` (JSON-serializable) as a 1-D uint8 tensor of its UTF-8 JSON."""
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+to_tensor = tensor_json.to_tensor
 
 
 def from_tensor(value) -> object:
     """The object ``to_tensor`` encoded; anything but a uint8 tensor is refused."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+    if not tensor_json.is_encoded(value):
         raise CheckpointError(
             f"a checkpoint entry is {type(value).__name__}, not JSON in a uint8 tensor: it was "
             "written by an older version (pickled); resume it with the version that wrote it"
         )
-    return json.loads(value.numpy().tobytes().decode())
+    return tensor_json.from_tensor(value)
 
 
 def empty_like_saved(metadata) -> torch.Tensor:

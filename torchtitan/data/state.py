@@ -30,11 +30,9 @@ checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 
-import torch
-
+from torchtitan import tensor_json
 from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
 from torchtitan.data.order import Cursor
 from torchtitan.data.spec import DataError
@@ -52,19 +50,17 @@ def entry_key(dp_rank: int) -> str:
     return f"{KEY_PREFIX}{dp_rank}"
 
 
-def to_tensor(entry: dict) -> torch.Tensor:
-    """``entry`` (JSON-serializable) as a 1-D uint8 tensor of its UTF-8 JSON."""
-    return torch.frombuffer(bytearray(json.dumps(entry).encode()), dtype=torch.uint8).clone()
+to_tensor = tensor_json.to_tensor
 
 
 def from_tensor(value) -> dict:
     """The entry ``to_tensor`` encoded; anything but a uint8 tensor is refused."""
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+    if not tensor_json.is_encoded(value):
         raise DataError(
             f"a checkpoint entry is {type(value).__name__}, not JSON in a uint8 tensor: it was "
             "written by an older version (pickled); resume it with the version that wrote it"
         )
-    return json.loads(value.numpy().tobytes().decode())
+    return tensor_json.from_tensor(value)
 
 
 def entry_to_load(saved: list[str], dp_rank: int) -> str:
