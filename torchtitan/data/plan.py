@@ -37,7 +37,7 @@ from typing import Protocol
 
 from torchtitan.data import index as length_index
 from torchtitan.data.pretokenized_read import check_tokenizer
-from torchtitan.data.sources import DataError, SourceSpec, is_remote, resolve_source, source_kind
+from torchtitan.data.sources import DataError, SourceSpec, resolve_source, source_kind
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def inspect_share(
 
     ``rows``: what the source kind keeps of the file (``inspect``; streaming: its blocks'
     row counts, None for JSON lines; map-style: None). Cost: every ``world``-th file,
-    from ``rank``: one signature read (2 MiB), and for a streaming source one footer.
+    from ``rank``: one signature (2 MiB read; an object: one metadata request), and for a streaming source one footer.
     """
     kind = source_kind(training)
     for spec in specs:
@@ -106,7 +106,7 @@ def inspect_share(
     share = {}
     for s, f in _files(specs)[rank::world]:
         spec, path = specs[s], specs[s].files[f]
-        signature = [] if is_remote(path) else spec.signature(path)
+        signature = spec.signature(path)
         share[(s, f)] = (signature, kind.inspect(spec, path, training.text_field, f == 0))
     return share
 

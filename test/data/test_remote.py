@@ -1,0 +1,62 @@
+"""Data files in object storage, on a real S3 API (moto's server on 127.0.0.1, reached
+through fsspec → s3fs → botocore): an object changed in place is refused, naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import s3
+from torchtitan.data.fingerprint import fingerprint_diff
+from torchtitan.data.spec import SourceSpec, ends_crc, remote_signature
+
+pytestmark = pytest.mark.skipif(s3.missing() is not None, reason=str(s3.missing()))
+
+
+@pytest.fixture
+def bucket():
+    with s3.local_s3() as (name, _endpoint):
+        yield name
+
+
+def _put(url: str, data: bytes):
+    import fsspec
+
+    with fsspec.open(url, "wb") as f:
+        f.write(data)
+
+
+def _fingerprint(files: list[str]) -> dict:
+    spec = SourceSpec(name="web", files=files, weight=1.0, root="", location="s3", named=True)
+    return {"sources": [{"name": "web", "files": spec.fingerprint()}]}
+
+
+def test_an_object_changed_in_place_is_refused_naming_it(bucket):
+    a, b = f"s3://{bucket}/web/a.jsonl", f"s3://{bucket}/web/b.jsonl"
+    _put(a, b'{"text": "first document"}\n')
+    _put(b, b'{"text": "other document"}\n')
+    before = _fingerprint([a, b])
+    # Negative control: nothing rewritten, nothing differs (the tag is stable).
+    assert fingerprint_diff(before, _fingerprint([a, b])) == []
+    # Rewritten at the same size: only the store's tag can tell.
+    _put(b, b'{"text": "OTHER document"}\n')
+    assert remote_signature(b)[0] == len(b'{"text": "first document"}\n')
+    assert fingerprint_diff(before, _fingerprint([a, b])) == ["source 'web' file b.jsonl changed"]
+
+
+def test_an_object_without_a_tag_is_signed_by_its_ends(bucket):
+    import fsspec
+
+    url = f"s3://{bucket}/c.jsonl"
+    _put(url, b"x" * (3 << 20))
+    fs, inner = fsspec.core.url_to_fs(url)
+    first = ends_crc(fs, inner, 3 << 20)
+    assert first == ends_crc(fs, inner, 3 << 20)
+    _put(url, b"x" * ((3 << 20) - 1) + b"y")  # the last byte, at the same size
+    assert ends_crc(fs, inner, 3 << 20) != first
+    _put(url, b"y" + b"x" * ((3 << 20) - 1))  # the first byte
+    assert ends_crc(fs, inner, 3 << 20) != first
+
+
+def test_a_hub_file_is_named_only():
+    # The revision stamp pins a Hub file's bytes; signing it would ask the Hub.
+    assert SourceSpec.signature("hf://datasets/org/name/data/train-0.parquet") == []
