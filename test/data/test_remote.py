@@ -60,3 +60,13 @@ def test_an_object_without_a_tag_is_signed_by_its_ends(bucket):
 def test_a_hub_file_is_named_only():
     # The revision stamp pins a Hub file's bytes; signing it would ask the Hub.
     assert SourceSpec.signature("hf://datasets/org/name/data/train-0.parquet") == []
+
+
+def test_an_object_unsigned_by_an_older_checkpoint_is_no_change():
+    # A checkpoint written before objects were signed names them only: not a change;
+    # a signed one that differs still is.
+    old = {"sources": [{"name": "web", "files": [["a.jsonl"], ["b.jsonl", 9, "ETag:1"]]}]}
+    new = {
+        "sources": [{"name": "web", "files": [["a.jsonl", 9, "ETag:2"], ["b.jsonl", 9, "ETag:3"]]}]
+    }
+    assert fingerprint_diff(old, new) == ["source 'web' file b.jsonl changed"]

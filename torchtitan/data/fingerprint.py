@@ -41,6 +41,8 @@ def _sources_diff(old: list[dict], new: list[dict]) -> list[str]:
         files_a = {f[0]: f[1:] for f in a["files"]}
         files_b = {f[0]: f[1:] for f in b["files"]}
         for name in sorted(set(files_a) | set(files_b)):
+            if files_a.get(name) == [] and files_b.get(name):
+                continue  # unsigned when saved (an object, before objects were signed)
             if files_a.get(name) != files_b.get(name):
                 what = (
                     "added"
