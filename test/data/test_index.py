@@ -338,6 +338,7 @@ def test_a_kill_while_counts_are_written_leaves_no_partial_file(tmp_path, tokeni
     counts = tmp_path / "counts"
     c = cfg(folder, length_index_dir=counts, streaming="true")
     order = build_stream(c.training, tokenizer).orders[0]
+    order.counts.share_tokens = False  # the counts alone are written (no tokens before them)
 
     def measure_killed_in_the_write():
         def killed(f, **arrays):  # half a file written, then kill -9
@@ -427,6 +428,7 @@ def test_offline_preparation_leaves_a_job_nothing_to_measure(tmp_path, tokenizer
     c = cfg(folder, length_index_dir=tmp_path / "counts", streaming="true", global_batch_size=8)
     done = prepare(c.training, tokenizer, num_proc=2, progress=False)
     assert done["units"] == done["missing"] == done["measured"] == 64
+    assert not list((tmp_path / "counts").rglob("*.tokens"))  # no reader: no tokens kept
     loader = build_dataloader(c, tokenizer, 0, 1)
     for _ in range(10):
         loader.next_step()

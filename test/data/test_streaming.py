@@ -261,6 +261,7 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
             cursor.tokens = sum(tokens[:r])
             (loader,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=1)
             loader.seek(Position(0, [cursor]))
+            loader.stream.readers[0].share_measured = False  # the text is read, as warm
             src = loader.stream.sources[0]
             assert src.rows_decoded == 0
             assert next(loader)["spans"][0][0][1:3] == [f"d{r}", 0]
@@ -268,6 +269,7 @@ def test_a_late_resume_decodes_one_block_wherever_it_lands(tmp_path, tokenizer, 
         assert all(0 < n <= block for n in decoded.values()), decoded  # 99% costs what 1% does
 
         (replay,) = streaming(folder, tokenizer, shuffle="false", seq=7, batch=32)
+        replay.stream.readers[0].share_measured = False
         while replay.position.tokens()[0] < sum(tokens[: rows - rows // 100]):
             next(replay)
         assert replay.stream.sources[0].rows_decoded >= rows * 0.98
@@ -420,6 +422,7 @@ def test_a_compressed_file_is_decompressed_once_per_pass(tmp_path, tokenizer, mo
         """(opens of the file, lines decoded) while one loader reads pass 0 (and no window
         of pass 1)."""
         (loader,) = streaming(tmp_path / "d", tokenizer, shuffle="false", global_batch_size=64)
+        loader.stream.readers[0].share_measured = False  # the text is read, as warm
         src = loader.stream.sources[0]
         total = loader.stream.orders[0].pass_tokens()  # measures the one unit: a read
         src.rows_decoded = 0

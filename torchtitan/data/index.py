@@ -24,13 +24,32 @@ process that needs counts.
   pid namespace. Waiting has a limit
   (``training.length_index_wait_seconds``) and ends in one line naming whom it waited for.
 
+- **Tokenized once on the first pass.** The measuring process keeps the ids it tokenized
+  (``UnitTokens``: the unit's tokens back to back, and its documents' ids) for the
+  windows that read the unit: in its memory, and in a sidecar file beside the counts
+  (``<lo>-<hi>.tokens``, an .npz written before them) for the other processes of the job, loader
+  workers and ranks, which read the unit's windows too. A window reader takes a document's
+  tokens from there and reads no text; the reader of a unit's last token deletes the
+  sidecar (``finished``). A sidecar is a cache, never the truth: one that is missing,
+  unreadable or of another length than the counts says nothing, and the document is read
+  and tokenized as before.
+
 Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs
-that share the folder (twice at worst, when a claim is taken over). A process keeps the
+that share the folder (twice at worst, when a claim is taken over); on the first pass,
+its windows read those tokens instead of tokenizing again (a pass after the first
+tokenizes each document once, to read it). A process keeps the
 counts of ``KEEP_UNITS`` units: O(lookahead), never O(documents). On disk, 4 bytes per
 document (12 for JSON lines, whose rows are found by byte offset): c4's 365 M documents
 take 1.5 GB in ~360 K files of ~4 KB; FineWeb's ~23 B documents about 92 GB in 22 M
 files (where a file system dislikes that many, prepare them offline with
-``scripts/prepare_data.py`` on the file system the job reads).
+``scripts/prepare_data.py`` on the file system the job reads). The sidecars of measured
+tokens live only while their units are read: a source's lanes, the units measured ahead
+of them and those finished last, ``LANES + LOOKAHEAD + KEEP_FINISHED`` = 96 units, ~0.4 MB
+each for web text (256 documents of ~700 tokens at 2 bytes; 4 bytes where the vocabulary
+passes 65,536): about 40-80 MB a source at any time, whatever the corpus (c4 or FineWeb
+alike), plus the units in flight when a process is killed (read and deleted by the
+relaunch that continues them). In memory, a process keeps the same units at most, and
+never more than ``KEEP_TOKEN_BYTES`` a source.
 
 Never: choose an order, pack windows, or touch torch.distributed.
 """
@@ -43,7 +62,7 @@ import logging
 import os
 import tempfile
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -60,6 +79,16 @@ CACHE_ENV = "TORCHTITAN_CACHE"
 CLAIM_STALE_S = 60.0  # a claim whose holder has not refreshed it for this long is taken over
 HEARTBEAT_S = 5.0  # how often a measuring process refreshes its claim
 KEEP_UNITS = 256  # units' counts a process keeps in memory (a few lanes' lookahead)
+# Measured tokens a process keeps in memory, a source: the units its lanes read, those
+# measured ahead of them and the last finished (order.LANES + order.LOOKAHEAD +
+# KEEP_FINISHED = 96 units of ~0.4 MB for web text, ~40 MB), with room for units of long
+# documents; beyond it the least recently read unit is dropped and read back from its
+# sidecar if needed again.
+KEEP_TOKEN_BYTES = 96 << 20
+KEEP_MISSES = 1024  # units known to have no sidecar (so not looked for again)
+# Finished units whose measured tokens are kept a while (``SourceCounts.finished``): the
+# units a pass's last windows may still read out of order, at most one a lane (order.LANES).
+KEEP_FINISHED = 32
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
@@ -91,11 +120,44 @@ class UnitCounts:
         return j, token - (int(self.cum[j - 1]) if j else 0)
 
 
-def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None) -> UnitCounts:
+@dataclass
+class UnitTokens:
+    """The tokens of one unit as its measuring tokenized them: every document's tokens back
+    to back (``ids``, the narrowest unsigned type that holds the vocabulary), and each
+    document's id (``doc_ids``), in reading order. Where document ``row`` lies in ``ids``
+    is its counts' (``UnitCounts.cum``)."""
+
+    ids: np.ndarray
+    doc_ids: np.ndarray  # str
+    lengths: np.ndarray  # int32: each document's tokens, as its counts hold them
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.ids.nbytes + self.doc_ids.nbytes + self.lengths.nbytes)
+
+    def fits(self, counts: UnitCounts) -> bool:
+        """Whether these are the tokens of the documents ``counts`` describe (a sidecar
+        of other counts, e.g. left beside counts measured again, is not)."""
+        return (len(self.ids) == int(self.lengths.sum()) and len(self.doc_ids) == len(self.lengths)
+                and np.array_equal(self.lengths, counts.lengths))  # fmt: skip
+
+    def document(self, counts: UnitCounts, row: int) -> tuple[str, np.ndarray]:
+        """(doc_id, tokens as int32) of document ``row``."""
+        end = int(counts.cum[row])
+        return str(self.doc_ids[row]), self.ids[end - int(counts.lengths[row]) : end].astype(
+            np.int32
+        )
+
+
+def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None,
+                 keep: bool = False):  # fmt: skip
     """Counts of one unit: its documents read from its start and tokenized (the
-    ``heartbeat`` called every ``HEARTBEAT_S`` on the way). Cost: the unit's documents
-    read and tokenized once (~1,000 documents: about a second of web text)."""
+    ``heartbeat`` called every ``HEARTBEAT_S`` on the way); with ``keep``, ``(counts,
+    UnitTokens)``, the tokens kept for the windows that read the unit. Cost: the unit's
+    documents read and tokenized once (~1,000 documents: about a second of web text);
+    kept, its tokens held until it returns (~0.4 MB for 256 web documents)."""
     lengths, ats, at = [], [], unit[1]
+    parts, doc_ids = [], []
     beat = time.monotonic()
     while at is not None:
         docs, at, _ = source.read(unit, at)
@@ -103,10 +165,19 @@ def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None) -> Unit
             tokens = document_tokens(tokenizer, doc_id, value, source.spec.name, bad_data)
             lengths.append(0 if tokens is None else len(tokens))
             ats.append(start)
+            if keep:
+                doc_ids.append(doc_id)
+                if tokens is not None:
+                    parts.append(tokens)
         if heartbeat is not None and time.monotonic() - beat > HEARTBEAT_S:
             heartbeat()
             beat = time.monotonic()
-    return UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64))
+    counts = UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64))
+    if not keep:
+        return counts
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    narrow = np.uint16 if not len(ids) or int(ids.max()) < 1 << 16 else np.uint32
+    return counts, UnitTokens(ids.astype(narrow), np.array(doc_ids, dtype=str), counts.lengths)
 
 
 # ---- where counts live ---------------------------------------------------------------
@@ -146,7 +217,12 @@ class SourceCounts:
     source's ``count_keys``); a unit's
     counts are ``<folder>/<key>/<lo>-<hi>.npz``. ``measure(unit)`` measures one unit
     (``measure_unit`` by default). ``measured`` counts the units this process measured
-    (tests and benchmarks read it)."""
+    (tests and benchmarks read it).
+
+    With ``share_tokens`` (a stream that reads windows sets it; tools that only measure,
+    such as prepare_data, do not), a unit measured here keeps its tokens for the window
+    readers: ``unit_tokens`` gives them (this process's, else the sidecar another wrote),
+    ``finished`` lets them go once the unit's last token is read."""
 
     def __init__(self, source, tokenizer, bad_data: str, folder: str, keys: list[str],
                  wait_s: float = 600.0, log: bool = False, measure=None):  # fmt: skip
@@ -158,17 +234,30 @@ class SourceCounts:
         self._writable = True
         self._tokens: dict[tuple, str] = {}  # unit -> the token of this process's claim
         self._progress = _Progress(source.spec.name, log)
+        # A pretokenized source's documents are framed, not tokenized: nothing to share.
+        self.share_tokens = not getattr(source.spec, "tokens_field", "")
+        self._unit_tokens: OrderedDict[tuple, UnitTokens] = OrderedDict()
+        self._unit_token_bytes = 0
+        self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # units with no sidecar
+        self._finished: deque = deque()  # units whose last token was read, latest last
 
     def __getstate__(self):
         # A worker reads its own, and holds no claim of its parent's.
-        return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {}}
+        return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {},
+                "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
+                "_no_tokens": OrderedDict(), "_finished": deque()}  # fmt: skip
 
-    def _measure_unit(self, unit, heartbeat=None) -> UnitCounts:
-        return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat)
+    def _measure_unit(self, unit, heartbeat=None):
+        return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
+                            keep=self.share_tokens)  # fmt: skip
 
     def path(self, unit) -> str:
         f, lo, hi = (int(x) for x in unit)
         return os.path.join(self.folder, self.keys[f], f"{lo}-{hi}.npz")
+
+    def tokens_path(self, unit) -> str:
+        """Where the sidecar of ``unit``'s measured tokens lies (while its unit is read)."""
+        return self.path(unit)[: -len(".npz")] + ".tokens"  # an .npz of its own name
 
     def counts(self, unit, ahead=()) -> UnitCounts:
         """The counts of ``unit`` (a ``(file, lo, hi)`` of the source's units). Where no one
@@ -294,6 +383,11 @@ class SourceCounts:
         claim = path + ".claim"
         try:
             counts = self._measure(unit, heartbeat=lambda: claims.touch(claim))
+            if isinstance(counts, tuple):  # and the tokens measured, for the readers
+                counts, tokens = counts
+                self._keep_tokens(unit, tokens)
+                # Before the counts: a process that finds the counts finds these too.
+                self._write_tokens(unit, tokens)
             self._write(path, unit, counts)
         finally:
             self._release(unit)
@@ -301,17 +395,82 @@ class SourceCounts:
         self._progress.measured(counts.total)
         return counts
 
+    # ---- measured tokens, shared with the window readers -------------------------------
+    def unit_tokens(self, unit, counts: UnitCounts) -> UnitTokens | None:
+        """The tokens of ``unit`` as its measuring process kept them: this process's own,
+        else the sidecar another process wrote (read once, then kept); None where there
+        are none, or none that fit ``counts`` (the reader then tokenizes the document).
+        Cost: a lookup; the first time a unit is asked, one small file read or a stat."""
+        hit = self._unit_tokens.get(unit)
+        if hit is not None:
+            self._unit_tokens.move_to_end(unit)
+            return hit
+        if not self.share_tokens or unit in self._no_tokens:
+            return None
+        tokens = self._load_tokens(unit)
+        if tokens is None or not tokens.fits(counts):
+            self._no_tokens[unit] = None
+            while len(self._no_tokens) > KEEP_MISSES:
+                self._no_tokens.popitem(last=False)
+            return None
+        self._keep_tokens(unit, tokens)
+        return tokens
+
+    def finished(self, unit):
+        """``unit``'s last token was read here (each unit has one last token, read by one
+        process of the job): its measured tokens go, in this process and in its sidecar,
+        once ``KEEP_FINISHED`` more units have finished. Not at once: a step's windows are
+        read grouped by the unit each starts in, so at the end of a pass, where a window
+        goes on in another lane's unit, a window of that unit's earlier tokens may be read
+        after it. Cost: one unlink."""
+        self._finished.append(unit)
+        while len(self._finished) > KEEP_FINISHED:
+            gone = self._finished.popleft()
+            tokens = self._unit_tokens.pop(gone, None)
+            if tokens is not None:
+                self._unit_token_bytes -= tokens.nbytes
+            if self.share_tokens and self._writable:
+                _remove(self.tokens_path(gone))
+
+    def _keep_tokens(self, unit, tokens: UnitTokens):
+        old = self._unit_tokens.pop(unit, None)
+        self._unit_token_bytes += tokens.nbytes - (old.nbytes if old is not None else 0)
+        self._unit_tokens[unit] = tokens
+        self._no_tokens.pop(unit, None)
+        while self._unit_token_bytes > KEEP_TOKEN_BYTES and len(self._unit_tokens) > 1:
+            _, gone = self._unit_tokens.popitem(last=False)
+            self._unit_token_bytes -= gone.nbytes
+
+    def _load_tokens(self, unit) -> UnitTokens | None:
+        try:
+            with np.load(self.tokens_path(unit), allow_pickle=False) as z:
+                return UnitTokens(z["ids"], z["doc_ids"], z["lengths"])
+        except FileNotFoundError:
+            return None
+        except Exception:  # noqa: BLE001 - a torn or foreign sidecar: tokenize instead
+            return None
+
+    def _write_tokens(self, unit, tokens: UnitTokens):
+        if self._writable:
+            arrays = {"ids": tokens.ids, "doc_ids": tokens.doc_ids, "lengths": tokens.lengths}
+            self._write_whole(self.tokens_path(unit), arrays)
+
     def _write(self, path: str, unit, counts: UnitCounts):
         if not self._writable:
             return
         arrays = {"lengths": counts.lengths}
         if not np.array_equal(counts.ats, unit[1] + np.arange(len(counts.lengths))):
             arrays["ats"] = counts.ats  # JSON lines: byte offsets
+        self._write_whole(path, arrays)
+
+    def _write_whole(self, path: str, arrays: dict):
+        """``arrays`` as one .npz at ``path``, written aside and renamed onto it: a reader
+        sees the whole file or none."""
         try:
             folder = os.path.dirname(path)
             os.makedirs(folder, exist_ok=True)
             # A unique name: writers on other hosts sharing the folder never meet.
-            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".npz", dir=folder)
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=os.path.splitext(path)[1], dir=folder)
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
             os.replace(tmp, path)

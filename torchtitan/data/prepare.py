@@ -37,6 +37,9 @@ def _start_worker(training, tokenizer):
     _STREAM = build_stream(training, tokenizer)
     for order in _STREAM.orders:
         order.counts.log = False
+        # No reader follows: the tokens measured are not kept (a sidecar a unit would be
+        # the whole corpus's tokens on disk).
+        order.counts.share_tokens = False
 
 
 def _measure(task: tuple[int, tuple]) -> tuple[int, int]:

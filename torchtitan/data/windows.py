@@ -67,9 +67,13 @@ class DocumentReader:
     # of the other lanes (each window touches about two)
     TRIM = 64  # rows a kept read drops at once once they are behind the lane
 
-    def __init__(self, source, order: SourceOrder, tokenizer, bad_data: str):
+    def __init__(self, source, order: SourceOrder, tokenizer, bad_data: str,
+                 share_measured: bool = True):  # fmt: skip
         self.source, self.order = source, order
         self.tokenizer, self.bad_data = tokenizer, bad_data
+        # Read a document from the tokens its unit's measuring kept, where there are some
+        # (off: every document read and tokenized here, as before the first pass shared).
+        self.share_measured = share_measured
         self.name = source.spec.name
         # Keyed by what a unit is, its range (file, lo, hi), never by its index in a pass:
         # a map-style pass over a grown corpus cuts other ranges, so the same index of
@@ -87,6 +91,11 @@ class DocumentReader:
         hit = self._tokens.get(key)
         if hit is not None:
             return hit
+        # On a first pass, the tokens its measuring kept (index.SourceCounts.unit_tokens):
+        # no text read, nothing tokenized again.
+        measured = self._measured(unit, counts)
+        if measured is not None:
+            return measured.document(counts, row)
         doc_id, value = self._raw(unit, row, counts)
         tokens = document_tokens(self.tokenizer, doc_id, value, self.name, self.bad_data)
         expected = int(counts.lengths[row])
@@ -102,6 +111,18 @@ class DocumentReader:
         if len(self._tokens) > self.KEEP_TOKENS:
             self._tokens.popitem(last=False)
         return doc_id, tokens
+
+    def _measured(self, unit: tuple, counts):
+        if not self.share_measured:
+            return None
+        unit_tokens = getattr(self.order.counts, "unit_tokens", None)
+        return unit_tokens(unit, counts) if unit_tokens is not None else None
+
+    def finished(self, unit: tuple):
+        """``unit``'s last token was read: its measured tokens may go."""
+        finished = getattr(self.order.counts, "finished", None)
+        if finished is not None:
+            finished(unit)
 
     def _raw(self, unit: tuple, row: int, counts) -> tuple[str, object]:
         kept = self._reads.get(unit)
@@ -232,6 +253,8 @@ class TokenStream:
                 parts.append(tokens[token : token + take])
                 spans.append([reader.name, doc_id, token, token + take, pass_, u])
                 at += take
+            if hi == counts.total:  # the unit's last token: its lane is done with it
+                reader.finished(unit)
         window = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return window.astype(np.int64), spans
 

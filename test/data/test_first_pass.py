@@ -1,0 +1,240 @@
+"""The first pass at full speed: each document tokenized once (the window readers take
+the tokens its unit's measuring kept, index.UnitTokens, in this process or from the
+sidecar another process wrote), the same batches as reading the text, sidecars that go
+when their unit is read, and memory that stays flat over a long first pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cfg, write_parquet
+
+from torchtitan.data import build_dataloader, packing
+from torchtitan.data import index as length_index
+from torchtitan.data.order import LANES, LOOKAHEAD
+
+
+def corpus(folder: Path, files: int = 6, docs: int = 80) -> tuple[Path, dict[str, str]]:
+    """``files`` parquet files of ``docs`` documents, every text distinct (so a call of the
+    tokenizer names its document), 4 units a file; and the texts by id."""
+    texts = {}
+    for f in range(files):
+        rows = [{"id": f"d{f}-{i}", "text": f"File {f}, document {i}: " + "a verse. " * (4 + i % 9)}
+                for i in range(docs)]  # fmt: skip
+        texts.update((r["id"], r["text"]) for r in rows)
+        write_parquet(folder / f"part-{f:03d}.parquet", rows, row_group=docs // 4)
+    return folder, texts
+
+
+def loader_of(folder, counts, streaming: str, workers: int = 0, share: bool = True, **kw):
+    c = cfg(folder, length_index_dir=counts, streaming=streaming, num_workers=workers,
+            global_batch_size=8, **kw)  # fmt: skip
+    loader = build_dataloader(c, TOKENIZER, 0, 1)
+    for reader in loader.stream.readers:
+        reader.share_measured = share
+    return loader
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer(tokenizer):
+    global TOKENIZER
+    TOKENIZER = tokenizer
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Calls of the tokenizer by text, in this process (measuring and reading both go
+    through packing.encode_document)."""
+    seen: Counter = Counter()
+    real = packing.encode_document
+
+    def counting(tokenizer, text):
+        seen[text] += 1
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(packing, "encode_document", counting)
+    return seen
+
+
+def first_pass(loader) -> tuple[set, set]:
+    """Reads steps until the second pass has begun: (documents read in the first pass,
+    those read in the second)."""
+    read: dict[int, set] = {0: set(), 1: set()}
+    while True:
+        for batch in loader.next_step():
+            for spans in batch["spans"]:
+                for _, doc_id, _, _, pass_, _ in spans:
+                    read.setdefault(pass_, set()).add(doc_id)
+        if loader.take_epoch_starts():
+            return read[0], read[1]
+
+
+@pytest.mark.parametrize("streaming", ["true", "false"])
+def test_a_first_pass_tokenizes_each_document_once(tmp_path, streaming, calls):
+    """Over a whole first pass, the tokenizer sees each document exactly once. Negative
+    control: readers
+    that do not take the measured tokens (the reader before #39) tokenize every document
+    twice on the first pass."""
+    folder, texts = corpus(tmp_path / "c")
+    first, second = first_pass(loader_of(folder, tmp_path / "n1", streaming))
+    assert first == set(texts)  # the whole corpus, read
+    once = [d for d in texts if d not in second]
+    assert len(once) > len(texts) // 2 and all(calls[texts[d]] == 1 for d in once)
+    # Read again in the second pass: tokenized there unless its unit's tokens are still
+    # kept (a unit finished last, KEEP_FINISHED).
+    assert all(calls[texts[d]] in (1, 2) for d in second)
+
+    calls.clear()
+    first, second = first_pass(loader_of(folder, tmp_path / "n2", streaming, share=False))
+    assert first == set(texts)
+    twice = [d for d in texts if d not in second]
+    assert twice and all(calls[texts[d]] >= 2 for d in twice)
+
+
+@pytest.mark.parametrize("streaming,workers", [("true", 0), ("true", 2), ("false", 2)])
+def test_the_first_pass_gives_the_batches_of_reading_the_text(tmp_path, streaming, workers):
+    """A cold loader taking the measured tokens, with or without workers (which measure
+    in one process and read in another: the sidecars), gives the batches of a loader
+    that reads and tokenizes the text, token for token and span for span, over a pass
+    and into the next."""
+    folder, _ = corpus(tmp_path / "c")
+    shared = loader_of(folder, tmp_path / "n1", streaming, workers)
+    plain = loader_of(folder, tmp_path / "n2", streaming, share=False)
+    for _ in range(45):
+        for a, b in zip(shared.next_step(), plain.next_step(), strict=True):
+            assert torch.equal(a["input"], b["input"]) and torch.equal(a["label"], b["label"])
+            assert a["spans"] == b["spans"]
+    shared.close()
+
+
+def test_a_sidecar_of_another_process_is_read_instead_of_the_text(tmp_path, calls):
+    """Tokens measured by another process (a worker, another rank) reach this one through
+    the sidecars: a loader whose units were all measured elsewhere tokenizes nothing on
+    its first pass. Negative control: without the sidecars, it tokenizes every document."""
+    folder, texts = corpus(tmp_path / "c")
+    counts = tmp_path / "n"
+    measurer = loader_of(folder, counts, "true").stream.orders[0]
+    measurer.pass_tokens()  # every unit measured, its tokens left for the readers
+    assert len(list(counts.rglob("*.tokens"))) == len(measurer.units(measurer.source.extent()))
+    calls.clear()
+    reader = loader_of(folder, counts, "true")
+    for _ in range(8):
+        reader.next_step()
+    assert sum(calls.values()) == 0
+
+    for sidecar in counts.rglob("*.tokens"):
+        sidecar.unlink()
+    reader = loader_of(folder, counts, "true")
+    for _ in range(8):
+        reader.next_step()
+    assert sum(calls.values()) > 0
+
+
+def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
+    """A sidecar is a cache, never the truth: one that is damaged, or that holds another
+    unit's tokens under this unit's name (the sidecars swapped round), is passed over and
+    the text read; the batches are those of reading the text. Negative control: the same
+    swapped sidecars, trusted without the check, give other batches."""
+    folder, _ = corpus(tmp_path / "c")
+    counts = tmp_path / "n"
+    loader_of(folder, counts, "true").stream.orders[0].pass_tokens()
+    sidecars = sorted(counts.rglob("*.tokens"))
+    data = [p.read_bytes() for p in sidecars]
+    for i, path in enumerate(sidecars):  # each takes its neighbour's; the last is torn
+        path.write_bytes(data[(i + 1) % len(data)] if i < len(data) - 1 else data[i][:40])
+    reference = loader_of(folder, tmp_path / "plain", "true", share=False)
+    shared = loader_of(folder, counts, "true")
+    for _ in range(12):
+        for a, b in zip(shared.next_step(), reference.next_step(), strict=True):
+            assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+
+    trusting = loader_of(folder, counts, "true")
+    trusting.stream.orders[0].counts._no_tokens.clear()
+    for sidecar_unit in list(trusting.stream.orders[0].units(6)):
+        unit = tuple(int(x) for x in sidecar_unit)
+        tokens = trusting.stream.orders[0].counts._load_tokens(unit)
+        if tokens is not None:
+            trusting.stream.orders[0].counts._unit_tokens[unit] = tokens
+    reference = loader_of(folder, tmp_path / "plain2", "true", share=False)
+    differs = False
+    for _ in range(12):
+        for a, b in zip(trusting.next_step(), reference.next_step(), strict=True):
+            differs |= not torch.equal(a["input"], b["input"])
+    assert differs
+
+
+def test_a_units_sidecar_goes_once_its_last_token_is_read(tmp_path):
+    """Sidecars live while their unit is read (and while ``KEEP_FINISHED`` more units
+    finish): after a whole first pass over 192 units, at most that many are left, and
+    midway, at most those of the units the lanes read, measure ahead and finished last.
+    Negative control: a unit's sidecar is there while its lane reads it."""
+    folder, _ = corpus(tmp_path / "c", files=12, docs=160)
+    counts = tmp_path / "n"
+    loader = loader_of(folder, counts, "true")
+    order = loader.stream.orders[0]
+    assert len(order.units(order.source.extent())) == 192
+    for _ in range(60):
+        loader.next_step()
+    lanes = [order.unit(loader.position.cursors[0], k)[1] for _, k, token in
+             loader.position.cursors[0].lanes if token]  # fmt: skip
+    assert len(lanes) > LANES // 2 and all(Path(order.counts.tokens_path(tuple(int(x) for x in u))).exists()
+               for u in lanes)  # fmt: skip
+    midway = len(list(counts.rglob("*.tokens")))
+    assert midway <= LANES + LOOKAHEAD + length_index.KEEP_FINISHED
+    first_pass(loader)
+    assert len(list(counts.rglob("*.tokens"))) <= length_index.KEEP_FINISHED
+
+
+MEMORY = textwrap.dedent("""
+    import json, sys
+    from harness.corpus import bundled_documents, repeated, write_parquet_files
+    from torchtitan.config import parse_args
+    from torchtitan.data import build_dataloader
+    from torchtitan.data import index
+    from torchtitan.data.order import LANES, LOOKAHEAD
+    from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+    from torchtitan.tools.launch import DEBUG_CONFIG
+    folder, counts = sys.argv[1], sys.argv[2]
+    write_parquet_files(__import__("pathlib").Path(folder), repeated(bundled_documents(), 6), 8,
+                        row_group=512)
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+    argv = ["--job.config_file", DEBUG_CONFIG, "--training.dataset_path", folder,
+            "--training.length_index_dir", counts, "--training.streaming",
+            "--training.seq_len", "512", "--training.batch_size", "8"]
+    loader = build_dataloader(parse_args(argv), Tokenizer(DEFAULT_TOKENIZER_PATH), 0, 1)
+    next(loader)
+    first, peak, kept = rss(), 0.0, 0
+    held = loader.stream.orders[0].counts
+    while not loader.take_epoch_starts():
+        next(loader)
+        peak = max(peak, rss())
+        kept = max(kept, len(held._unit_tokens))
+    print(json.dumps({"first": first, "peak": peak, "kept": kept, "bytes": held._unit_token_bytes,
+                      "measured": held.measured}))
+""")
+
+
+def test_memory_stays_flat_over_a_long_first_pass(tmp_path):
+    """A whole first pass over 6 MB of text (~1.5 M tokens, ~360 batches, 64 units): the
+    resident memory at its peak is within 10 % of that after the first batch, and the
+    measured tokens kept are those of the units the lanes read, measure ahead and
+    finished last (at most LANES + LOOKAHEAD + KEEP_FINISHED units). In a process of its own: nothing else's memory."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", "test"]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path / "c"), str(tmp_path / "n")],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["measured"] >= 48, out  # a long pass: many units measured, each let go
+    assert out["kept"] <= LANES + LOOKAHEAD + length_index.KEEP_FINISHED, out
+    assert out["bytes"] <= length_index.KEEP_TOKEN_BYTES, out
+    assert out["peak"] <= 1.10 * out["first"], out
