@@ -89,7 +89,7 @@ def test_a_first_pass_tokenizes_each_document_once(tmp_path, streaming, calls):
     once = [d for d in texts if d not in second]
     assert len(once) > len(texts) // 2 and all(calls[texts[d]] == 1 for d in once)
     # Read again in the second pass: tokenized there unless its unit's tokens are still
-    # kept (a unit finished last, KEEP_FINISHED).
+    # kept (a unit finished in the step that began the second pass).
     assert all(calls[texts[d]] in (1, 2) for d in second)
 
     calls.clear()
@@ -172,10 +172,10 @@ def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
 
 
 def test_a_units_sidecar_goes_once_its_last_token_is_read(tmp_path):
-    """Sidecars live while their unit is read (and while ``KEEP_FINISHED`` more units
-    finish): after a whole first pass over 192 units, at most that many are left, and
-    midway, at most those of the units the lanes read, measure ahead and finished last.
-    Negative control: a unit's sidecar is there while its lane reads it."""
+    """Sidecars live while their unit is read: midway through a pass over 192 units, those
+    of the units the lanes read are there, and at most those of the lanes and the units
+    measured ahead; once the pass is read (and the next step planned), none is left.
+    Negative control: the lanes' units keep theirs while they are read."""
     folder, _ = corpus(tmp_path / "c", files=12, docs=160)
     counts = tmp_path / "n"
     loader = loader_of(folder, counts, "true")
@@ -185,12 +185,13 @@ def test_a_units_sidecar_goes_once_its_last_token_is_read(tmp_path):
         loader.next_step()
     lanes = [order.unit(loader.position.cursors[0], k)[1] for _, k, token in
              loader.position.cursors[0].lanes if token]  # fmt: skip
-    assert len(lanes) > LANES // 2 and all(Path(order.counts.tokens_path(tuple(int(x) for x in u))).exists()
-               for u in lanes)  # fmt: skip
-    midway = len(list(counts.rglob("*.tokens")))
-    assert midway <= LANES + LOOKAHEAD + length_index.KEEP_FINISHED
+    assert len(lanes) > LANES // 2 and all(
+        Path(order.counts.tokens_path(tuple(int(x) for x in u))).exists() for u in lanes
+    )
+    assert len(list(counts.rglob("*.tokens"))) <= LANES + LOOKAHEAD
     first_pass(loader)
-    assert len(list(counts.rglob("*.tokens"))) <= length_index.KEEP_FINISHED
+    loader.next_step()  # the last step of the pass is read: what it finished goes
+    assert list(counts.rglob("*.tokens")) == []
 
 
 MEMORY = textwrap.dedent("""
@@ -227,14 +228,14 @@ MEMORY = textwrap.dedent("""
 def test_memory_stays_flat_over_a_long_first_pass(tmp_path):
     """A whole first pass over 6 MB of text (~1.5 M tokens, ~360 batches, 64 units): the
     resident memory at its peak is within 10 % of that after the first batch, and the
-    measured tokens kept are those of the units the lanes read, measure ahead and
-    finished last (at most LANES + LOOKAHEAD + KEEP_FINISHED units). In a process of its own: nothing else's memory."""
+    measured tokens kept are those of the units the lanes read and measure ahead (at
+    most LANES + LOOKAHEAD units). In a process of its own: nothing else's memory."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([".", "test"]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", MEMORY, str(tmp_path / "c"), str(tmp_path / "n")],
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["measured"] >= 48, out  # a long pass: many units measured, each let go
-    assert out["kept"] <= LANES + LOOKAHEAD + length_index.KEEP_FINISHED, out
+    assert out["kept"] <= LANES + LOOKAHEAD, out
     assert out["bytes"] <= length_index.KEEP_TOKEN_BYTES, out
     assert out["peak"] <= 1.10 * out["first"], out

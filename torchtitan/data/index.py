@@ -43,13 +43,13 @@ document (12 for JSON lines, whose rows are found by byte offset): c4's 365 M do
 take 1.5 GB in ~360 K files of ~4 KB; FineWeb's ~23 B documents about 92 GB in 22 M
 files (where a file system dislikes that many, prepare them offline with
 ``scripts/prepare_data.py`` on the file system the job reads). The sidecars of measured
-tokens live only while their units are read: a source's lanes, the units measured ahead
-of them and those finished last, ``LANES + LOOKAHEAD + KEEP_FINISHED`` = 96 units, ~0.4 MB
-each for web text (256 documents of ~700 tokens at 2 bytes; 4 bytes where the vocabulary
-passes 65,536): about 40-80 MB a source at any time, whatever the corpus (c4 or FineWeb
-alike), plus the units in flight when a process is killed (read and deleted by the
-relaunch that continues them). In memory, a process keeps the same units at most, and
-never more than ``KEEP_TOKEN_BYTES`` a source.
+tokens live only while their units are read: a source's lanes and the units measured
+ahead of them, ``LANES + LOOKAHEAD`` = 64 units (and those a step finishes, until the
+next step), ~0.4 MB each for web text (256 documents of ~700 tokens at 2 bytes; 4 bytes
+where the vocabulary passes 65,536): about 25-50 MB a source at any time, whatever the
+corpus (c4 or FineWeb alike), plus the units in flight when a process is killed (read and
+deleted by the relaunch that continues them). In memory, a process that reads windows
+keeps the same units at most, and never more than ``KEEP_TOKEN_BYTES`` a source.
 
 Never: choose an order, pack windows, or touch torch.distributed.
 """
@@ -62,7 +62,7 @@ import logging
 import os
 import tempfile
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -79,16 +79,12 @@ CACHE_ENV = "TORCHTITAN_CACHE"
 CLAIM_STALE_S = 60.0  # a claim whose holder has not refreshed it for this long is taken over
 HEARTBEAT_S = 5.0  # how often a measuring process refreshes its claim
 KEEP_UNITS = 256  # units' counts a process keeps in memory (a few lanes' lookahead)
-# Measured tokens a process keeps in memory, a source: the units its lanes read, those
-# measured ahead of them and the last finished (order.LANES + order.LOOKAHEAD +
-# KEEP_FINISHED = 96 units of ~0.4 MB for web text, ~40 MB), with room for units of long
-# documents; beyond it the least recently read unit is dropped and read back from its
-# sidecar if needed again.
+# Measured tokens a process keeps in memory, a source: the units its lanes read and those
+# measured ahead of them (order.LANES + order.LOOKAHEAD = 64 units of ~0.4 MB for web
+# text, ~25 MB), with room for units of long documents; beyond it the least recently read
+# unit is dropped and read back from its sidecar if needed again.
 KEEP_TOKEN_BYTES = 96 << 20
 KEEP_MISSES = 1024  # units known to have no sidecar (so not looked for again)
-# Finished units whose measured tokens are kept a while (``SourceCounts.finished``): the
-# units a pass's last windows may still read out of order, at most one a lane (order.LANES).
-KEEP_FINISHED = 32
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
@@ -239,13 +235,16 @@ class SourceCounts:
         self._unit_tokens: OrderedDict[tuple, UnitTokens] = OrderedDict()
         self._unit_token_bytes = 0
         self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # units with no sidecar
-        self._finished: deque = deque()  # units whose last token was read, latest last
+        self._finished: list = []  # units whose last token was read in this step
+        # Whether this process keeps measured tokens in memory: not a process that reads no
+        # window (a rank's main process whose loader workers read); its sidecars serve.
+        self.keeps_tokens = True
 
     def __getstate__(self):
         # A worker reads its own, and holds no claim of its parent's.
         return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {},
                 "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
-                "_no_tokens": OrderedDict(), "_finished": deque()}  # fmt: skip
+                "_no_tokens": OrderedDict(), "_finished": []}  # fmt: skip
 
     def _measure_unit(self, unit, heartbeat=None):
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
@@ -419,13 +418,17 @@ class SourceCounts:
     def finished(self, unit):
         """``unit``'s last token was read here (each unit has one last token, read by one
         process of the job): its measured tokens go, in this process and in its sidecar,
-        once ``KEEP_FINISHED`` more units have finished. Not at once: a step's windows are
-        read grouped by the unit each starts in, so at the end of a pass, where a window
-        goes on in another lane's unit, a window of that unit's earlier tokens may be read
-        after it. Cost: one unlink."""
+        at the next ``release_finished``, when the step is read. Not at once: a step's
+        windows are read grouped by the unit each starts in, so at the end of a pass, where
+        a window goes on in another lane's unit, a window of that unit's earlier tokens
+        may be read after the one that ends it."""
         self._finished.append(unit)
-        while len(self._finished) > KEEP_FINISHED:
-            gone = self._finished.popleft()
+
+    def release_finished(self):
+        """Let go the measured tokens of the units finished since the last call (the
+        stream calls it as it plans the next step). Cost: one unlink a unit."""
+        while self._finished:
+            gone = self._finished.pop()
             tokens = self._unit_tokens.pop(gone, None)
             if tokens is not None:
                 self._unit_token_bytes -= tokens.nbytes
@@ -433,6 +436,8 @@ class SourceCounts:
                 _remove(self.tokens_path(gone))
 
     def _keep_tokens(self, unit, tokens: UnitTokens):
+        if not self.keeps_tokens:
+            return
         old = self._unit_tokens.pop(unit, None)
         self._unit_token_bytes += tokens.nbytes - (old.nbytes if old is not None else 0)
         self._unit_tokens[unit] = tokens

@@ -114,6 +114,8 @@ class WorkerBatches(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         workers, me = (info.num_workers, info.id) if info else (1, 0)
+        for order in self.stream.orders:  # a worker reads windows: it keeps what it measures
+            _keep_measured_tokens(order.counts, True)
         m, out = 0, []
         for plan in plan_steps(self.stream, self.schedule, self.rank, self.step, self.position):
             for windows, weight in zip(plan.micro, plan.weights):
@@ -185,6 +187,13 @@ def _wait_for_exit(rank_pid: int, pidfd: int | None, stop_fd: int):
     os._exit(0)  # not sys.exit: nothing of an orphan's exit may wait on the rank
 
 
+def _keep_measured_tokens(counts, keep: bool):
+    """Whether a process keeps the tokens it measures in memory (index.SourceCounts): one
+    that reads windows does; a rank whose workers read leaves them to the sidecars."""
+    if hasattr(counts, "keeps_tokens"):
+        counts.keeps_tokens = keep
+
+
 def _as_is(group: list[dict]) -> list[dict]:
     return group
 
@@ -218,6 +227,8 @@ class ParallelDataLoader:
             collate, document_layout=document_layout, transfer=num_workers > 0
         )
         self.group = group_size(schedule.micro, stream.seq_len, num_workers)
+        for order in stream.orders:  # with workers, this process reads no window
+            _keep_measured_tokens(order.counts, not num_workers)
         self.position = stream.start()  # after the last step handed out in full
         self.step = 0  # the step the next micro-batch belongs to
         self._plans = None

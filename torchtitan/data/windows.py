@@ -119,10 +119,16 @@ class DocumentReader:
         return unit_tokens(unit, counts) if unit_tokens is not None else None
 
     def finished(self, unit: tuple):
-        """``unit``'s last token was read: its measured tokens may go."""
+        """``unit``'s last token was read: its measured tokens may go (once the step is)."""
         finished = getattr(self.order.counts, "finished", None)
         if finished is not None:
             finished(unit)
+
+    def release_finished(self):
+        """The step read, the units it finished let go their measured tokens."""
+        release = getattr(self.order.counts, "release_finished", None)
+        if release is not None:
+            release()
 
     def _raw(self, unit: tuple, row: int, counts) -> tuple[str, object]:
         kept = self._reads.get(unit)
@@ -206,6 +212,8 @@ class TokenStream:
         ``step`` (whose weights choose their sources), grouped by the unit each starts in,
         and the position after them. Cost: O(count) and the counts of the units the lanes
         take; nothing read."""
+        for reader in self.readers:  # the last step is read: what it finished may go
+            reader.release_finished()
         key = (position.windows, count, step, self.seq_len,
                tuple(tuple(c.to_list()) for c in position.cursors))  # fmt: skip
         if self._last is not None and self._last[0] == key:
