@@ -2,8 +2,8 @@
 side with torchtitan 0.3.0's loader, and against this project's own warm loader.
 
     python scripts/benchmarks/bench_firstpass.py [--peer-python /path/to/venv/bin/python]
-        [--mb 80] [--row-group 1024] [--batches 300] [--rounds 3] [--work DIR] [--smoke]
-        [--json out.json]
+        [--mb 80] [--row-group 1024] [--batches 300] [--rounds 3] [--workers 0,2]
+        [--before OTHER_CHECKOUT] [--work DIR] [--smoke] [--json out.json]
 
 Corpus, built once under --work: 16 parquet files holding --mb MB of text in row groups of
 --row-group rows (1,024: a web corpus's layout, cut into units of 256 rows), the bundled
@@ -35,7 +35,8 @@ cache of the corpus warmed once before, as bench_coldstart.py does) against the 
 map-style loader (``streaming=False``, the same warmed cache). Rounds interleave every
 row; the figures are medians. Targets (#39): cold first pass >= 0.95 x warm at 0 and 2
 workers; cold first pass >= the peer's; memory after the batches within 10 % of that
-after the first; cold peak <= the peer's; map-style first batch <= 1.2 x the peer's.
+after the first; cold peak <= the peer's; map-style first batch <= 1.2 x the peer's;
+with ``--before`` (a checkout of the code before #39), warm >= 0.95 x the code before's.
 """
 
 from __future__ import annotations
@@ -194,12 +195,15 @@ def fresh(folder: Path) -> str:
     return str(folder)
 
 
-def run_ours(corpus: dict, counts: str, workers: int, args, streaming=True, whole=True) -> dict:
+def run_ours(corpus: dict, counts: str, workers: int, args, streaming=True, whole=True,
+             checkout: Path = REPO) -> dict:  # fmt: skip
+    """One run of ``checkout``'s loader (this one's by default; ``--before``'s for the warm
+    rows of the code before)."""
     return bench.run_program(OURS, {
         "corpus": corpus["path"], "counts": counts, "workers": workers, "seq": SEQ,
         "batch": BATCH, "batches": args.batches, "pass": whole, "streaming": streaming,
-        "tokenizer": TOKENIZER, "launched": time.time()},
-        pythonpath=str(REPO), cwd=REPO, what="ours")  # fmt: skip
+        "tokenizer": TOKENIZER, "launched": time.time(), "repo": str(checkout)},
+        pythonpath=str(checkout), cwd=checkout, what=f"ours ({checkout})")  # fmt: skip
 
 
 def run_peer(corpus: dict, workers: int, args, streaming=True, whole=True) -> dict | None:
@@ -241,6 +245,9 @@ def main(argv=None) -> int:
     parser.add_argument("--row-group", type=int, default=1024, help="rows a parquet row group")
     parser.add_argument("--batches", type=int, default=300, help="batches after the first")
     parser.add_argument("--workers", default="0,2", help="loader workers, comma-separated")
+    parser.add_argument("--before", default="", metavar="CHECKOUT",
+                        help="another checkout of this project (the code before a change): "
+                        "its warm rows measured alongside, in the same rounds")  # fmt: skip
     args = parser.parse(argv)
     workers = [int(w) for w in args.workers.split(",")]
     import os
@@ -258,6 +265,9 @@ def main(argv=None) -> int:
                 for sidecar in Path(counts).rglob("*.tokens"):
                     sidecar.unlink()
                 runs.setdefault(f"warm {w}", []).append(run_ours(corpus, counts, w, args))
+                if args.before:  # the same counts, read by the code before
+                    runs.setdefault(f"warm before {w}", []).append(
+                        run_ours(corpus, counts, w, args, checkout=Path(args.before).resolve()))
                 runs.setdefault(f"peer {w}", []).append(run_peer(corpus, w, args))
             runs.setdefault("map ours", []).append(
                 run_ours(corpus, fresh(work / "counts-map"), 0, args, streaming=False, whole=False))
@@ -281,6 +291,9 @@ def summarize(runs: dict, workers: list[int], corpus: dict, args) -> dict:
                        ">= 0.95"])  # fmt: skip
         checks.append([f"cold / warm {args.batches} batches, {w} workers",
                        cold["window_tps"] / warm["window_tps"], "(reported)"])  # fmt: skip
+        if f"warm before {w}" in med:
+            checks.append([f"warm / warm before, first pass, {w} workers",
+                           warm["pass_tps"] / med[f"warm before {w}"]["pass_tps"], ">= 0.95"])  # fmt: skip
         checks.append([f"memory after {args.batches} / after the first, cold, {w} workers",
                        cold["memory_window"] / cold["memory_first"], "<= 1.10"])  # fmt: skip
         if peer["pass_tps"]:

@@ -35,6 +35,7 @@ from collections import OrderedDict
 import numpy as np
 
 from torchtitan.data.index import counts_key
+from torchtitan.data.order import LANES
 from torchtitan.data.spec import (
     MIN_FILE_UNITS,
     BadText,
@@ -53,9 +54,15 @@ from torchtitan.data.spec import (
 UNIT_BYTES = 4 << 20
 # And of at least this many bytes: a small file's ranges would mostly hold no line.
 MIN_UNIT_BYTES = 4 << 10
-# Decoded blocks a process keeps (by their values' size), per source: a row group's units
-# are read one after another by the lanes, each decoding it again without this.
-KEEP_BLOCK_BYTES = 256 << 20
+# Decoded blocks a process keeps, per source, the last read. A lane reads one unit at a
+# time and a unit lies in one block, so the lanes read at most LANES blocks at once; a
+# row group cut into several units has them dealt round the files (order.pass_order), so
+# in a corpus of up to LANES files its next unit comes while it is still kept and is not
+# decoded again (in a corpus of many files they lie too far apart for any bound memory
+# holds: each is decoded again, a few percent of tokenizing it). The bytes bound holds
+# where row groups are large: LANES blocks of 2 MiB (512 rows of web text).
+KEEP_BLOCKS = LANES
+KEEP_BLOCK_BYTES = 64 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
 # Bytes read from a JSON lines file to find the keys of its objects.
@@ -217,7 +224,8 @@ class StreamSource:
         return block
 
     def _keep(self, f: int, b: int, block: _Block):
-        """Keep the blocks last read, up to ``KEEP_BLOCK_BYTES`` of their values: a block's
+        """Keep the blocks last read, ``KEEP_BLOCKS`` and ``KEEP_BLOCK_BYTES`` of their values
+        at most: a block's
         units are taken by lanes one after the other, and decoding it again for each
         would cost a row group per unit."""
         kept = self._kept
@@ -227,7 +235,7 @@ class StreamSource:
         size = _block_bytes(block)
         kept[(f, b)] = (block, size)
         self._kept_bytes += size
-        while self._kept_bytes > KEEP_BLOCK_BYTES and len(kept) > 1:
+        while (self._kept_bytes > KEEP_BLOCK_BYTES or len(kept) > KEEP_BLOCKS) and len(kept) > 1:
             _, (_, gone) = kept.popitem(last=False)
             self._kept_bytes -= gone
 

@@ -15,8 +15,10 @@ A process holds, per source, the decoded rows of at most ``KEEP_READS`` units (e
 read is the rest of a unit's rows in its block, at most ``UNIT_ROWS``, or ``READ_BYTES``
 of JSON lines, or ``READ_ROWS`` dataset rows), consumed rows dropped as the lanes move
 on: with 32 lanes of 256-row units, about 32 x 128 documents; the tokens of
-``KEEP_TOKENS`` documents; and, for parquet and Arrow, the blocks last decoded
-(streaming.KEEP_BLOCK_BYTES).
+``KEEP_TOKENS`` documents; for parquet and Arrow, the blocks last decoded
+(streaming.KEEP_BLOCKS, KEEP_BLOCK_BYTES); and, on a first pass, the tokens measured for the
+units its lanes read (index.SourceCounts.unit_tokens), which its windows read instead of
+the text.
 
 Never: touch torch.distributed, the DataLoader or checkpoint files; decide which rank
 reads which window.
@@ -62,9 +64,13 @@ class Position:
 class DocumentReader:
     """One source's documents by (unit, row), read ahead in order, a few kept tokenized."""
 
-    KEEP_READS = LANES + 8  # units whose rows read ahead are kept (one per lane, and some)
-    KEEP_TOKENS = 8 * LANES  # documents kept tokenized: a lane's last ones outlive a round
-    # of the other lanes (each window touches about two)
+    # Units whose rows read ahead are kept: one a lane (a lane reads one unit at a time),
+    # and a few for the lanes that took a new unit while their last read is still kept.
+    KEEP_READS = LANES + 8
+    # Documents kept tokenized: a lane's last ones outlive a round of the other lanes, so
+    # that a document cut by a window boundary is tokenized once (each window touches
+    # about two; eight a lane leaves room for windows shorter than the documents).
+    KEEP_TOKENS = 8 * LANES
     TRIM = 64  # rows a kept read drops at once once they are behind the lane
 
     def __init__(self, source, order: SourceOrder, tokenizer, bad_data: str,
