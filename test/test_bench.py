@@ -152,7 +152,19 @@ def check_ft(r: dict):
     assert restart["steps_trained_again"] >= 0
 
 
+def check_firstpass(r: dict):
+    med = r["medians"]
+    for row in ("cold 0", "warm 0", "map ours"):
+        assert positive(med[row]["first_s"], med[row]["window_tps"], med[row]["memory_first"]), row
+    assert positive(med["cold 0"]["pass_tps"], med["warm 0"]["pass_tps"])
+    # Over a whole pass (the first batch's included), each document tokenized once.
+    assert 0.9 < med["cold 0"]["tokenized_over_read"] < 1.1, "the first pass tokenizes twice"
+    for name, value, _ in r["checks"]:
+        assert positive(value), name
+
+
 CHECKS = {
+    "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,
     "bench_data.py": check_data,
@@ -251,6 +263,11 @@ NONSENSE = [
                 "restart": {"kill_to_first_step_s": 1.0, "step_ms_median": 1.0,
                             "steps_trained_again": 1}},
      "the joiner must have healed"),
+    (check_firstpass, {"medians": {row: {"first_s": 1.0, "window_tps": 1.0, "pass_tps": 1.0,
+                                         "memory_first": 1.0, "tokenized_over_read": 2.0}
+                                   for row in ("cold 0", "warm 0", "map ours")},
+                       "checks": []},
+     "the first pass tokenizes twice"),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
                                                   "result": "3 of 4 steps bit-equal"}],
                        "rows": []},
