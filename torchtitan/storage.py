@@ -42,6 +42,11 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
+def on_s3(url: str) -> bool:
+    """Whether ``url`` names an object on S3 (or an S3 API: ``AWS_ENDPOINT_URL``)."""
+    return url.split("://", 1)[0].lower() in ("s3", "s3a")
+
+
 def join(folder: str, *names: str) -> str:
     """``folder/name``: a URL's separator is ``/`` whatever the local one is."""
     if is_remote(folder):
@@ -69,6 +74,13 @@ def exists(path: str) -> bool:
     """Whether the file or object exists (a store: one HEAD request)."""
     if not is_remote(path):
         return os.path.exists(path)
+    if on_s3(path):  # one HEAD (fsspec's exists lists the prefix when the key is absent)
+        fs, bucket, key = _s3(path)
+        try:
+            fs.call_s3("head_object", Bucket=bucket, Key=key)
+            return True
+        except FileNotFoundError:
+            return False
     fs, inner = _fs(path)
     fs.invalidate_cache(inner)  # another process may have written it since a listing
     return fs.exists(inner)
@@ -143,10 +155,6 @@ class Object:
         own (no skew between this machine and the writer's or the store's), else by this
         machine's (off by the skew between the two clocks). To a second either way."""
         return max(0.0, (self.now if self.now is not None else time.time()) - self.modified)
-
-
-def on_s3(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("s3", "s3a")
 
 
 def _s3(url: str):
