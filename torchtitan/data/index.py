@@ -9,7 +9,8 @@ process that needs counts.
   first reaches the unit, so a corpus's first step waits for the units its first windows
   lie in, never for the corpus. Later units are measured as the order reaches them.
 - **Shared, and surviving.** Each unit's counts are one file, written atomically
-  (``os.replace``), named by what they depend on: the content signature of the data
+  (``os.replace``; in a bucket, ``s3://...``, one create-only PUT: storage.py), named
+  by what they depend on: the content signature of the data
   file (size, CRC32 of its first and last MiB; not its path), the unit's range, the
   tokenizer and the reading settings (``counts_key``). A kill -9 loses at most the units
   being measured; a relaunch, another job, or another node reading the same folder
