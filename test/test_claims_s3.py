@@ -287,6 +287,28 @@ def test_two_processes_split_the_measuring_through_the_bucket(tmp_path, prefix, 
     assert alone.counts.measured == 16
 
 
+def test_a_measurer_renews_its_claim_in_the_bucket(tmp_path, prefix, tokenizer):
+    """While a unit is measured, the heartbeat ``measure_unit`` is given renews the
+    claim in the bucket (its ``beat`` counted up): a measurer keeps its unit however long
+    it takes. Negative control: a heartbeat with another token renews nothing."""
+    folder = _corpus(tmp_path / "c", files=1)
+    training = cfg(folder, length_index_dir=f"{prefix}/counts", streaming="true").training
+    order = build_stream(training, tokenizer).orders[0]
+    measure, beats = order.counts._measure, []
+
+    def measured(unit, heartbeat=None):
+        claim = order.counts.path(unit) + ".claim"
+        claims.touch(claim, "another-token")
+        beats.append(_record_at(claim).get("beat"))
+        heartbeat()
+        beats.append(_record_at(claim).get("beat"))
+        return measure(unit, heartbeat)
+
+    order.counts._measure = measured
+    assert order.counts.counts(order.units(1)[0]).total > 0
+    assert beats == [None, 1] and order.counts.measured == 1
+
+
 def test_count_files_in_a_bucket_are_reused(tmp_path, prefix, tokenizer):
     """A second ``SourceCounts`` over the same bucket prefix reads every unit's counts:
     none measured, the same totals. Negative control: another bad-data policy (another

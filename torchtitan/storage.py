@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import io
 import os
 import tempfile
 import time
@@ -126,8 +127,6 @@ def publish(path: str, write):
             write(f)
         os.replace(tmp, path)
         return
-    import io
-
     buffer = io.BytesIO()
     write(buffer)
     if on_s3(path):
