@@ -328,6 +328,24 @@ def test_count_files_in_a_bucket_are_reused(tmp_path, prefix, tokenizer):
     assert strict.counts.measured == 16
 
 
+def test_a_damaged_count_file_in_a_bucket_is_measured_again(tmp_path, prefix, tokenizer,
+                                                             caplog):  # fmt: skip
+    """A count file whose bytes do not parse (written by something else: a PUT is whole)
+    is named in a warning, deleted and measured again, its new file readable. Negative
+    control: the file rewritten whole is read, not measured."""
+    folder = _corpus(tmp_path / "c", files=1)
+    training = cfg(folder, length_index_dir=f"{prefix}/counts", streaming="true",
+                   length_index_wait_seconds=2).training  # fmt: skip
+    order = build_stream(training, tokenizer).orders[0]
+    unit = tuple(int(x) for x in order.units(1)[0])
+    url = order.counts.path(unit)
+    storage.put_object(url, b"PK" + bytes(100))
+    assert order.counts.counts(unit).total > 0 and order.counts.measured == 1
+    assert "unreadable" in caplog.text and url in caplog.text
+    again = build_stream(training, tokenizer).orders[0]
+    assert again.counts.counts(unit).total > 0 and again.counts.measured == 0
+
+
 def test_a_count_file_once_published_is_kept(prefix):
     """Count files are published by a create-only PUT: a second writer's bytes never
     replace the first's (both hold the same counts by construction). Negative control:

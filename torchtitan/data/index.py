@@ -234,14 +234,18 @@ class SourceCounts:
 
     def _load(self, unit) -> UnitCounts | None:
         path = self.path(unit)
+        data = None
         try:
-            with np.load(io.BytesIO(storage.read_bytes(path))) as z:
+            data = storage.read_bytes(path)
+            with np.load(io.BytesIO(data)) as z:
                 lengths = z["lengths"]
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
             return UnitCounts(lengths, ats.astype(np.int64))
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a damaged file is measured again
+            if data is None and storage.is_remote(path):
+                return None  # the store did not answer (a network error): its file is kept
             logger.warning("token counts %s are unreadable (%r): measuring them again", path, e)
             _remove(path)
             return None
