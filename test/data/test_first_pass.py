@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import cfg, write_parquet
 
+from harness import s3
 from torchtitan.data import build_dataloader, packing
 from torchtitan.data import index as length_index
 from torchtitan.data.order import LANES, LOOKAHEAD
@@ -239,3 +240,32 @@ def test_memory_stays_flat_over_a_long_first_pass(tmp_path):
     assert out["kept"] <= LANES + LOOKAHEAD, out
     assert out["bytes"] <= length_index.KEEP_TOKEN_BYTES, out
     assert out["peak"] <= 1.10 * out["first"], out
+
+
+@pytest.mark.skipif(s3.missing() is not None, reason=str(s3.missing()))
+def test_a_first_pass_with_its_counts_in_a_bucket(tmp_path, calls):
+    """``training.length_index_dir`` in a bucket (a real S3 API on 127.0.0.1): the counts and
+    the measured tokens' sidecars go there, each document is tokenized once over the first
+    pass, the batches are those of reading the text, and no sidecar is left once the pass
+    is read. Negative control: midway, the bucket holds the sidecars of the units read."""
+    import s3fs
+
+    folder, texts = corpus(tmp_path / "c")
+    with s3.local_s3() as (bucket, _):
+        counts = f"s3://{bucket}/counts"
+        shared = loader_of(folder, counts, "true")
+        plain = loader_of(folder, tmp_path / "plain", "true", share=False)
+        for _ in range(5):
+            for a, b in zip(shared.next_step(), plain.next_step(), strict=True):
+                assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]
+        fs = s3fs.S3FileSystem()
+        assert any(p.endswith(".tokens") for p in fs.find(f"{bucket}/counts"))
+        calls.clear()
+        shared = loader_of(folder, f"s3://{bucket}/counts2", "true")
+        first, second = first_pass(shared)
+        assert first == set(texts)
+        assert all(calls[texts[d]] == 1 for d in texts if d not in second)
+        shared.next_step()
+        fs.invalidate_cache()
+        assert not [p for p in fs.find(f"{bucket}/counts2") if p.endswith(".tokens")]
+        assert any(p.endswith(".npz") for p in fs.find(f"{bucket}/counts2"))
