@@ -139,6 +139,36 @@ def test_a_sidecar_of_another_process_is_read_instead_of_the_text(tmp_path, call
     assert sum(calls.values()) > 0
 
 
+def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(tmp_path, calls):
+    """Two ranks (two loaders on one counts folder, stepped in turn) split the measuring
+    and each reads its slice of every step: over the first pass, each document is
+    tokenized once in all (the other rank's through the sidecars), and once the pass is
+    read, neither keeps the measured tokens of a unit of that pass, also of units it
+    measured ahead and never read the end of (let go by the plan, not by who read the
+    last token). Negative control: midway, each keeps those of the units its lanes are
+    in."""
+    folder, texts = corpus(tmp_path / "c", files=8, docs=80)
+    c = cfg(folder, length_index_dir=tmp_path / "n", streaming="true", global_batch_size=8)
+    ranks = [build_dataloader(c, TOKENIZER, r, 2) for r in range(2)]
+    second: set = set()
+    for step in range(10_000):
+        for loader in ranks:
+            for batch in loader.next_step():
+                second |= {d for spans in batch["spans"] for _, d, _, _, p, _ in spans if p}
+        if step == 20:
+            assert all(r.stream.orders[0].counts._unit_tokens for r in ranks)
+        if any(r.take_epoch_starts() for r in ranks):
+            break
+    assert all(calls[texts[d]] == 1 for d in texts if d not in second)
+    for _ in range(2):
+        for loader in ranks:
+            loader.next_step()
+    for loader in ranks:  # kept: at most units the lanes read now (a sidecar a second pass
+        order, cursor = loader.stream.orders[0], loader.position.cursors[0]  # met again)
+        lanes = {tuple(int(x) for x in order.unit(cursor, k)[1]) for _, k, _ in cursor.lanes}
+        assert set(order.counts._unit_tokens) <= lanes
+
+
 def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
     """A sidecar is a cache, never the truth: one that is damaged, or that holds another
     unit's tokens under this unit's name (the sidecars swapped round), is passed over and
@@ -191,7 +221,8 @@ def test_a_units_sidecar_goes_once_its_last_token_is_read(tmp_path):
     )
     assert len(list(counts.rglob("*.tokens"))) <= LANES + LOOKAHEAD
     first_pass(loader)
-    loader.next_step()  # the last step of the pass is read: what it finished goes
+    loader.next_step()  # the pass's last steps are read: what they finished goes
+    loader.next_step()
     assert list(counts.rglob("*.tokens")) == []
 
 
@@ -265,6 +296,7 @@ def test_a_first_pass_with_its_counts_in_a_bucket(tmp_path, calls):
         first, second = first_pass(shared)
         assert first == set(texts)
         assert all(calls[texts[d]] == 1 for d in texts if d not in second)
+        shared.next_step()
         shared.next_step()
         fs.invalidate_cache()
         assert not [p for p in fs.find(f"{bucket}/counts2") if p.endswith(".tokens")]

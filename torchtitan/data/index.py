@@ -30,8 +30,8 @@ process that needs counts.
   windows that read the unit: in its memory, and in a sidecar file beside the counts
   (``<lo>-<hi>.tokens``, an .npz written before them) for the other processes of the job, loader
   workers and ranks, which read the unit's windows too. A window reader takes a document's
-  tokens from there and reads no text; the reader of a unit's last token deletes the
-  sidecar (``finished``). A sidecar is a cache, never the truth: one that is missing,
+  tokens from there and reads no text; the sidecar goes once its unit's lane finished
+  it, a step later (``let_go``). A sidecar is a cache, never the truth: one that is missing,
   unreadable or of another length than the counts says nothing, and the document is read
   and tokenized as before.
 
@@ -222,7 +222,7 @@ class SourceCounts:
     With ``share_tokens`` (a stream that reads windows sets it; tools that only measure,
     such as prepare_data, do not), a unit measured here keeps its tokens for the window
     readers: ``unit_tokens`` gives them (this process's, else the sidecar another wrote),
-    ``finished`` lets them go once the unit's last token is read."""
+    ``let_go`` lets them go once the unit's lane finished it."""
 
     def __init__(self, source, tokenizer, bad_data: str, folder: str, keys: list[str],
                  wait_s: float = 600.0, log: bool = False, measure=None):  # fmt: skip
@@ -239,7 +239,6 @@ class SourceCounts:
         self._unit_tokens: OrderedDict[tuple, UnitTokens] = OrderedDict()
         self._unit_token_bytes = 0
         self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # units with no sidecar
-        self._finished: list = []  # units whose last token was read in this step
         # Whether this process keeps measured tokens in memory: not a process that reads no
         # window (a rank's main process whose loader workers read); its sidecars serve.
         self.keeps_tokens = True
@@ -248,7 +247,7 @@ class SourceCounts:
         # A worker reads its own, and holds no claim of its parent's.
         return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {},
                 "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
-                "_no_tokens": OrderedDict(), "_finished": []}  # fmt: skip
+                "_no_tokens": OrderedDict()}  # fmt: skip
 
     def _measure_unit(self, unit, heartbeat=None):
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
@@ -423,25 +422,22 @@ class SourceCounts:
         self._keep_tokens(unit, tokens)
         return tokens
 
-    def finished(self, unit):
-        """``unit``'s last token was read here (each unit has one last token, read by one
-        process of the job): its measured tokens go, in this process and in its sidecar,
-        at the next ``release_finished``, when the step is read. Not at once: a step's
-        windows are read grouped by the unit each starts in, so at the end of a pass, where
-        a window goes on in another lane's unit, a window of that unit's earlier tokens
-        may be read after the one that ends it."""
-        self._finished.append(unit)
-
-    def release_finished(self):
-        """Let go the measured tokens of the units finished since the last call (the
-        stream calls it as it plans the next step). Cost: one unlink a unit."""
-        while self._finished:
-            gone = self._finished.pop()
-            tokens = self._unit_tokens.pop(gone, None)
+    def let_go(self, units: list, sidecars: list):
+        """``units``' measured tokens leave this process's memory, and the sidecars of
+        ``sidecars`` are deleted: the stream calls it as it plans, for the units its lanes
+        finished a step before and two steps before (TokenStream._let_go_finished). Not as
+        soon as a unit's last token is read: a step's windows are read grouped by the unit
+        each starts in, so at the end of a pass, where a window goes on in another lane's
+        unit, a window of that unit's earlier tokens may be read after the one that ends
+        it. Cost: one unlink a unit."""
+        for unit in units:
+            unit = tuple(int(x) for x in unit)
+            tokens = self._unit_tokens.pop(unit, None)
             if tokens is not None:
                 self._unit_token_bytes -= tokens.nbytes
-            if self.share_tokens and self._writable:
-                _remove(self.tokens_path(gone))
+        if self.share_tokens and self._writable:
+            for unit in sidecars:
+                _remove(self.tokens_path(tuple(int(x) for x in unit)))
 
     def _keep_tokens(self, unit, tokens: UnitTokens):
         if not self.keeps_tokens:

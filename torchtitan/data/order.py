@@ -43,6 +43,7 @@ from torchtitan.data.spec import DataError
 
 LANES = 32  # units a source's stream reads at once (the mix of a step)
 LOOKAHEAD = LANES  # units ahead a process measures while it waits on another's
+MAX_FINISHED = 4096  # finished units a walk records for the stream (a step finishes few)
 
 
 @dataclass
@@ -89,6 +90,9 @@ class SourceOrder:
         self.lanes = lanes if shuffle else 1
         self._units: tuple[int, list] | None = None  # (extent, units) of the last pass
         self._orders: dict[tuple[int, int], np.ndarray] = {}
+        # Units whose lane read their last token in the fills since the owner took them
+        # (``take_finished``): what the stream lets go once their step is read.
+        self.finished: list = []
 
     def units(self, extent: int) -> list:
         """The units a pass over ``extent`` reads (those of the last extent asked, kept)."""
@@ -158,6 +162,8 @@ class SourceOrder:
                 cursor.tokens += take
             if lane[2] < counts.total:
                 continue
+            if len(self.finished) < MAX_FINISHED:  # a walk without a stream taking them
+                self.finished.append(self.unit(cursor, k)[1])
             cursor.skipped += counts.skipped
             if cursor.taken < len(self.units(cursor.extent)):
                 lane[1:] = [cursor.taken, 0]  # the lane takes the next unit of the order
@@ -180,6 +186,11 @@ class SourceOrder:
         live = [lane[0] for lane in cursor.lanes]
         cursor.turn = min((s for s in live if s > start_slot), default=0)
         return pieces
+
+    def take_finished(self) -> list:
+        """The units whose lanes finished them since the last call."""
+        out, self.finished = self.finished, []
+        return out
 
     def pass_tokens(self, extent: int | None = None) -> int:
         """Tokens of one pass over ``extent`` (all the source holds now, by default). Cost:

@@ -124,17 +124,12 @@ class DocumentReader:
         unit_tokens = getattr(self.order.counts, "unit_tokens", None)
         return unit_tokens(unit, counts) if unit_tokens is not None else None
 
-    def finished(self, unit: tuple):
-        """``unit``'s last token was read: its measured tokens may go (once the step is)."""
-        finished = getattr(self.order.counts, "finished", None)
-        if finished is not None:
-            finished(unit)
-
-    def release_finished(self):
-        """The step read, the units it finished let go their measured tokens."""
-        release = getattr(self.order.counts, "release_finished", None)
-        if release is not None:
-            release()
+    def let_go(self, units: list, sidecars: list):
+        """The measured tokens of ``units`` leave this process, and ``sidecars``' files go
+        (index.SourceCounts.let_go)."""
+        let_go = getattr(self.order.counts, "let_go", None)
+        if let_go is not None and (units or sidecars):
+            let_go(units, sidecars)
 
     def _raw(self, unit: tuple, row: int, counts) -> tuple[str, object]:
         kept = self._reads.get(unit)
@@ -202,9 +197,11 @@ class TokenStream:
             for src, order in zip(sources, self.orders)
         ]
         self._last = None  # the last advance: (its key, its result)
+        # Per plan, per source: the units the plan's lanes finished (the last two plans').
+        self._finishing: list[list[list]] = []
 
     def __getstate__(self):
-        return {**self.__dict__, "_last": None}
+        return {**self.__dict__, "_last": None, "_finishing": []}
 
     @property
     def window_size(self) -> int:
@@ -218,13 +215,12 @@ class TokenStream:
         ``step`` (whose weights choose their sources), grouped by the unit each starts in,
         and the position after them. Cost: O(count) and the counts of the units the lanes
         take; nothing read."""
-        for reader in self.readers:  # the last step is read: what it finished may go
-            reader.release_finished()
         key = (position.windows, count, step, self.seq_len,
                tuple(tuple(c.to_list()) for c in position.cursors))  # fmt: skip
         if self._last is not None and self._last[0] == key:
             windows, after = self._last[1]
             return windows, after.copy()
+        self._let_go_finished()
         chosen = self.mix.at(step).sources(position.windows, count).tolist()
         after = position.copy()
         after.windows += count
@@ -238,7 +234,22 @@ class TokenStream:
         # Every rank's plan walks the whole step: kept, the next rank's (a simulation of
         # many ranks in one process) costs a lookup.
         self._last = (key, (windows, after.copy()))
+        self._finishing.append([order.take_finished() for order in self.orders])
         return windows, after
+
+    def _let_go_finished(self):
+        """Before planning a step: the units whose lanes the previous plan finished let go
+        their measured tokens (that step is read: this process planned the next one), and
+        their sidecars go a step later still (every process of the job plans every step;
+        a loader worker or a rank a step behind may still read one). Every process does
+        it, so one that measured a unit and read none of it lets go as well. Cost: one
+        unlink a unit, a step later."""
+        if not self._finishing:
+            return
+        newest = self._finishing[-1]
+        oldest = self._finishing.pop(0) if len(self._finishing) == 2 else None
+        for s, reader in enumerate(self.readers):
+            reader.let_go(newest[s], oldest[s] if oldest is not None else [])
 
     def position_after(self, windows: int) -> Position:
         """The position ``windows`` windows from the start, at the weights of step 0 (tools
@@ -267,8 +278,6 @@ class TokenStream:
                 parts.append(tokens[token : token + take])
                 spans.append([reader.name, doc_id, token, token + take, pass_, u])
                 at += take
-            if hi == counts.total:  # the unit's last token: its lane is done with it
-                reader.finished(unit)
         window = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return window.astype(np.int64), spans
 
