@@ -22,6 +22,7 @@ The guards:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -227,3 +228,14 @@ def pretokenized(tmp_path_factory, tiny_corpus, tokenizer) -> Path:
     out = tmp_path_factory.mktemp("pretok") / "tok"
     pretokenize(resolve_source(path=str(tiny_corpus)), tokenizer, str(out), workers=1)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _project_logger_as_new():
+    """Each test starts with the project's logger as a fresh process has it: an in-process
+    ``train.main()`` (train.setup_logging) gives it a handler, a level and no propagation,
+    which would hide its lines from a later test's ``caplog``."""
+    project = logging.getLogger("torchtitan")
+    project.handlers, project.propagate = [], True
+    project.setLevel(logging.NOTSET)
+    yield
