@@ -239,6 +239,7 @@ class SourceCounts:
         self._unit_tokens: OrderedDict[tuple, UnitTokens] = OrderedDict()
         self._unit_token_bytes = 0
         self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # units with no sidecar
+        self._sidecars: set = set()  # the units whose sidecar this process wrote, not yet gone
         # Whether this process keeps measured tokens in memory: not a process that reads no
         # window (a rank's main process whose loader workers read); its sidecars serve.
         self.keeps_tokens = True
@@ -247,7 +248,7 @@ class SourceCounts:
         # A worker reads its own, and holds no claim of its parent's.
         return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {},
                 "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
-                "_no_tokens": OrderedDict()}  # fmt: skip
+                "_no_tokens": OrderedDict(), "_sidecars": set()}  # fmt: skip
 
     def _measure_unit(self, unit, heartbeat=None):
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
@@ -429,15 +430,17 @@ class SourceCounts:
         soon as a unit's last token is read: a step's windows are read grouped by the unit
         each starts in, so at the end of a pass, where a window goes on in another lane's
         unit, a window of that unit's earlier tokens may be read after the one that ends
-        it. Cost: one unlink a unit."""
+        it. Cost: one unlink (or DELETE) a unit, in the process that wrote its sidecar."""
         for unit in units:
             unit = tuple(int(x) for x in unit)
             tokens = self._unit_tokens.pop(unit, None)
             if tokens is not None:
                 self._unit_token_bytes -= tokens.nbytes
-        if self.share_tokens and self._writable:
-            for unit in sidecars:
-                _remove(self.tokens_path(tuple(int(x) for x in unit)))
+        for unit in sidecars:  # by the process that wrote it: one delete a sidecar
+            unit = tuple(int(x) for x in unit)
+            if unit in self._sidecars:
+                self._sidecars.discard(unit)
+                _remove(self.tokens_path(unit))
 
     def _keep_tokens(self, unit, tokens: UnitTokens):
         if not self.keeps_tokens:
@@ -463,7 +466,8 @@ class SourceCounts:
     def _write_tokens(self, unit, tokens: UnitTokens):
         if self._writable:
             arrays = {"ids": tokens.ids, "doc_ids": tokens.doc_ids, "lengths": tokens.lengths}
-            self._write_whole(self.tokens_path(unit), arrays)
+            if self._write_whole(self.tokens_path(unit), arrays):
+                self._sidecars.add(tuple(int(x) for x in unit))
 
     def _write(self, path: str, unit, counts: UnitCounts):
         if not self._writable:
@@ -473,15 +477,17 @@ class SourceCounts:
             arrays["ats"] = counts.ats  # JSON lines: byte offsets
         self._write_whole(path, arrays)
 
-    def _write_whole(self, path: str, arrays: dict):
+    def _write_whole(self, path: str, arrays: dict) -> bool:
         """``arrays`` as one .npz at ``path``, published whole (storage.publish: written
         aside and renamed onto it, or one create-only PUT in a bucket): a reader sees the
         whole file or none."""
         try:
             storage.makedirs(storage.dirname(path))
             storage.publish(path, lambda f: np.savez(f, **arrays))
+            return True
         except OSError as e:
             self._cannot_write(e)
+            return False
 
     def _cannot_write(self, error: OSError):
         if self._writable:
