@@ -86,7 +86,9 @@ def memory():
     return sum(_pss(p) for p in pids)
 """
 
-OURS = MEMORY + r"""
+OURS = (
+    MEMORY
+    + r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
 from torchtitan.config import parse_args
@@ -128,6 +130,7 @@ print("RESULT", json.dumps({
     "tokenized_over_read": tokenized[0] / ((batches + 1) * per_batch),
 }))
 """
+)
 
 PEER = (
     MEMORY
@@ -267,12 +270,15 @@ def main(argv=None) -> int:
                 runs.setdefault(f"warm {w}", []).append(run_ours(corpus, counts, w, args))
                 if args.before:  # the same counts, read by the code before
                     runs.setdefault(f"warm before {w}", []).append(
-                        run_ours(corpus, counts, w, args, checkout=Path(args.before).resolve()))
+                        run_ours(corpus, counts, w, args, checkout=Path(args.before).resolve())
+                    )
                 runs.setdefault(f"peer {w}", []).append(run_peer(corpus, w, args))
             runs.setdefault("map ours", []).append(
-                run_ours(corpus, fresh(work / "counts-map"), 0, args, streaming=False, whole=False))
+                run_ours(corpus, fresh(work / "counts-map"), 0, args, streaming=False, whole=False)
+            )
             runs.setdefault("map peer", []).append(
-                run_peer(corpus, 0, args, streaming=False, whole=False))
+                run_peer(corpus, 0, args, streaming=False, whole=False)
+            )
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
         result = summarize(runs, workers, corpus, args)
         result["about"] = bench.about(argv, commit=True)

@@ -289,7 +289,11 @@ def test_a_first_pass_with_its_counts_in_a_bucket(tmp_path, calls):
         reference.append(plain.next_step())
     calls.clear()
     with s3.local_s3() as (bucket, _):
-        shared, fs, second = loader_of(folder, f"s3://{bucket}/counts", "true"), s3fs.S3FileSystem(), set()
+        shared, fs, second = (
+            loader_of(folder, f"s3://{bucket}/counts", "true"),
+            s3fs.S3FileSystem(),
+            set(),
+        )
         for i, batches in enumerate(reference):
             for a, b in zip(shared.next_step(), batches, strict=True):
                 assert torch.equal(a["input"], b["input"]) and a["spans"] == b["spans"]

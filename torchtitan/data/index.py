@@ -389,7 +389,9 @@ class SourceCounts:
         path = self.path(unit)
         claim = path + ".claim"
         try:
-            counts = self._measure(unit, heartbeat=lambda: claims.touch(claim, self._tokens.get(unit)))
+            counts = self._measure(
+                unit, heartbeat=lambda: claims.touch(claim, self._tokens.get(unit))
+            )
             if isinstance(counts, tuple):  # and the tokens measured, for the readers
                 counts, tokens = counts
                 self._keep_tokens(unit, tokens)
