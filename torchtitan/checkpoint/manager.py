@@ -25,7 +25,6 @@ from another job (``initial_weights.py`` does, when this run has no checkpoint).
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -49,6 +48,7 @@ from torchtitan.checkpoint.folder import (
 from torchtitan.checkpoint.lease import Lease
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
 from torchtitan.checkpoint.stateful import Adapter, Saved
+from torchtitan.checkpoint.store import join, store_for
 
 logger = logging.getLogger("torchtitan")
 
@@ -62,7 +62,7 @@ class CheckpointManager:
         ``fingerprint``: the data this run trains on, recorded in each manifest."""
         ck = cfg.checkpoint
         self.enabled = ck.enable_checkpoint
-        self.folder = os.path.join(cfg.job.dump_folder, ck.folder)
+        self.folder = join(cfg.job.dump_folder, ck.folder)  # or a URL (an object store)
         self.interval = ck.interval
         self.options = timeline.recovery_options(ck.load_step, list(ck.exclude_from_loading))
         self.model_weights_only = ck.model_weights_only
@@ -75,7 +75,11 @@ class CheckpointManager:
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
         self.loaded_from: str | None = None
-        self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
+        self.lease = (
+            Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
+            if not store_for(self.folder).in_place
+            else UnheldLease(self.folder)
+        )
         if self.enabled:
             check_writable(self.folder)
             self._take_lease()
@@ -229,7 +233,8 @@ class CheckpointManager:
                 f"checkpoint {path} {problem}; resume it with the version that wrote it, or "
                 f"start from its weights with --checkpoint.initial_load_path {path}"
             )
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        reader = store_for(path).reader(path)
+        metadata = reader.read_metadata().state_dict_metadata
         saved: dict[str, Saved] = {}
         for key, md in metadata.items():
             name, entry = key.split(".", 1)
@@ -257,8 +262,9 @@ class CheckpointManager:
             if targets is not None:
                 state[name] = targets
         try:
-            dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
-                     planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
+            dcp.load(state, checkpoint_id=path, storage_reader=store_for(path).reader(path),
+                     process_group=self.dims.cpu_group, planner=DataOnlyLoadPlanner(),
+                     no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
             refused = [f[0] for f in getattr(e, "failures", {}).values()
                        if isinstance(f[0], CheckpointError)]  # fmt: skip
@@ -277,3 +283,23 @@ class CheckpointManager:
         changes = resumable_changes(saved, self.config_dict)
         if changes:
             logger.info("config changed since %s, the config wins: %s", path, "; ".join(changes))
+
+
+class UnheldLease:
+    """An object-store folder until ``lease.py`` takes its lease with conditional writes
+    (``If-None-Match``; branch s3-claims): nothing is held, and the log says so once."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def acquire(self):
+        logger.warning(
+            "checkpoint folder %s is on an object store: this version holds no lease there, "
+            "so make sure no other job writes to it", self.folder,
+        )  # fmt: skip
+
+    def check(self):
+        pass
+
+    def release(self):
+        pass
