@@ -167,7 +167,8 @@ class ObjectStore(LocalStore):
         return self.fs.open(path, mode)
 
     def makedirs(self, path: str):
-        self.fs.makedirs(path, exist_ok=True)  # the bucket must exist; prefixes need nothing
+        """Nothing: a prefix needs no folder, and the bucket is the operator's to create
+        (s3fs's makedirs would create a missing bucket)."""
 
     def write_bytes(self, path: str, data: bytes):
         self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all

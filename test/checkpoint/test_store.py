@@ -1,0 +1,211 @@
+"""Checkpoints on an object store: the real S3 API of harness/s3.py (moto's server on
+127.0.0.1), reached through fsspec/s3fs and the AWS_* variables as a job reaches a bucket.
+
+Runs train.main in this process (one rank) where the rank count does not matter, and
+torchrun (2 gloo ranks, slow tier) where it does. Each property has a negative control.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import CONFIG, REPO, error_lines, losses, shim_env, torchrun, train_here
+
+from harness.s3 import local_s3, missing
+from torchtitan.checkpoint import MANIFEST, complete_steps, read_manifest, verify_checkpoint
+
+CK = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's request log
+    with local_s3() as (name, _):
+        yield name
+
+
+def s3fs():
+    import s3fs as module
+
+    return module.S3FileSystem()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The per-step losses of 6 uninterrupted steps (one rank, no checkpoint)."""
+    dump = tmp_path_factory.mktemp("reference")
+    train_here(dump, "--training.steps", 6)
+    return losses(dump)
+
+
+@pytest.fixture(scope="module")
+def on_bucket(bucket, tmp_path_factory) -> str:
+    """A run that stopped at step 4 of 6, saving (async) to s3://<bucket>/run every 2 steps."""
+    url = f"s3://{bucket}/run"
+    train_here(tmp_path_factory.mktemp("on_bucket"), "--training.steps", 6, *CK,
+               "--checkpoint.async_mode", "async", "--checkpoint.folder", url,
+               "--training.stop_at_step", 4)  # fmt: skip
+    return url
+
+
+def copy_prefix(src: str, dst: str) -> str:
+    s3fs().copy(src, dst, recursive=True)
+    return dst
+
+
+def resume(dump, url: str, *extra) -> str:
+    _, log = train_here(dump, "--training.steps", 6, *CK, "--checkpoint.folder", url, *extra)
+    return log
+
+
+def loaded_step(log: str) -> int:
+    line = next(x for x in log.splitlines() if "loaded checkpoint" in x)
+    return int(line.split("/step-")[1].split()[0])
+
+
+def test_a_run_on_a_bucket_resumes_bit_exactly(on_bucket, bucket, reference, tmp_path):
+    """Saved async to the bucket (manifest last, signed by size and ETag), resumed from it
+    to losses equal to an uninterrupted run's. Negative control: the same resume leaving
+    the data position out differs (the comparison can fail)."""
+    assert complete_steps(on_bucket) == [2, 4]
+    manifest = read_manifest(f"{on_bucket}/step-4")
+    assert manifest["step"] == 4 and {".metadata", "__0_0.distcp"} <= set(manifest["files"])
+    assert all("etag" in sig for sig in manifest["files"].values())
+    assert verify_checkpoint(f"{on_bucket}/step-4") is None
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/exact")
+    dump = tmp_path / "exact"
+    log = resume(dump, url)
+    assert loaded_step(log) == 4 and f"{url}/step-4" in log
+    assert losses(dump) == {s: v for s, v in reference.items() if s > 4}
+    assert not (dump / "checkpoint").exists(), "nothing written to the local dump folder"
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/control")
+    dump = tmp_path / "control"
+    resume(dump, url, "--checkpoint.exclude_from_loading", "dataloader")
+    assert losses(dump) != {s: v for s, v in reference.items() if s > 4}
+
+
+def test_a_step_without_its_manifest_is_never_chosen(on_bucket, bucket, reference, tmp_path):
+    """A ``step-4/`` whose manifest is missing (an upload killed before rank 0 wrote it)
+    is not listed, not resumed from, and removed at the next start: the resume takes
+    step-2 and is exact. Negative control: with the manifest, step-4 is chosen."""
+    url = copy_prefix(on_bucket, f"s3://{bucket}/torn")
+    s3fs().rm_file(f"{url}/step-4/{MANIFEST}")
+    assert complete_steps(url) == [2]
+    dump = tmp_path / "torn"
+    log = resume(dump, url)
+    assert loaded_step(log) == 2 and "removing incomplete checkpoint" in log
+    assert losses(dump) == {s: v for s, v in reference.items() if s > 2}
+    assert complete_steps(url) == [2, 4, 6], "step-4 written again, whole"
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/whole")
+    assert loaded_step(resume(tmp_path / "whole", url)) == 4
+
+
+def test_a_replaced_object_is_named_before_loading(on_bucket, bucket, tmp_path):
+    """An object changed after the manifest was written (same size, other bytes: another
+    ETag) stops the start with one line naming it. Negative control: the untouched copy
+    verifies."""
+    url = copy_prefix(on_bucket, f"s3://{bucket}/replaced")
+    assert verify_checkpoint(f"{url}/step-4") is None
+    fs, name = s3fs(), f"{url}/step-4/__0_0.distcp"
+    data = bytearray(fs.cat_file(name))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(name, bytes(data))
+    status, log = train_here(tmp_path / "replaced", "--training.steps", 6, *CK,
+                             "--checkpoint.folder", url, expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "__0_0.distcp was replaced" in errors[0], log
+
+
+def test_an_unreachable_bucket_is_one_line_at_start(bucket, tmp_path):
+    """A bucket that does not exist: one line naming the folder and the fix, at start."""
+    status, log = train_here(tmp_path, "--training.steps", 2, *CK,
+                             "--checkpoint.folder", f"s3://{bucket}-absent/run", expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "is not writable" in errors[0], log
+
+
+# A probe around the real DCP writer: SIGKILL this process once DCP is about to write the
+# ``.metadata`` of the save named by KILL_SAVE, i.e. after the rank's data is uploaded.
+KILL_SHIM = """
+import os, signal
+from torch.distributed.checkpoint import filesystem
+
+_finish = filesystem.FileSystemWriter.finish
+
+def finish(self, metadata, results):
+    if str(self.path).rstrip("/").endswith(os.environ["KILL_SAVE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _finish(self, metadata, results)
+
+filesystem.FileSystemWriter.finish = finish
+"""
+
+
+@pytest.mark.slow
+def test_a_save_killed_mid_upload_is_never_chosen(bucket, reference, tmp_path):
+    """``kill -9`` of the job while step-4 is being uploaded (its data is in the bucket,
+    DCP's ``.metadata`` and the manifest are not): step-4 is not complete, the relaunch
+    resumes from step-2 and its losses equal an uninterrupted run's. (Its negative
+    control, a step-4 holding its manifest being chosen, is the fast test's.)"""
+    url = f"s3://{bucket}/killed"
+    args = [*CONFIG, "--job.dump_folder", tmp_path / "killed", "--training.steps", 6, *CK,
+            "--checkpoint.folder", url]  # fmt: skip
+    env = shim_env(tmp_path / "shim", KILL_SHIM, KILL_SAVE="step-4")
+    proc = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    names = {p.rsplit("/", 1)[1] for p in s3fs().ls(f"{url}/step-4", refresh=True)}
+    assert "__0_0.distcp" in names and MANIFEST not in names, names
+    assert complete_steps(url) == [2]
+    log = resume(tmp_path / "killed", url)
+    assert loaded_step(log) == 2
+    assert losses(tmp_path / "killed") == reference
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_a_bucket_and_resume_exactly(bucket, tmp_path):
+    """2 gloo ranks under torchrun, async saves to the bucket: each rank uploads its own
+    shard, the manifest names both ranks' files, and the resume (a new launch) equals an
+    uninterrupted 2-rank run. Negative control: the resume without the data position
+    differs."""
+    url = f"s3://{bucket}/two"
+    common = [*CONFIG, "--training.steps", 6, *CK, "--checkpoint.async_mode", "async"]
+    runs = {
+        "ref": [*common, "--job.dump_folder", tmp_path / "ref"],
+        "first": [*common, "--job.dump_folder", tmp_path / "run", "--checkpoint.folder", url,
+                  "--training.stop_at_step", 4],
+        "resume": [*common, "--job.dump_folder", tmp_path / "run", "--checkpoint.folder", url],
+    }  # fmt: skip
+    for name, args in runs.items():
+        proc = torchrun(list(map(str, args)))
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        if name == "first":
+            files = read_manifest(f"{url}/step-4")["files"]
+            assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    assert "step-4" in proc.stderr.split("loaded checkpoint", 1)[1][:300]
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    expected = {s: v for s, v in losses(tmp_path / "ref").items() if s > 4}
+
+    control = [*common, "--job.dump_folder", tmp_path / "control", "--checkpoint.folder",
+               copy_prefix(url, f"s3://{bucket}/two-control"), "--checkpoint.load_step", 4,
+               "--checkpoint.exclude_from_loading", "dataloader"]  # fmt: skip
+    assert torchrun(list(map(str, control))).returncode == 0
+    assert losses(tmp_path / "control") != expected
+
+
+def test_no_store_variable_comes_from_the_config():
+    """Credentials and endpoint only from the AWS_* variables: no config key names them."""
+    from torchtitan.config import JobConfig
+
+    keys = str(JobConfig().to_dict()).lower()
+    assert "endpoint" not in keys and "aws" not in keys and "secret" not in keys
