@@ -164,9 +164,9 @@ def test_a_save_killed_mid_upload_is_never_chosen(bucket, reference, tmp_path):
     proc = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert complete_steps(url) == [2]
     names = {p.rsplit("/", 1)[1] for p in s3fs().ls(f"{url}/step-4", refresh=True)}
     assert "__0_0.distcp" in names and MANIFEST not in names, names
-    assert complete_steps(url) == [2]
     log = resume(tmp_path / "killed", url)
     assert loaded_step(log) == 2
     assert losses(tmp_path / "killed") == reference
@@ -209,3 +209,42 @@ def test_no_store_variable_comes_from_the_config():
 
     keys = str(JobConfig().to_dict()).lower()
     assert "endpoint" not in keys and "aws" not in keys and "secret" not in keys
+
+
+def first_loss(dump) -> float:
+    return losses(dump)[1]
+
+
+def test_initial_weights_and_a_hf_export_from_a_bucket(on_bucket, bucket, tmp_path):
+    """``checkpoint.initial_load_path s3://.../step-4`` (written on the store, signed by
+    ETags) starts a run from the same weights as the local step-4 of the same training
+    (equal first loss); so does a HF export written to the bucket and read back from it
+    (``initial_load_format hf``). Negative controls: a fresh start's first loss differs,
+    and a step that is not in the bucket is one line."""
+    pytest.importorskip("safetensors")
+    from torchtitan.hf import export
+
+    local = tmp_path / "local"
+    train_here(local, "--training.steps", 6, *CK, "--training.stop_at_step", 4)
+    one = ["--training.steps", 1]
+    train_here(tmp_path / "from_local", *one, "--checkpoint.initial_load_path",
+               local / "checkpoint" / "step-4")  # fmt: skip
+    _, log = train_here(tmp_path / "from_s3", *one, "--checkpoint.initial_load_path",
+                        f"{on_bucket}/step-4")  # fmt: skip
+    assert f"model weights from {on_bucket}/step-4 (dcp)" in log
+    assert first_loss(tmp_path / "from_s3") == first_loss(tmp_path / "from_local")
+
+    export(f"{on_bucket}/step-4", f"s3://{bucket}/hf")
+    assert {"config.json", "model.safetensors"} <= {
+        p.rsplit("/", 1)[1] for p in s3fs().ls(f"{bucket}/hf", refresh=True)
+    }
+    train_here(tmp_path / "from_hf", *one, "--checkpoint.initial_load_path",
+               f"s3://{bucket}/hf", "--checkpoint.initial_load_format", "hf")  # fmt: skip
+    assert first_loss(tmp_path / "from_hf") == first_loss(tmp_path / "from_local")
+
+    train_here(tmp_path / "scratch", *one)
+    assert first_loss(tmp_path / "scratch") != first_loss(tmp_path / "from_local")
+    status, log = train_here(tmp_path / "absent", *one, "--checkpoint.initial_load_path",
+                             f"{on_bucket}/step-3", expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and f"{on_bucket}/step-3" in errors[0], log

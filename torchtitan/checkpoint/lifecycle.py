@@ -243,7 +243,7 @@ class Saver:
                     manifest = {**read_manifest(partial, PENDING), "files": files}
                     write_json(join(partial, MANIFEST), manifest)
                     self.publish(step)
-                except (OSError, ValueError) as e:  # the others wait for the outcome: always send one
+                except (OSError, ValueError) as e:  # the others wait for the outcome: send one
                     outcome = f"rank 0 could not publish step-{step}: {e}"
         outcome = parallel.broadcast_from_main(self.dims, outcome)
         if outcome is not None:

@@ -263,3 +263,31 @@ def crc32_chunks(store: LocalStore, path: str) -> list[int]:
         return [_crc32_range(store, path, 0)]
     with ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="crc32") as pool:
         return list(pool.map(lambda offset: _crc32_range(store, path, offset), offsets))
+
+
+def upload_folder(local: str, url: str, last: str):
+    """Upload the files of a local folder (not recursive) under ``url``, ``last`` after
+    the others. Cost: the folder's bytes, in multipart uploads for large files."""
+    store = store_for(url)
+    names = sorted((n for n in os.listdir(local) if os.path.isfile(os.path.join(local, n))),
+                   key=lambda n: n == last)  # fmt: skip
+    for name in names:
+        store.fs.put_file(os.path.join(local, name), join(url, name))
+
+
+@contextlib.contextmanager
+def local_copy(path: str):
+    """A local folder holding ``path``'s files: ``path`` itself, or for a URL a temporary
+    download of its objects (not recursive), removed afterwards. Cost: the folder's bytes."""
+    if not is_url(path):
+        yield path
+        return
+    import tempfile
+
+    store = store_for(path)
+    with tempfile.TemporaryDirectory(prefix="fetched-") as local:
+        for entry in store.fs.ls(path, detail=True, refresh=True):
+            if entry.get("type") == "file":
+                name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+                store.fs.get_file(entry["name"], os.path.join(local, name))
+        yield local
