@@ -22,12 +22,38 @@ claims (data/index.py) both go through it, so they judge a holder the same way.
   for a torn one its inode, size and mtime) and still gone. The new record is renamed
   over it, so two takers cannot both win and a renewed claim is never replaced.
 
-On an object store the same three steps map onto conditional writes: create is a put
-with ``If-None-Match: *``, take-over a put with ``If-Match`` on the ETag seen, the
-heartbeat a conditional overwrite.
+**On an object store** (a claim path that is an ``s3://`` URL; storage.py's requests)
+there is no link, rename or mtime to set, and no need for them: a PUT is atomic, so a
+torn claim cannot exist there, and the store's conditional writes do what the link and
+the lock do here.
+
+- Create: a PUT with ``If-None-Match: *``; of any number of creators exactly one gets
+  200, the others 412.
+- Read: one GET, giving the record, the object's ETag and its age: LastModified against
+  the ``Date`` of the same reply, both the store's clock, so a skew between machines does
+  not age a claim (this machine's clock only where a store sends no ``Date``); to a
+  second, which a stale limit of tens of seconds does not feel.
+- Heartbeat: the holder rewrites its record (its ``beat`` counted up, so the bytes and
+  the ETag change) with ``If-Match`` on the ETag of the read that showed its own token.
+  A 412 means another process replaced it: the holder sees the other's record at its
+  next read, as it would locally.
+- Take-over: a PUT with ``If-Match`` on the ETag seen gone. Any write since (a heartbeat,
+  a release and a new claim, another taker) changed the ETag, so two takers cannot both
+  win and a renewed claim is never replaced; no ``.takeover`` lock is needed.
+- Release: a read that must show this holder's token, then a DELETE with ``If-Match`` on
+  that ETag; a store that ignores the condition leaves a read-to-delete race, which needs
+  the releasing holder, alive, to have missed its heartbeats for the whole stale limit
+  and a taker to act inside those few milliseconds; the taker's claim is then deleted and
+  the taker finds it gone at its next heartbeat (the lease stops its job at the next
+  save; a unit's counts are measured twice at worst).
+
+The liveness rule is the same: a holder on another machine or in another container is
+judged by its heartbeat's age alone.
 
 Cost: creating: one small file written, one link, one unlink; a heartbeat: one ``utime``;
-judging a holder: one stat and one read of ~300 bytes (and of ``/proc/<pid>/stat``).
+judging a holder: one stat and one read of ~300 bytes (and of ``/proc/<pid>/stat``). On a
+store: creating, one PUT (and one GET when another won); a heartbeat, one GET and one
+PUT; judging, one GET; taking over, one PUT; releasing, one GET and one DELETE.
 
 Never: decide what a claim stands for, wait, or signal the holder.
 """
@@ -43,6 +69,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import cache
+
+from torchtitan import storage
 
 TAKEOVER = ".takeover"
 
@@ -91,11 +119,13 @@ def record(**extra) -> dict:
 @dataclass
 class Seen:
     """A claim as read: its record (``{}`` when torn), its heartbeat's age in seconds, and
-    what identifies this very file (inode, size, mtime), for a torn one."""
+    what identifies this very file (inode, size, mtime), for a torn one; in a store, the
+    object's ETag (``etag``), which every write changes."""
 
     record: dict
     age: float
     stamp: tuple[int, int, int]
+    etag: str = ""
 
     @property
     def torn(self) -> bool:
@@ -126,8 +156,10 @@ def _write_new(path: str, rec: dict, durable: bool):
 
 def create(path: str, rec: dict, durable: bool = False) -> bool:
     """Create the claim ``path`` holding ``rec`` if there is none (True), whole or not at
-    all. ``durable``: fsync the record (a lease outlives a machine's crash). Raises
-    OSError where the folder cannot be written."""
+    all. ``durable``: fsync the record (a lease outlives a machine's crash; a store's PUT
+    is durable when answered). Raises OSError where the folder cannot be written."""
+    if storage.is_remote(path):
+        return storage.put_object(path, _body(rec), absent=True) is not None
     tmp = _write_new(path, rec, durable)
     try:
         os.link(tmp, path)
@@ -153,19 +185,31 @@ def create(path: str, rec: dict, durable: bool = False) -> bool:
 def read(path: str) -> Seen | None:
     """The claim at ``path`` (None: there is none). Raises OSError on a file system error
     other than the claim's absence (the caller decides whether to retry)."""
+    if storage.is_remote(path):
+        found = storage.get_object(path)
+        if found is None:
+            return None
+        return Seen(_parse(found.body), found.age, (0, len(found.body), 0), found.etag)
     try:
         with open(path) as f:
             st = os.fstat(f.fileno())
             text = f.read()
     except FileNotFoundError:
         return None
+    return Seen(_parse(text), time.time() - st.st_mtime, (st.st_ino, st.st_size, st.st_mtime_ns))
+
+
+def _parse(text: str | bytes) -> dict:
+    """The record in a claim's text; ``{}`` for a torn one (or anything but a record)."""
     try:
         rec = json.loads(text)
     except ValueError:
         rec = None
-    if not isinstance(rec, dict):
-        rec = {}
-    return Seen(rec, time.time() - st.st_mtime, (st.st_ino, st.st_size, st.st_mtime_ns))
+    return rec if isinstance(rec, dict) else {}
+
+
+def _body(rec: dict) -> bytes:
+    return json.dumps(rec).encode()
 
 
 def holder_gone(rec: dict) -> bool:
@@ -208,7 +252,10 @@ def gone(seen: Seen, stale_s: float) -> str | None:
 
 def take_over(path: str, seen: Seen, rec: dict, stale_s: float, durable: bool = False) -> bool:
     """Replace the claim ``path``, seen gone as ``seen``, with ``rec`` (True); False when
-    another process is taking it over, or it changed meanwhile (released, taken, renewed)."""
+    another process is taking it over, or it changed meanwhile (released, taken, renewed).
+    In a store: a PUT only if the object is still the one seen (``If-Match``)."""
+    if storage.is_remote(path):
+        return bool(seen.etag) and storage.put_object(path, _body(rec), etag=seen.etag) is not None
     lock = path + TAKEOVER
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -230,8 +277,20 @@ def take_over(path: str, seen: Seen, rec: dict, stale_s: float, durable: bool = 
             os.remove(lock)
 
 
-def touch(path: str) -> bool:
-    """Renew the heartbeat (False: the claim is gone, or the folder failed us)."""
+def touch(path: str, token: str | None = None, seen: Seen | None = None) -> bool:
+    """Renew the heartbeat (False: the claim is gone, or the folder failed us). In a store
+    (where ``token`` is the holder's): the record rewritten, its ``beat`` counted up, only
+    if it is still the one read (``seen``, else read now) and holds ``token``; False when
+    another process replaced it."""
+    if storage.is_remote(path):
+        try:
+            seen = seen or read(path)
+            if seen is None or not token or seen.record.get("token") != token:
+                return False
+            beat = {**seen.record, "beat": int(seen.record.get("beat", 0)) + 1}
+            return storage.put_object(path, _body(beat), etag=seen.etag) is not None
+        except OSError:
+            return False
     try:
         os.utime(path)
         return True
@@ -248,6 +307,11 @@ def release(path: str, token: str) -> bool:
         return False
     if now is None or now.record.get("token") != token:
         return False
+    if storage.is_remote(path):
+        try:
+            return storage.delete_object(path, now.etag)
+        except OSError:
+            return False
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
     return True

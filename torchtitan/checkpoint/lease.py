@@ -18,8 +18,16 @@ claims follow: the record is published whole (written aside, then linked onto
 ``lease.json``), a torn lease (empty or half-written) is judged by its age, and "its
 process is gone" needs this kernel's boot id and pid namespace, never the host name.
 
+A folder that is a URL (``s3://bucket/prefix``) takes its lease in the store, through the
+same claims: an exclusive PUT (``If-None-Match: *``), a heartbeat that rewrites the record
+only while it is this job's (``If-Match`` on its ETag), its age the store's LastModified
+against the store's clock, and a take-over conditional on the ETag seen stale; the same
+messages, naming the holder.
+
 Cost: taking it: one small file written and linked (plus polls of it while waiting);
-holding it: one small read and one ``utime`` per heartbeat, off the training thread.
+holding it: one small read and one ``utime`` per heartbeat, off the training thread. In a
+store: one PUT to take it; one GET and one PUT per heartbeat (at most every 10 s: ~17,000
+requests a job-day, a few cents); each poll while waiting, one GET.
 
 Never: read or write checkpoints, or stop the holder's job.
 """
@@ -32,7 +40,7 @@ import os
 import threading
 import time
 
-from torchtitan import claims
+from torchtitan import claims, storage
 from torchtitan.checkpoint.folder import CheckpointError
 
 logger = logging.getLogger("torchtitan")
@@ -59,7 +67,7 @@ class Lease:
 
     def __init__(self, folder: str, timeout_s: float, wait_s: float):
         self.folder, self.timeout_s, self.wait_s = folder, timeout_s, wait_s
-        self.path = os.path.join(folder, LEASE)
+        self.path = storage.join(folder, LEASE)
         self.record = claims.record(job_id=job_id(), timeout_s=timeout_s)
         self.record["started"] = self.record["since"]
         self.token = self.record["token"]
@@ -74,7 +82,7 @@ class Lease:
 
     def acquire(self):
         """Take the lease, waiting up to ``wait_s`` for a live holder; raise if it stays."""
-        os.makedirs(self.folder, exist_ok=True)
+        storage.makedirs(self.folder)
         deadline = time.monotonic() + self.wait_s
         said = False
         while True:
@@ -142,7 +150,7 @@ class Lease:
                     describe(seen.record) if seen is not None else "the file was removed",
                 )  # fmt: skip
                 return
-            if claims.touch(self.path):
+            if claims.touch(self.path, self.token, seen):
                 renewed = time.monotonic()
 
     def check(self):

@@ -38,10 +38,10 @@ Never: choose an order, pack windows, or touch torch.distributed.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
-import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,7 +49,7 @@ from functools import cached_property
 
 import numpy as np
 
-from torchtitan import claims
+from torchtitan import claims, storage
 from torchtitan.data.packing import document_tokens
 from torchtitan.data.spec import UNIT_ROWS, DataError
 
@@ -168,7 +168,7 @@ class SourceCounts:
 
     def path(self, unit) -> str:
         f, lo, hi = (int(x) for x in unit)
-        return os.path.join(self.folder, self.keys[f], f"{lo}-{hi}.npz")
+        return storage.join(self.folder, self.keys[f], f"{lo}-{hi}.npz")
 
     def counts(self, unit, ahead=()) -> UnitCounts:
         """The counts of ``unit`` (a ``(file, lo, hi)`` of the source's units). Where no one
@@ -192,7 +192,7 @@ class SourceCounts:
     def has(self, unit) -> bool:
         """Whether the unit's counts exist (in memory or in the folder)."""
         unit = tuple(int(x) for x in unit)
-        return unit in self._mem or os.path.exists(self.path(unit))
+        return unit in self._mem or storage.exists(self.path(unit))
 
     def _keep(self, unit, counts: UnitCounts):
         self._mem[unit] = counts
@@ -231,7 +231,7 @@ class SourceCounts:
     def _load(self, unit) -> UnitCounts | None:
         path = self.path(unit)
         try:
-            with np.load(path) as z:
+            with np.load(io.BytesIO(storage.read_bytes(path))) as z:
                 lengths = z["lengths"]
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
             return UnitCounts(lengths, ats.astype(np.int64))
@@ -249,19 +249,19 @@ class SourceCounts:
         refreshed for ``CLAIM_STALE_S``, a torn claim included, or a dead process of this
         machine and pid namespace)."""
         path = self.path(unit)
-        if os.path.exists(path):
+        if storage.exists(path):
             return False
         claim = path + ".claim"
         record = claims.record(rank=os.environ.get("RANK", "0"))
         for _ in range(3):
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                storage.makedirs(storage.dirname(path))
                 if claims.create(claim, record):
                     break
                 seen = claims.read(claim)
             except OSError as e:  # a read-only folder: measure here, keep it in memory
                 self._cannot_write(e)
-                return not os.path.exists(path)
+                return not storage.exists(path)
             if seen is None:
                 continue  # released meanwhile: the counts are there, or it can be made
             why = claims.gone(seen, CLAIM_STALE_S)
@@ -274,7 +274,7 @@ class SourceCounts:
         else:
             return False
         self._tokens[unit] = record["token"]
-        if os.path.exists(path):  # measured between the check and the claim
+        if storage.exists(path):  # measured between the check and the claim
             self._release(unit)
             return False
         return True
@@ -293,7 +293,7 @@ class SourceCounts:
         path = self.path(unit)
         claim = path + ".claim"
         try:
-            counts = self._measure(unit, heartbeat=lambda: claims.touch(claim))
+            counts = self._measure(unit, heartbeat=lambda: claims.touch(claim, self._tokens.get(unit)))
             self._write(path, unit, counts)
         finally:
             self._release(unit)
@@ -308,13 +308,8 @@ class SourceCounts:
         if not np.array_equal(counts.ats, unit[1] + np.arange(len(counts.lengths))):
             arrays["ats"] = counts.ats  # JSON lines: byte offsets
         try:
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            # A unique name: writers on other hosts sharing the folder never meet.
-            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".npz", dir=folder)
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
+            storage.makedirs(storage.dirname(path))
+            storage.publish(path, lambda f: np.savez(f, **arrays))
         except OSError as e:
             self._cannot_write(e)
 
@@ -360,7 +355,4 @@ class _Progress:
 
 
 def _remove(path: str):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    storage.remove(path)

@@ -171,20 +171,21 @@ class OneProcess:
 def check_shared_folder(training, ranks: Ranks):
     """Rank 0 warns, naming the folder and the ranks, when some rank does not see the
     token-count folder rank 0 writes to (a node-local folder in a multi-node job: each
-    node then measures the counts its ranks need itself). Cost: one small file."""
-    import os
+    node then measures the counts its ranks need itself; a bucket some node cannot
+    reach). Cost: one small file (in a store: one PUT, a HEAD a rank, one DELETE)."""
     import uuid
+
+    from torchtitan import storage
 
     if ranks.world == 1:
         return
     folder = length_index.cache_dir(training.length_index_dir)
 
     def mark() -> str:
-        name = os.path.join(folder, f".job-{uuid.uuid4().hex}")
+        name = storage.join(folder, f".job-{uuid.uuid4().hex}")
         try:
-            os.makedirs(folder, exist_ok=True)
-            with open(name, "w") as f:
-                f.write("visible\n")
+            storage.makedirs(folder)
+            storage.publish(name, lambda f: f.write(b"visible\n"))
         except OSError:
             return ""
         return name
@@ -192,7 +193,11 @@ def check_shared_folder(training, ranks: Ranks):
     marker = ranks.on_main(mark)
     if not marker:
         return
-    seen = ranks.gather(os.path.exists(marker))
+    try:
+        visible = storage.exists(marker)
+    except OSError:  # a store this rank cannot reach (credentials, endpoint)
+        visible = False
+    seen = ranks.gather(visible)
     if ranks.rank == 0:
         blind = [r for r, ok in enumerate(seen) if not ok]
         if blind:
@@ -201,10 +206,7 @@ def check_shared_folder(training, ranks: Ranks):
                 "there, so their nodes measure the counts again; set training.length_index_dir "
                 "to a folder every node shares", folder, blind[:16],
             )  # fmt: skip
-        try:
-            os.remove(marker)
-        except OSError:
-            pass
+        storage.remove(marker)
 
 
 def resolve_plan(training, tokenizer, ranks: Ranks | None = None, held_out=None) -> DataPlan:

@@ -1,0 +1,235 @@
+"""Paths that may be a local file or an object in a store (any fsspec URL, ``s3://...``):
+the few file operations the claims (claims.py) and the token counts (data/index.py) need.
+
+Owns: telling a URL from a local path, and, for each, existing, reading, publishing a
+whole file, removing; for an object on S3, the conditional requests claims are made of:
+a put only if absent (``If-None-Match: *``), a put or a delete only if unchanged
+(``If-Match: <ETag>``), and a read that returns the object's ETag, its LastModified and
+the store's clock (the response's ``Date``). A store answers a failed condition with 412
+(or 409 for two conditional writes racing): ``put_object`` returns None, ``delete_object``
+False; "someone else won". The client (fsspec → s3fs → botocore) and its credentials and
+endpoint come from the standard ``AWS_*`` variables (``AWS_ENDPOINT_URL``).
+
+- **Whole or nothing.** A local file is written to a temporary name beside its own and
+  renamed over it (``os.replace``); an object is one PUT, which a store makes visible
+  whole or not at all. A kill -9 leaves at most a stray ``.<tmp>`` file locally, nothing
+  in a store.
+- **A request is retried by the client** (s3fs retries a dropped connection): a
+  conditional put whose success was answered with a lost reply comes back as 412 on the
+  retry. ``put_object`` then reads the object: holding exactly the bytes it sent (a claim
+  record carries a token of its own, so no one else sends those bytes), it was this
+  process's write, and it says so.
+
+Cost: each operation is one request on a store (``put_object`` two when its condition
+fails: the look that tells a lost reply from a loss), one system call or two locally.
+
+Never: decide what a file means, list a folder, or wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import errno
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is a URL (``s3://``, ``gs://``, ``hf://``...), read through fsspec."""
+    return "://" in path
+
+
+def on_s3(url: str) -> bool:
+    """Whether ``url`` names an object on S3 (or an S3 API: ``AWS_ENDPOINT_URL``)."""
+    return url.split("://", 1)[0].lower() in ("s3", "s3a")
+
+
+def join(folder: str, *names: str) -> str:
+    """``folder/name``: a URL's separator is ``/`` whatever the local one is."""
+    if is_remote(folder):
+        return "/".join([folder.rstrip("/"), *names])
+    return os.path.join(folder, *names)
+
+
+def dirname(path: str) -> str:
+    return path.rsplit("/", 1)[0] if is_remote(path) else os.path.dirname(path)
+
+
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def makedirs(folder: str):
+    """A local folder and its parents; nothing in a store (a key needs no folder)."""
+    if not is_remote(folder):
+        os.makedirs(folder, exist_ok=True)
+
+
+def exists(path: str) -> bool:
+    """Whether the file or object exists (a store: one HEAD request)."""
+    if not is_remote(path):
+        return os.path.exists(path)
+    if on_s3(path):  # one HEAD (fsspec's exists lists the prefix when the key is absent)
+        fs, bucket, key = _s3(path)
+        try:
+            fs.call_s3("head_object", Bucket=bucket, Key=key)
+            return True
+        except FileNotFoundError:
+            return False
+    fs, inner = _fs(path)
+    fs.invalidate_cache(inner)  # another process may have written it since a listing
+    return fs.exists(inner)
+
+
+def read_bytes(path: str) -> bytes:
+    """The whole file; FileNotFoundError where there is none (a store: one GET)."""
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            return f.read()
+    if on_s3(path):  # one GET (fsspec's cat asks for the size first)
+        found = get_object(path)
+        if found is None:
+            raise FileNotFoundError(path)
+        return found.body
+    fs, inner = _fs(path)
+    return fs.cat_file(inner)
+
+
+def remove(path: str):
+    """Remove the file if it is there (errors ignored: a later writer replaces it)."""
+    with contextlib.suppress(OSError):
+        if is_remote(path):
+            fs, inner = _fs(path)
+            fs.rm_file(inner)
+        else:
+            os.remove(path)
+
+
+def publish(path: str, write):
+    """Make ``path`` a whole file written by ``write(f)`` (f: a binary file object), never
+    a partial one. Locally: written to ``.<random><suffix>`` beside it, then renamed over
+    it. On S3: one PUT, created only if absent (``If-None-Match: *``): a file someone
+    published first is kept, theirs and this one holding the same thing by construction
+    (a count file's name is the key of what it holds). Elsewhere (another fsspec store):
+    one plain put. Raises OSError where it cannot be written."""
+    if not is_remote(path):
+        folder, name = os.path.split(path)
+        suffix = os.path.splitext(name)[1]
+        # A unique name: writers on other hosts sharing the folder never meet.
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=suffix, dir=folder or ".")
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+        return
+    import io
+
+    buffer = io.BytesIO()
+    write(buffer)
+    if on_s3(path):
+        put_object(path, buffer.getvalue(), absent=True)  # None: another's stands
+    else:
+        fs, inner = _fs(path)
+        fs.pipe_file(inner, buffer.getvalue())
+
+
+# ---- conditional requests on S3 (the claims) -------------------------------------------
+@dataclass
+class Object:
+    """An object as read: its bytes, its ETag, when it was last written (LastModified)
+    and the store's clock when it answered (``Date``; None where the reply has none), as
+    seconds since the epoch, both at the store's one-second resolution."""
+
+    body: bytes
+    etag: str
+    modified: float
+    now: float | None
+
+    @property
+    def age(self) -> float:
+        """Seconds since the object was written, by the store's clock where it gave its
+        own (no skew between this machine and the writer's or the store's), else by this
+        machine's (off by the skew between the two clocks). To a second either way."""
+        return max(0.0, (self.now if self.now is not None else time.time()) - self.modified)
+
+
+def _s3(url: str):
+    """(file system, bucket, key) of an ``s3://`` URL; OSError for another store."""
+    if not on_s3(url):
+        raise OSError(errno.ENOTSUP, f"{url}: claims need conditional writes, which this "
+                      "project makes on S3 only (s3://, or an S3 API via AWS_ENDPOINT_URL)")  # fmt: skip
+    fs, inner = _fs(url)
+    bucket, key, _ = fs.split_path(inner)
+    return fs, bucket, key
+
+
+def _condition_failed(error: BaseException) -> bool:
+    """412 PreconditionFailed, or 409 ConditionalRequestConflict (a concurrent conditional
+    write won): s3fs raises them as FileExistsError or OSError(EINVAL), its cause the
+    client's error, which says which."""
+    cause = error.__cause__ or error
+    response = getattr(cause, "response", None) or {}
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+def get_object(url: str) -> Object | None:
+    """The object at ``url`` (None: there is none). One GET."""
+    from fsspec.asyn import sync
+
+    fs, bucket, key = _s3(url)
+
+    async def call_and_read():
+        reply = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        try:
+            return reply, await reply["Body"].read()
+        finally:
+            reply["Body"].close()
+
+    try:
+        reply, body = sync(fs.loop, call_and_read)
+    except FileNotFoundError:
+        return None
+    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    return Object(body, reply["ETag"], reply["LastModified"].timestamp(), now)
+
+
+def put_object(url: str, body: bytes, absent: bool = False, etag: str | None = None):
+    """Write ``body`` at ``url`` if the condition holds: ``absent``, only if there is no
+    object (``If-None-Match: *``); ``etag``, only if the object is still that one
+    (``If-Match``). Returns the new ETag, or None when the condition failed (another
+    process's write came first). One PUT (and one GET when the condition failed)."""
+    fs, bucket, key = _s3(url)
+    condition = {"IfNoneMatch": "*"} if absent else {"IfMatch": etag} if etag else {}
+    try:
+        return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **condition)["ETag"]
+    except (FileNotFoundError, OSError) as e:  # If-Match on an absent object: 404
+        if not (isinstance(e, FileNotFoundError) and etag) and not _condition_failed(e):
+            raise
+    now = get_object(url)  # a retried request whose first try won: these very bytes
+    return now.etag if now is not None and now.body == body else None
+
+
+def delete_object(url: str, etag: str) -> bool:
+    """Delete the object only if it is still ``etag`` (``If-Match`` on DeleteObject: S3
+    and its usual look-alikes honour it); False when it changed or is gone. A store that
+    refuses the condition (501 NotImplemented) gets a plain delete. One DELETE."""
+    fs, bucket, key = _s3(url)
+    try:
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if _condition_failed(e):
+            return False
+        if errno.ENOSYS != e.errno and "NotImplemented" not in str(e.__cause__):
+            raise
+    fs.call_s3("delete_object", Bucket=bucket, Key=key)
+    return True
