@@ -75,11 +75,7 @@ class CheckpointManager:
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
         self.loaded_from: str | None = None
-        self.lease = (
-            Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
-            if not store_for(self.folder).in_place
-            else UnheldLease(self.folder)
-        )
+        self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
         if self.enabled:
             check_writable(self.folder)
             self._take_lease()
@@ -284,22 +280,3 @@ class CheckpointManager:
         if changes:
             logger.info("config changed since %s, the config wins: %s", path, "; ".join(changes))
 
-
-class UnheldLease:
-    """An object-store folder until ``lease.py`` takes its lease with conditional writes
-    (``If-None-Match``; branch s3-claims): nothing is held, and the log says so once."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def acquire(self):
-        logger.warning(
-            "checkpoint folder %s is on an object store: this version holds no lease there, "
-            "so make sure no other job writes to it", self.folder,
-        )  # fmt: skip
-
-    def check(self):
-        pass
-
-    def release(self):
-        pass

@@ -24,6 +24,10 @@ Credentials and endpoint come only from the standard variables (``AWS_ENDPOINT_U
 Cost: one request per call on a store (a listing page per 1,000 names), never a read of
 a data file except ``signature``/``check`` of a local file or a CRC32-signed object.
 
+``torchtitan.storage`` owns single objects (claims, leases, counts: conditional writes);
+this module owns what a checkpoint needs on top: folders, DCP's reader and writer,
+signatures.
+
 Never: decide what a name means (``folder``) or which checkpoint to use (``timeline``).
 """
 
@@ -37,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from torchtitan import storage
+
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
 CHECKSUM_CHUNK = 64 << 20
@@ -45,16 +51,12 @@ _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 def is_url(path: str) -> bool:
     """A URL names an fsspec file system (``s3://bucket/prefix``); anything else is local."""
-    return "://" in str(path) and not str(path).startswith("file://")
+    return storage.is_remote(str(path))
 
 
 def join(folder: str, name: str) -> str:
     """``name`` under ``folder``; a URL ``name`` stands alone (``checkpoint.folder = s3://...``)."""
-    if is_url(name):
-        return name
-    if is_url(folder):
-        return folder.rstrip("/") + "/" + name
-    return os.path.join(folder, name)
+    return name if is_url(name) else storage.join(str(folder), name)
 
 
 class LocalStore:
