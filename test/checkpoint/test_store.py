@@ -248,3 +248,70 @@ def test_initial_weights_and_a_hf_export_from_a_bucket(on_bucket, bucket, tmp_pa
                              f"{on_bucket}/step-3", expect_ok=False)  # fmt: skip
     errors = error_lines(log)
     assert status == 1 and len(errors) == 1 and f"{on_bucket}/step-3" in errors[0], log
+
+
+# ---- tiers: checkpoint.local_interval to a local folder, checkpoint.interval to the store --
+
+
+@pytest.fixture(scope="module")
+def tiered(bucket, tmp_path_factory) -> tuple:
+    """8 steps stopped at 6: the local tier every 2 steps, the store every 4: local
+    step-2 and step-6 (the stop), store step-4. Returns (dump, url, reference losses)."""
+    root = tmp_path_factory.mktemp("tiered")
+    train_here(root / "ref", "--training.steps", 8)
+    url = f"s3://{bucket}/tiered"
+    train_here(root / "run", *tier_args(url), "--training.stop_at_step", 6)
+    return root / "run", url, losses(root / "ref")
+
+
+def tier_args(url: str) -> list:
+    return ["--training.steps", 8, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 4,
+            "--checkpoint.local_interval", 2, "--checkpoint.folder", url]  # fmt: skip
+
+
+def fresh_copy(tiered, bucket, tmp_path, name: str):
+    """A copy of the tiered run (its dump with the local tier, its store prefix)."""
+    import shutil
+
+    dump, url, reference = tiered
+    shutil.copytree(dump, tmp_path / name)
+    return tmp_path / name, copy_prefix(url, f"s3://{bucket}/{name}"), reference
+
+
+def test_the_local_tier_is_resumed_when_newer_and_the_store_once_it_is_wiped(
+    tiered, bucket, tmp_path
+):
+    """Local step-6 is newer than the store's step-4: the resume takes it; with the local
+    folder wiped (a new node), the store's step-4. Both finish equal to an uninterrupted
+    run. Negative control: a local tier that lacks a rank's shard (the file gone) is not
+    taken; the store's step-4 is, and the run is exact."""
+    dump, url, _ = tiered
+    assert complete_steps(str(dump / "checkpoint_local")) == [2, 6]
+    assert complete_steps(url) == [4]
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "newer")
+    _, log = train_here(dump, *tier_args(url))
+    assert f"{dump}/checkpoint_local/step-6" in log and loaded_step(log) == 6
+    assert losses(dump) == reference
+    assert complete_steps(url) == [4, 8], "the last step goes to the store"
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "wiped")
+    import shutil
+
+    shutil.rmtree(dump / "checkpoint_local")
+    _, log = train_here(dump, *tier_args(url))
+    assert f"{url}/step-4" in log and loaded_step(log) == 4
+    assert losses(dump) == reference
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "shard")
+    (dump / "checkpoint_local" / "step-6" / "__0_0.distcp").unlink()
+    _, log = train_here(dump, *tier_args(url))
+    assert "not every rank holds its files" in log and loaded_step(log) == 4, log
+    assert losses(dump) == reference
+
+
+def test_a_local_folder_that_is_a_url_is_refused(tmp_path):
+    status, log = train_here(tmp_path, "--checkpoint.enable_checkpoint",
+                             "--checkpoint.local_interval", 2,
+                             "--checkpoint.local_folder", "s3://b/x", expect_ok=False)  # fmt: skip
+    assert status != 0 and "checkpoint.local_folder 's3://b/x' is a URL" in log

@@ -60,8 +60,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 class Saver:
     """Writes and finalizes checkpoints in ``folder``; at most one async save in flight."""
 
-    def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int):
+    def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int,
+                 shares_stager_of: Saver | None = None):  # fmt: skip
+        """``shares_stager_of``: another tier's saver whose staging buffers this one reuses
+        (its saves never overlap this one's: the manager waits for both)."""
         self.folder, self.dims = folder, dims
+        self._stager_owner = shares_stager_of
         self.store = store_for(folder)
         self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
         self._staging: Future | None = None  # the in-memory copy of an async save
@@ -75,6 +79,11 @@ class Saver:
         self.last_checksum_s = self.last_fsync_s = 0.0
         # The last async save from its call to the end of its finalization.
         self.last_write_s = 0.0
+
+    @property
+    def writing(self) -> bool:
+        """An async save is being written or finalized."""
+        return self._pending is not None and not self._pending.done()
 
     @property
     def _no_dist(self) -> bool:
@@ -157,6 +166,8 @@ class Saver:
     def _async_stager(self):
         # One stager for the whole run: it keeps its CPU copy buffers between saves,
         # and stages in a background thread so the save returns at once.
+        if self._stager_owner is not None:
+            return self._stager_owner._async_stager()
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(
