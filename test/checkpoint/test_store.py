@@ -8,6 +8,7 @@ torchrun (2 gloo ranks, slow tier) where it does. Each property has a negative c
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from helpers import CONFIG, REPO, error_lines, losses, shim_env, torchrun, train
 
 from harness.s3 import local_s3, missing
 from torchtitan.checkpoint import MANIFEST, complete_steps, read_manifest, verify_checkpoint
+from torchtitan.tools.launch import torchrun_command
 
 CK = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
 
@@ -271,8 +273,6 @@ def tier_args(url: str) -> list:
 
 def fresh_copy(tiered, bucket, tmp_path, name: str):
     """A copy of the tiered run (its dump with the local tier, its store prefix)."""
-    import shutil
-
     dump, url, reference = tiered
     shutil.copytree(dump, tmp_path / name)
     return tmp_path / name, copy_prefix(url, f"s3://{bucket}/{name}"), reference
@@ -296,8 +296,6 @@ def test_the_local_tier_is_resumed_when_newer_and_the_store_once_it_is_wiped(
     assert complete_steps(url) == [4, 8], "the last step goes to the store"
 
     dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "wiped")
-    import shutil
-
     shutil.rmtree(dump / "checkpoint_local")
     _, log = train_here(dump, *tier_args(url))
     assert f"{url}/step-4" in log and loaded_step(log) == 4
@@ -315,3 +313,55 @@ def test_a_local_folder_that_is_a_url_is_refused(tmp_path):
                              "--checkpoint.local_interval", 2,
                              "--checkpoint.local_folder", "s3://b/x", expect_ok=False)  # fmt: skip
     assert status != 0 and "checkpoint.local_folder 's3://b/x' is a URL" in log
+
+
+# Another node's view of a node-local folder: rank 1 does not see the files rank 0 wrote
+# there (it holds only its own). One machine cannot have two local disks; this hides
+# rank 0's files from rank 1's listing and existence tests, nothing else.
+OTHER_NODE_SHIM = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("HIDE_UNDER"):
+    from torchtitan.checkpoint import store
+
+    _isfile = store.LocalStore.isfile
+
+    def isfile(self, path):
+        path = str(path)
+        if path.startswith(os.environ["HIDE_UNDER"]) and os.path.basename(path).startswith("__0_"):
+            return False
+        return _isfile(self, path)
+
+    store.LocalStore.isfile = isfile
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_local_tier_only_when_both_hold_its_files(bucket, tmp_path):
+    """2 gloo ranks, the local tier every 2 steps, the store every 4, stopped at 6: the
+    relaunch resumes from local step-6 and equals an uninterrupted run. Negative control:
+    where rank 1 does not see rank 0's shard in the local folder (another node's disk),
+    both ranks agree (all-reduce) on the store's step-4, and the run is exact too."""
+    common = [*CONFIG, *tier_args(f"s3://{bucket}/two-tiers")]
+    ref = torchrun(list(map(str, [*CONFIG, "--training.steps", 8, "--job.dump_folder",
+                                  tmp_path / "ref"])))  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = torchrun(list(map(str, [*common, "--job.dump_folder", tmp_path / "run",
+                                    "--training.stop_at_step", 6])))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "run", tmp_path / "other")
+    copy_prefix(f"s3://{bucket}/two-tiers", f"s3://{bucket}/two-tiers-other")
+
+    again = torchrun(list(map(str, [*common, "--job.dump_folder", tmp_path / "run"])))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert loaded_step(again.stderr) == 6 and "checkpoint_local/step-6" in again.stderr
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+
+    other = [*CONFIG, *tier_args(f"s3://{bucket}/two-tiers-other"), "--job.dump_folder",
+             tmp_path / "other"]  # fmt: skip
+    env = shim_env(tmp_path / "shim", OTHER_NODE_SHIM,
+                   HIDE_UNDER=str(tmp_path / "other" / "checkpoint_local"))  # fmt: skip
+    proc = subprocess.run(torchrun_command(2, list(map(str, other))), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not every rank holds its files" in proc.stderr and loaded_step(proc.stderr) == 4
+    assert losses(tmp_path / "other") == losses(tmp_path / "ref")
