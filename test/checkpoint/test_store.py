@@ -7,6 +7,7 @@ torchrun (2 gloo ranks, slow tier) where it does. Each property has a negative c
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -17,7 +18,13 @@ import pytest
 from helpers import CONFIG, REPO, error_lines, losses, shim_env, torchrun, train_here
 
 from harness.s3 import local_s3, missing
-from torchtitan.checkpoint import MANIFEST, complete_steps, read_manifest, verify_checkpoint
+from torchtitan.checkpoint import (
+    MANIFEST,
+    PENDING,
+    complete_steps,
+    read_manifest,
+    verify_checkpoint,
+)
 from torchtitan.tools.launch import torchrun_command
 
 CK = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
@@ -110,6 +117,28 @@ def test_a_step_without_its_manifest_is_never_chosen(on_bucket, bucket, referenc
 
     url = copy_prefix(on_bucket, f"s3://{bucket}/whole")
     assert loaded_step(resume(tmp_path / "whole", url)) == 4
+
+
+def test_an_upload_killed_after_its_data_is_finished_on_restart(on_bucket, bucket, tmp_path):
+    """Killed after every rank's data and DCP's ``.metadata`` were uploaded, before the
+    manifest (the pending one is there): the restart signs the files, writes the manifest
+    and resumes from step-4. Negative control: without DCP's ``.metadata`` it is removed
+    and step-2 is taken."""
+    for name, drop, step in (("finished", MANIFEST, 4), ("unfinished", ".metadata", 2)):
+        url = copy_prefix(on_bucket, f"s3://{bucket}/{name}")
+        manifest = read_manifest(f"{url}/step-4")
+        manifest.pop("files")
+        fs = s3fs()
+        fs.pipe_file(f"{url}/step-4/{PENDING}", json.dumps(manifest).encode())
+        fs.rm_file(f"{url}/step-4/{MANIFEST}")
+        if drop != MANIFEST:
+            fs.rm_file(f"{url}/step-4/{drop}")
+        assert complete_steps(url) == [2]
+        log = resume(tmp_path / name, url)
+        assert loaded_step(log) == step, log
+        if step == 4:
+            assert "finishing checkpoint" in log
+            assert verify_checkpoint(f"{url}/step-4") is None
 
 
 def test_a_replaced_object_is_named_before_loading(on_bucket, bucket, tmp_path):
