@@ -163,6 +163,15 @@ def check_firstpass(r: dict):
         assert positive(value), name
 
 
+def check_s3_checkpoint(r: list):
+    rows = {(x["folder"], x["mode"]): x for x in r}
+    assert set(rows) == {(f, m) for f in ("local", "s3") for m in ("sync", "async")}, "all four"
+    assert all(positive(x["durable_s"], x["blocked_per_save_s"], x["resume_s"]) for x in r)
+    for folder in ("local", "s3"):
+        sync, async_ = (rows[folder, m]["blocked_per_save_s"] for m in ("sync", "async"))
+        assert async_ < sync, "async must block the loop less than sync"
+
+
 CHECKS = {
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
@@ -173,6 +182,7 @@ CHECKS = {
     "bench_resume.py": check_resume,
     "bench_step.py": check_step,
     "bench_checkpoint.py": check_checkpoint,
+    "bench_s3_checkpoint.py": check_s3_checkpoint,
     "bench_streaming.py": check_streaming,
     "bench_startup.py": check_startup,
     "bench_tp_loader.py": check_tp_loader,
@@ -201,10 +211,15 @@ def test_benchmark_smoke(script, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    CHECKS[script](result[0] if isinstance(result, list) else result)
+    CHECKS[script](result if script == "bench_s3_checkpoint.py" else
+                   result[0] if isinstance(result, list) else result)  # fmt: skip
 
 
 NONSENSE = [
+    (check_s3_checkpoint, [{"folder": f, "mode": m, "durable_s": 1.0, "resume_s": 1.0,
+                            "blocked_per_save_s": 1.0} for f in ("local", "s3")
+                           for m in ("sync", "async")],
+     "async must block the loop less than sync"),
     (check_attention, {"flavor": "debugmodel", "causal_ms": 0.0, "block_causal_ms": 1.0,
                        "block_over_causal": 1.0},
      "attention times must be positive"),
