@@ -172,6 +172,15 @@ def check_s3_checkpoint(r: list):
         assert async_ < sync, "async must block the loop less than sync"
 
 
+def check_s3_corpus(r: dict):
+    med = r["medians"]
+    for side in ("local", "s3"):
+        assert positive(med[side]["first_s"], med[side]["tps"]), side
+    assert r["same_batches"], "the bucket's batches must equal the local files'"
+    assert r["measured"] == 0, "warm: the timed runs measure nothing"
+    assert r["s3_over_local"] == med["s3"]["tps"] / med["local"]["tps"]
+
+
 CHECKS = {
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
@@ -183,6 +192,7 @@ CHECKS = {
     "bench_step.py": check_step,
     "bench_checkpoint.py": check_checkpoint,
     "bench_s3_checkpoint.py": check_s3_checkpoint,
+    "bench_s3_corpus.py": check_s3_corpus,
     "bench_streaming.py": check_streaming,
     "bench_startup.py": check_startup,
     "bench_tp_loader.py": check_tp_loader,
@@ -216,6 +226,12 @@ def test_benchmark_smoke(script, tmp_path):
 
 
 NONSENSE = [
+    (check_s3_corpus, {"medians": {side: {"first_s": 1.0, "tps": 1.0} for side in ("local", "s3")},
+                       "same_batches": False, "measured": 0, "s3_over_local": 1.0},
+     "the bucket's batches must equal the local files'"),
+    (check_s3_corpus, {"medians": {side: {"first_s": 1.0, "tps": 1.0} for side in ("local", "s3")},
+                       "same_batches": True, "measured": 3, "s3_over_local": 1.0},
+     "warm: the timed runs measure nothing"),
     (check_s3_checkpoint, [{"folder": f, "mode": m, "durable_s": 1.0, "resume_s": 1.0,
                             "blocked_per_save_s": 1.0} for f in ("local", "s3")
                            for m in ("sync", "async")],
