@@ -96,3 +96,23 @@ def test_an_object_is_read_through_a_bounded_byte_cache(bucket):
     with fs.open(inner, "rb") as f:
         f.read(READ_BYTES)
         assert f.cache.total_requested_bytes == 12 << 20
+
+
+def test_a_dataset_path_in_a_bucket_lists_its_data_files(bucket):
+    """``training.dataset_path`` as a URL: a prefix lists its data files (recursively, as
+    URLs, sorted), not an empty one nor a stray ``.json`` beside them, and names them
+    relative to the prefix; a glob and an object work too; a prefix without data is one
+    line naming it."""
+    from torchtitan.data.sources import DataError, resolve_source
+
+    for name, data in (("b/1.jsonl", b'{"text": "x"}\n'), ("a.jsonl", b'{"text": "y"}\n'),
+                       ("stats.json", b"{}"), ("empty.jsonl", b""), ("README.md", b"# x")):
+        _put(f"s3://{bucket}/web/{name}", data)
+    spec = resolve_source(path=f"s3://{bucket}/web")
+    assert spec.files == [f"s3://{bucket}/web/a.jsonl", f"s3://{bucket}/web/b/1.jsonl"]
+    assert [spec.relative_name(f) for f in spec.files] == ["a.jsonl", "b/1.jsonl"]
+    assert spec.name == "web"
+    assert resolve_source(path=f"s3://{bucket}/web/b/*.jsonl").files == spec.files[1:]
+    assert resolve_source(path=f"s3://{bucket}/web/a.jsonl").files == spec.files[:1]
+    with pytest.raises(DataError, match=f"dataset path 's3://{bucket}/none' matches no data"):
+        resolve_source(path=f"s3://{bucket}/none")
