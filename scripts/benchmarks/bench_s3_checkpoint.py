@@ -166,6 +166,11 @@ def main(argv=None) -> int:
     if reason:
         raise SystemExit(f"bench_s3_checkpoint: {reason}")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    # The local server joins a multipart upload's parts in Python: on a busy 2-core machine
+    # completing a 700 MB object outlasts botocore's 60 s read timeout, and the retry finds
+    # the upload gone. The ranks' clients (fsspec's per-protocol config, read from the
+    # environment) wait longer; a real bucket needs nothing of the kind.
+    os.environ["FSSPEC_S3"] = json.dumps({"config_kwargs": {"read_timeout": 900}})
     with bench.work_folder(args, "bench_s3_ckpt_") as root, local_s3() as (bucket, _):
         rows = run_job(args, root, f"s3://{bucket}/run")
     header = ["flavor", "params", "ranks", "folder", "mode", "interval s", "durable s",

@@ -15,7 +15,16 @@ import subprocess
 import sys
 
 import pytest
-from helpers import CONFIG, REPO, error_lines, losses, shim_env, torchrun, train_here
+from helpers import (
+    CONFIG,
+    REPO,
+    error_lines,
+    losses,
+    run_main,
+    shim_env,
+    torchrun,
+    train_here,
+)
 
 from harness.s3 import local_s3, missing
 from torchtitan.checkpoint import (
@@ -157,6 +166,24 @@ def test_a_replaced_object_is_named_before_loading(on_bucket, bucket, tmp_path):
     assert status == 1 and len(errors) == 1 and "__0_0.distcp was replaced" in errors[0], log
 
 
+def test_a_delete_or_a_set_aside_touches_that_folder_only(bucket):
+    """On a store a folder is a key prefix: deleting ``step-4`` (manifest first) must not
+    take ``step-40`` or ``step-4.abandoned`` with it, and setting ``step-40`` aside moves
+    every object. Control: ``step-4`` itself is gone."""
+    from torchtitan.checkpoint.folder import remove_checkpoint, set_aside
+
+    url = f"s3://{bucket}/prefixes"
+    names = ["step-4/a", f"step-4/{MANIFEST}", "step-40/a", f"step-40/{MANIFEST}",
+             "step-4.abandoned/a"]  # fmt: skip
+    for name in names:
+        s3fs().pipe_file(f"{url}/{name}", b"x")
+    remove_checkpoint(f"{url}/step-4")
+    assert complete_steps(url) == [40]
+    assert set_aside(f"{url}/step-40") == f"{url}/step-40.abandoned"
+    left = sorted(p.split("/prefixes/", 1)[1] for p in s3fs().find(f"{bucket}/prefixes"))
+    assert left == ["step-4.abandoned/a", "step-40.abandoned/a", f"step-40.abandoned/{MANIFEST}"]
+
+
 def test_an_unreachable_bucket_is_one_line_at_start(bucket, tmp_path):
     """A bucket that does not exist: one line naming the folder and the fix, at start."""
     status, log = train_here(tmp_path, "--training.steps", 2, *CK,
@@ -296,8 +323,10 @@ def tiered(bucket, tmp_path_factory) -> tuple:
 
 
 def tier_args(url: str) -> list:
+    """Async saves: the two tiers share one stager and never write at once."""
     return ["--training.steps", 8, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 4,
-            "--checkpoint.local_interval", 2, "--checkpoint.folder", url]  # fmt: skip
+            "--checkpoint.local_interval", 2, "--checkpoint.folder", url,
+            "--checkpoint.async_mode", "async"]  # fmt: skip
 
 
 def fresh_copy(tiered, bucket, tmp_path, name: str):
@@ -337,11 +366,13 @@ def test_the_local_tier_is_resumed_when_newer_and_the_store_once_it_is_wiped(
     assert losses(dump) == reference
 
 
-def test_a_local_folder_that_is_a_url_is_refused(tmp_path):
+def test_a_local_folder_or_a_dump_folder_that_is_a_url_is_refused(tmp_path):
     status, log = train_here(tmp_path, "--checkpoint.enable_checkpoint",
                              "--checkpoint.local_interval", 2,
                              "--checkpoint.local_folder", "s3://b/x", expect_ok=False)  # fmt: skip
     assert status != 0 and "checkpoint.local_folder 's3://b/x' is a URL" in log
+    status, log = run_main([*CONFIG, "--job.dump_folder", "s3://b/run"])
+    assert status != 0 and "set --checkpoint.folder to the URL" in log
 
 
 # Another node's view of a node-local folder: rank 1 does not see the files rank 0 wrote

@@ -1,7 +1,9 @@
 """CheckpointManager: save and load the whole training state with torch.distributed.checkpoint.
 
-Owns: the save interval, the manifest, and loading the timeline's resume point into every
-component. The components come as adapters (``stateful.Adapter``: what each saves,
+Owns: the save interval and the tiers (``checkpoint.folder``, a local path or an object
+store's URL; with ``checkpoint.local_interval``, a local tier saved between its saves,
+resumed from when newer and held by every rank), the manifest, and loading the
+timeline's resume point into every component. The components come as adapters (``stateful.Adapter``: what each saves,
 which entries it expects from a given checkpoint, how it loads), all handled alike:
 the manager names none of them. It composes the package's parts: ``lifecycle`` writes
 and finalizes, ``timeline`` chooses and keeps, ``integrity`` verifies, ``stateful``
@@ -39,6 +41,7 @@ from torchtitan.checkpoint.changes import resumable_changes
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
+    MANIFEST,
     CheckpointError,
     check_writable,
     partial_steps,
@@ -284,7 +287,8 @@ class CheckpointManager:
             if {e.step: e.order for e in local_survey}[local_plan.candidates[0]] < order:
                 return False
         path = step_folder(folder, local_plan.candidates[0])
-        missing = not integrity.dcp_data_complete(path)
+        holds = store_for(path).isfile(join(path, MANIFEST)) and integrity.dcp_data_complete(path)
+        missing = not holds
         if parallel.any_rank(self.dims, missing):
             logger.warning("not resuming from %s: not every rank holds its files there; "
                            "taking the newest in %s", path, main[0])  # fmt: skip
