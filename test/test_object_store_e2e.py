@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers import REPO, bundled_documents, cfg, error_lines, losses, train_here
+from helpers import REPO, bundled_documents, cfg, error_lines, losses, run_main, train_here
 
 from harness import s3
 from harness.corpus import write_parquet_files
@@ -95,6 +95,33 @@ def test_a_run_restarted_at_every_checkpoint_on_buckets_equals_an_uninterrupted_
     assert losses(control)[2] == reference[2] and losses(control)[3] != reference[3]
 
 
+def in_process(component: str | None = None):
+    """A launcher for resume_check: 1-rank jobs in this process, through train.main; with
+    ``component``, its resumed runs (those that find a checkpoint) leave it out."""
+
+    def launcher(nproc: int, argv: list[str]) -> tuple[int, str]:
+        url = argv[argv.index("--checkpoint.folder", argv.index("--training.steps")) + 1]
+        if component and complete_steps(url):
+            argv = [*argv, "--checkpoint.exclude_from_loading", component]
+        return run_main(argv)
+
+    return launcher
+
+
+def test_the_resume_check_deletes_and_resumes_checkpoints_in_a_bucket(bucket, tmp_path):
+    """deterministic_resume's default mode with everything in the bucket (one in-process
+    rank): the last checkpoint (step 4) deleted from the bucket, the rerun resumes from
+    step 2 and is exact. Negative control: the resume without the loader's entry fails."""
+    corpus = upload_corpus(bucket, tmp_path)
+    args = ["--nproc", "1", "--steps", "4", "--interval", "2", "--delete", "1",
+            *on_bucket(bucket, corpus)]  # fmt: skip
+    assert resume_check(["--dump-folder", str(tmp_path / "dr"), *args], in_process()) == 0
+    log = (tmp_path / "dr" / "runs.log").read_text()
+    assert f"loaded checkpoint s3://{bucket}/ckpt/step-2" in log
+    assert resume_check(["--dump-folder", str(tmp_path / "control"), *args],
+                        in_process("dataloader")) == 1  # fmt: skip
+
+
 # ---- an object rewritten in place, through a train.py resume (one rank, in-process) -----
 
 
@@ -136,7 +163,9 @@ def test_an_object_rewritten_in_place_stops_the_resume_naming_it(bucket, tmp_pat
 
 
 def prepare_data(argv: list) -> int:
-    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "prepare_data", REPO / "scripts" / "prepare_data.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main([str(a) for a in argv])
@@ -163,7 +192,9 @@ def test_prepare_data_measures_a_corpus_in_a_bucket_into_the_bucket(bucket, tmp_
     c = cfg(corpus, length_index_dir=counts, streaming="true")
     loader = build_dataloader(c, tokenizer, 0, 1)
     order = loader.stream.orders[0]
-    assert len([p for p in written if p.endswith(".npz")]) == len(order.units(order.source.extent()))
+    assert len([p for p in written if p.endswith(".npz")]) == len(
+        order.units(order.source.extent())
+    )
     for _ in range(16):  # 1,562 tokens a pass, 128 a step
         loader.next_step()
     assert loader.position.cursors[0].pass_ >= 1, "the loader read more than a pass"

@@ -105,8 +105,13 @@ def test_a_dataset_path_in_a_bucket_lists_its_data_files(bucket):
     line naming it."""
     from torchtitan.data.sources import DataError, resolve_source
 
-    for name, data in (("b/1.jsonl", b'{"text": "x"}\n'), ("a.jsonl", b'{"text": "y"}\n'),
-                       ("stats.json", b"{}"), ("empty.jsonl", b""), ("README.md", b"# x")):
+    for name, data in (
+        ("b/1.jsonl", b'{"text": "x"}\n'),
+        ("a.jsonl", b'{"text": "y"}\n'),
+        ("stats.json", b"{}"),
+        ("empty.jsonl", b""),
+        ("README.md", b"# x"),
+    ):
         _put(f"s3://{bucket}/web/{name}", data)
     spec = resolve_source(path=f"s3://{bucket}/web")
     assert spec.files == [f"s3://{bucket}/web/a.jsonl", f"s3://{bucket}/web/b/1.jsonl"]
