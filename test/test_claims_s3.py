@@ -147,6 +147,20 @@ def test_a_release_removes_only_its_own_claim(prefix):
     assert not claims.release(url, theirs["token"])  # already gone
 
 
+def test_a_lost_reply_to_a_winning_put_is_still_a_win(prefix):
+    """A client retries a request whose reply was lost; the retry of a conditional put
+    that won meets its own object (412). The object holding exactly the bytes sent, it
+    was this write: the put says so (the ETag). Negative control: other bytes there are
+    another's write, a loss."""
+    url = f"{prefix}/x.claim"
+    body = claims._body(claims.record())
+    tag = storage.put_object(url, body, absent=True)
+    assert tag and storage.put_object(url, body, absent=True) == tag  # the "retry"
+    assert storage.put_object(url, body + b" ", absent=True) is None
+    assert storage.put_object(url, body + b" ", etag='"stale"') is None
+    assert storage.read_bytes(url) == body
+
+
 def test_claims_on_another_store_are_refused_naming_it():
     with pytest.raises(OSError, match="gs://b/x.claim: claims need conditional writes"):
         claims.create("gs://b/x.claim", claims.record())
@@ -273,6 +287,28 @@ def test_two_processes_split_the_measuring_through_the_bucket(tmp_path, prefix, 
     assert alone.counts.measured == 16
 
 
+def test_a_measurer_renews_its_claim_in_the_bucket(tmp_path, prefix, tokenizer):
+    """While a unit is measured, the heartbeat ``measure_unit`` is given renews the
+    claim in the bucket (its ``beat`` counted up): a measurer keeps its unit however long
+    it takes. Negative control: a heartbeat with another token renews nothing."""
+    folder = _corpus(tmp_path / "c", files=1)
+    training = cfg(folder, length_index_dir=f"{prefix}/counts", streaming="true").training
+    order = build_stream(training, tokenizer).orders[0]
+    measure, beats = order.counts._measure, []
+
+    def measured(unit, heartbeat=None):
+        claim = order.counts.path(unit) + ".claim"
+        claims.touch(claim, "another-token")
+        beats.append(_record_at(claim).get("beat"))
+        heartbeat()
+        beats.append(_record_at(claim).get("beat"))
+        return measure(unit, heartbeat)
+
+    order.counts._measure = measured
+    assert order.counts.counts(order.units(1)[0]).total > 0
+    assert beats == [None, 1] and order.counts.measured == 1
+
+
 def test_count_files_in_a_bucket_are_reused(tmp_path, prefix, tokenizer):
     """A second ``SourceCounts`` over the same bucket prefix reads every unit's counts:
     none measured, the same totals. Negative control: another bad-data policy (another
@@ -292,6 +328,24 @@ def test_count_files_in_a_bucket_are_reused(tmp_path, prefix, tokenizer):
     assert strict.counts.measured == 16
 
 
+def test_a_damaged_count_file_in_a_bucket_is_measured_again(tmp_path, prefix, tokenizer,
+                                                             caplog):  # fmt: skip
+    """A count file whose bytes do not parse (written by something else: a PUT is whole)
+    is named in a warning, deleted and measured again, its new file readable. Negative
+    control: the file rewritten whole is read, not measured."""
+    folder = _corpus(tmp_path / "c", files=1)
+    training = cfg(folder, length_index_dir=f"{prefix}/counts", streaming="true",
+                   length_index_wait_seconds=2).training  # fmt: skip
+    order = build_stream(training, tokenizer).orders[0]
+    unit = tuple(int(x) for x in order.units(1)[0])
+    url = order.counts.path(unit)
+    storage.put_object(url, b"PK" + bytes(100))
+    assert order.counts.counts(unit).total > 0 and order.counts.measured == 1
+    assert "unreadable" in caplog.text and url in caplog.text
+    again = build_stream(training, tokenizer).orders[0]
+    assert again.counts.counts(unit).total > 0 and again.counts.measured == 0
+
+
 def test_a_count_file_once_published_is_kept(prefix):
     """Count files are published by a create-only PUT: a second writer's bytes never
     replace the first's (both hold the same counts by construction). Negative control:
@@ -303,3 +357,54 @@ def test_a_count_file_once_published_is_kept(prefix):
     storage.remove(url)
     storage.publish(url, lambda f: f.write(b"second"))
     assert storage.read_bytes(url) == b"second"
+
+
+class _Ranks:
+    """Two ranks in one process; rank 1 does not see what rank 0 wrote when ``blind``."""
+
+    world = 2
+
+    def __init__(self, blind: bool):
+        self.rank, self.blind = 0, blind
+
+    def on_main(self, fn, *args):
+        return fn(*args)
+
+    def gather(self, obj) -> list:
+        return [obj, obj and not self.blind]
+
+
+def test_a_bucket_every_rank_sees_is_a_shared_folder(tmp_path, prefix, caplog):
+    """The shared-folder check puts its marker in the bucket and finds it there (no
+    warning), then removes it. Negative control: a rank that does not see it is named."""
+    from torchtitan.data.plan import check_shared_folder
+
+    training = cfg(tmp_path, length_index_dir=f"{prefix}/counts").training
+    check_shared_folder(training, _Ranks(blind=False))
+    assert "not shared" not in caplog.text
+    fs, inner = storage._fs(f"{prefix}/counts")
+    fs.invalidate_cache()
+    assert not fs.find(inner)  # the marker is gone
+    check_shared_folder(training, _Ranks(blind=True))
+    assert f"token-count folder {prefix}/counts is not shared: ranks [1]" in caplog.text
+
+
+def test_counts_on_a_store_without_conditional_writes_are_kept_in_memory(tmp_path, tokenizer,
+                                                                         caplog):  # fmt: skip
+    """A ``length_index_dir`` on an fsspec store this project makes no claims on (here
+    ``memory://``) is named in one warning; the process measures what it reads and keeps
+    it in memory, writing nothing there. Negative control: a file published there is
+    found (the look would see a count file)."""
+    import fsspec
+
+    folder = _corpus(tmp_path / "c", files=1)
+    where = f"memory://{uuid.uuid4().hex[:8]}/counts"
+    order = build_stream(cfg(folder, length_index_dir=where, streaming="true").training,
+                         tokenizer).orders[0]  # fmt: skip
+    assert order.pass_tokens() > 0 and order.counts.measured == 16
+    assert f"cannot write token counts to {where}" in caplog.text
+    assert "claims need conditional writes" in caplog.text
+    fs, inner = fsspec.core.url_to_fs(where)
+    assert not fs.find(inner)
+    storage.publish(f"{where}/k/0-8.npz", lambda f: f.write(b"counts"))
+    assert fs.find(inner) == [f"{inner}/k/0-8.npz"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import io
 import os
 import tempfile
 import time
@@ -126,8 +127,6 @@ def publish(path: str, write):
             write(f)
         os.replace(tmp, path)
         return
-    import io
-
     buffer = io.BytesIO()
     write(buffer)
     if on_s3(path):
@@ -167,15 +166,25 @@ def _s3(url: str):
     return fs, bucket, key
 
 
+def _answer(error: BaseException) -> tuple[str | None, int | None]:
+    """(error code, HTTP status) of a store's refusal: s3fs raises it as an OSError
+    (FileExistsError, OSError(EINVAL) for a 412...), its cause the client's error."""
+    response = getattr(error.__cause__ or error, "response", None) or {}
+    return response.get("Error", {}).get("Code"), response.get("ResponseMetadata", {}).get(
+        "HTTPStatusCode"
+    )
+
+
 def _condition_failed(error: BaseException) -> bool:
     """412 PreconditionFailed, or 409 ConditionalRequestConflict (a concurrent conditional
-    write won): s3fs raises them as FileExistsError or OSError(EINVAL), its cause the
-    client's error, which says which."""
-    cause = error.__cause__ or error
-    response = getattr(cause, "response", None) or {}
-    code = response.get("Error", {}).get("Code")
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    write won)."""
+    code, status = _answer(error)
     return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+def _not_implemented(error: BaseException) -> bool:
+    code, status = _answer(error)
+    return code == "NotImplemented" or status == 501
 
 
 def get_object(url: str) -> Object | None:
@@ -209,7 +218,10 @@ def put_object(url: str, body: bytes, absent: bool = False, etag: str | None = N
     condition = {"IfNoneMatch": "*"} if absent else {"IfMatch": etag} if etag else {}
     try:
         return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **condition)["ETag"]
-    except (FileNotFoundError, OSError) as e:  # If-Match on an absent object: 404
+    except OSError as e:  # If-Match on an absent object: 404
+        if _not_implemented(e) and condition:
+            raise OSError(errno.ENOSYS, f"{url}: this store does not take conditional writes "
+                          f"({next(iter(condition))}), which claims need: {e}") from e  # fmt: skip
         if not (isinstance(e, FileNotFoundError) and etag) and not _condition_failed(e):
             raise
     now = get_object(url)  # a retried request whose first try won: these very bytes
@@ -229,7 +241,7 @@ def delete_object(url: str, etag: str) -> bool:
     except OSError as e:
         if _condition_failed(e):
             return False
-        if errno.ENOSYS != e.errno and "NotImplemented" not in str(e.__cause__):
+        if not _not_implemented(e):
             raise
     fs.call_s3("delete_object", Bucket=bucket, Key=key)
     return True

@@ -157,8 +157,8 @@ class Training:
         "",
         "where each unit's token counts are kept, measured when the order first reaches the "
         "unit and shared by every process, job and node that reads the folder (multi-node: "
-        "a folder every node shares; empty: $TORCHTITAN_CACHE/length_index or "
-        "~/.cache/torchtitan/length_index)",
+        "a folder every node shares, or a bucket: s3://bucket/prefix; empty: "
+        "$TORCHTITAN_CACHE/length_index or ~/.cache/torchtitan/length_index)",
     )
     length_index_wait_seconds: float = _opt(
         600.0,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan import REPO_ROOT
+from torchtitan.storage import is_remote  # the one test of a URL (spec.is_remote for callers)
 
 _FORMATS = {
     ".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".arrow": "arrow",
@@ -189,10 +190,6 @@ class SourceSpec:
         if is_hub(path):
             return []
         return remote_signature(path) if is_remote(path) else _file_signature(path)
-
-
-def is_remote(path: str) -> bool:
-    return "://" in path
 
 
 def is_hub(path: str) -> bool:
