@@ -69,13 +69,13 @@ def excluding_on_resume(component: str):
 def test_a_run_restarted_at_every_checkpoint_on_buckets_equals_an_uninterrupted_one(
     bucket, tmp_path
 ):
-    """Corpus, counts and checkpoints in the bucket, 2 ranks: a new job at every
-    checkpoint (steps 2 and 4 of 6) gives every step's loss == one uninterrupted job's, on
+    """Corpus, counts and checkpoints in the bucket, 2 ranks with a loader worker each (a
+    forked process reading the bucket): a new job at every checkpoint (steps 2 and 4 of 6) gives every step's loss == one uninterrupted job's, on
     the same data (the seed plan of deterministic_resume). Negative control: the same
     chain resuming without the loader's entry differs."""
     corpus = upload_corpus(bucket, tmp_path)
     args = ["--nproc", "2", "--resume-every", "--steps", "6", "--interval", "2",
-            *on_bucket(bucket, corpus)]  # fmt: skip
+            *on_bucket(bucket, corpus), "--training.num_workers", "1"]  # fmt: skip
     dump = tmp_path / "dr"
     assert resume_check(["--dump-folder", str(dump), *args]) == 0
     log = (dump / "runs.log").read_text()
