@@ -80,6 +80,27 @@ def prepare_counts(corpus: str, counts: str):
     prepare(cfg.training, Tokenizer(TOKENIZER), num_proc=2, progress=False)
 
 
+class Requests(logging.Handler):
+    """The requests the local server answered, by method and file suffix (``GET
+    parquet``, ``GET tokens 404``), from its request log: what a run asked of the store."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def emit(self, record):
+        parts = record.getMessage().split('"')
+        if len(parts) < 3:
+            return
+        method, path = (parts[1].split() + ["", ""])[:2]
+        method = method.rsplit("m", 1)[-1]  # the log colours some lines
+        key = path.split("?")[0].strip("/")
+        suffix = key.rsplit("/", 1)[-1].rpartition(".")[2] if "/" in key else "(listing)"
+        status = parts[2].split()[0] if parts[2].split() else ""
+        key = f"{method} {suffix}" + ("" if status.startswith("2") else f" {status}")
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+
 def run(corpus: str, counts: str, args) -> dict:
     return bench.run_program(PROGRAM, {
         "corpus": corpus, "counts": counts, "seq": SEQ, "batch": BATCH,
@@ -96,7 +117,10 @@ def main(argv=None) -> int:
     reason = s3.missing()
     if reason:
         raise SystemExit(reason)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's request log
+    server_log, requests = logging.getLogger("werkzeug"), Requests()
+    server_log.setLevel(logging.INFO)  # the server's request log: counted, not printed
+    server_log.propagate = False
+    server_log.addHandler(requests)
     with bench.work_folder(args, "bench_s3_corpus_") as work, s3.local_s3() as (bucket, _):
         import s3fs
 
@@ -109,7 +133,8 @@ def main(argv=None) -> int:
         runs: dict[str, list] = {side: [] for side in sides}
         for r in range(args.rounds):
             for side, (where, counts) in sides.items():
-                runs[side].append(run(where, counts, args))
+                requests.seen = {}
+                runs[side].append({**run(where, counts, args), "requests": requests.seen})
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     result = summarize(runs, corpus, args)
     result["about"] = bench.about(argv, commit=True)
@@ -128,6 +153,7 @@ def summarize(runs: dict, corpus: dict, args) -> dict:
         "same_batches": digests["local"] == digests["s3"] and len(digests["s3"]) == 1,
         "measured": max(r["measured"] for rs in runs.values() for r in rs),
         "rounds": args.rounds, "batches": args.batches,
+        "s3_requests_last_round": runs["s3"][-1]["requests"],
     }  # fmt: skip
 
 
@@ -139,6 +165,8 @@ def print_report(result: dict):
     print(f"\ns3 / local tok/s {result['s3_over_local']:.2f}, first batch "
           f"{result['first_batch_s3_over_local']:.2f}; same batches: {result['same_batches']}; "
           f"units measured by the timed runs: {result['measured']}")  # fmt: skip
+    print(f"requests of the last s3 run (first batch included): "
+          f"{result['s3_requests_last_round']}")  # fmt: skip
 
 
 if __name__ == "__main__":
