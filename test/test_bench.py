@@ -163,6 +163,24 @@ def check_firstpass(r: dict):
         assert positive(value), name
 
 
+def check_s3_checkpoint(r: list):
+    rows = {(x["folder"], x["mode"]): x for x in r}
+    assert set(rows) == {(f, m) for f in ("local", "s3") for m in ("sync", "async")}, "all four"
+    assert all(positive(x["durable_s"], x["blocked_per_save_s"], x["resume_s"]) for x in r)
+    for folder in ("local", "s3"):
+        sync, async_ = (rows[folder, m]["blocked_per_save_s"] for m in ("sync", "async"))
+        assert async_ < sync, "async must block the loop less than sync"
+
+
+def check_s3_corpus(r: dict):
+    med = r["medians"]
+    for side in ("local", "s3"):
+        assert positive(med[side]["first_s"], med[side]["tps"]), side
+    assert r["same_batches"], "the bucket's batches must equal the local files'"
+    assert r["measured"] == 0, "warm: the timed runs measure nothing"
+    assert r["s3_over_local"] == med["s3"]["tps"] / med["local"]["tps"]
+
+
 CHECKS = {
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
@@ -173,6 +191,8 @@ CHECKS = {
     "bench_resume.py": check_resume,
     "bench_step.py": check_step,
     "bench_checkpoint.py": check_checkpoint,
+    "bench_s3_checkpoint.py": check_s3_checkpoint,
+    "bench_s3_corpus.py": check_s3_corpus,
     "bench_streaming.py": check_streaming,
     "bench_startup.py": check_startup,
     "bench_tp_loader.py": check_tp_loader,
@@ -201,10 +221,21 @@ def test_benchmark_smoke(script, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    CHECKS[script](result[0] if isinstance(result, list) else result)
+    CHECKS[script](result if script == "bench_s3_checkpoint.py" else
+                   result[0] if isinstance(result, list) else result)  # fmt: skip
 
 
 NONSENSE = [
+    (check_s3_corpus, {"medians": {side: {"first_s": 1.0, "tps": 1.0} for side in ("local", "s3")},
+                       "same_batches": False, "measured": 0, "s3_over_local": 1.0},
+     "the bucket's batches must equal the local files'"),
+    (check_s3_corpus, {"medians": {side: {"first_s": 1.0, "tps": 1.0} for side in ("local", "s3")},
+                       "same_batches": True, "measured": 3, "s3_over_local": 1.0},
+     "warm: the timed runs measure nothing"),
+    (check_s3_checkpoint, [{"folder": f, "mode": m, "durable_s": 1.0, "resume_s": 1.0,
+                            "blocked_per_save_s": 1.0} for f in ("local", "s3")
+                           for m in ("sync", "async")],
+     "async must block the loop less than sync"),
     (check_attention, {"flavor": "debugmodel", "causal_ms": 0.0, "block_causal_ms": 1.0,
                        "block_over_causal": 1.0},
      "attention times must be positive"),

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint.folder import read_manifest
 from torchtitan.checkpoint.integrity import format_problem, verify_checkpoint
+from torchtitan.checkpoint.store import is_url, store_for, upload_folder
 from torchtitan.config import resolve_path
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError
 from torchtitan.models.llama import ModelArgs, Transformer, llama_configs
@@ -272,7 +274,8 @@ def read_dcp_model(step_dir: str) -> dict[str, torch.Tensor]:
     Cost: reads and checksums the whole folder once, and holds the whole model in memory:
     O(model) in one process, whatever the number of ranks that wrote it.
     """
-    if not os.path.isdir(step_dir):
+    store = store_for(step_dir)
+    if not store.isdir(step_dir):
         raise HFError(f"checkpoint {step_dir} does not exist; pass a step-N folder")
     problem = verify_checkpoint(step_dir)
     if problem is not None:
@@ -280,7 +283,7 @@ def read_dcp_model(step_dir: str) -> dict[str, torch.Tensor]:
     problem = format_problem(step_dir)
     if problem:
         raise HFError(f"checkpoint {step_dir} {problem}; export it with the version that wrote it")
-    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    metadata = store.reader(step_dir).read_metadata()
     weights = {}
     for key, info in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(info, dcp.TensorStorageMetadata):
@@ -289,7 +292,8 @@ def read_dcp_model(step_dir: str) -> dict[str, torch.Tensor]:
             )
     if not weights:
         raise HFError(f"checkpoint {step_dir} holds no model weights; pick another step")
-    dcp.load({"model": weights}, checkpoint_id=step_dir, no_dist=True)
+    dcp.load({"model": weights}, checkpoint_id=step_dir, storage_reader=store.reader(step_dir),
+             no_dist=True)  # fmt: skip
     return weights
 
 
@@ -430,7 +434,17 @@ def export(
     the fingerprint the checkpoint recorded). Everything is checked before
     ``out_dir`` is written; files already there with the same names are replaced.
     Cost: O(model) memory and one read of the checkpoint folder, in one process.
+
+    ``out_dir`` may be a URL (``s3://bucket/hf``): the folder is written to a local
+    temporary folder, then uploaded with ``config.json`` last (a reader that finds it
+    finds the weights). Not written through fsspec directly: safetensors writes a file
+    by path, and its in-memory ``save`` would hold a second copy of the model.
     """
+    if is_url(out_dir):
+        with tempfile.TemporaryDirectory(prefix="hf-export-") as local:
+            args = export(step_dir, local, tokenizer_path, flavor)
+            upload_folder(local, out_dir, last=CONFIG)
+        return args
     weights = read_dcp_model(step_dir)
     if "tok_embeddings.weight" not in weights:
         raise HFError(f"checkpoint {step_dir} has no tok_embeddings.weight; pick another step")

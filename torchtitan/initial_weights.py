@@ -1,6 +1,7 @@
 """Initial weights for a run that has no checkpoint of its own: ``checkpoint.initial_load_path``.
 
-Owns: reading the model weights of another job's finished ``step-N`` folder (``dcp``)
+Owns: reading the model weights of another job's finished ``step-N`` folder (``dcp``;
+a local path or a URL such as ``s3://bucket/run/step-N``, read through ``store``)
 or of a Hugging Face ``LlamaForCausalLM`` folder (``hf``) into this run's (possibly
 sharded) model, and refusing a bad one with the same one line on every rank.
 
@@ -32,6 +33,7 @@ from torchtitan import parallel
 from torchtitan.checkpoint import compat, integrity
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import CheckpointError
+from torchtitan.checkpoint.store import is_url, local_copy, store_for
 
 
 def load_initial_weights(cfg, model: torch.nn.Module, dims):
@@ -52,7 +54,8 @@ def load_initial_weights(cfg, model: torch.nn.Module, dims):
 
 def _load_dcp(model: torch.nn.Module, path: str, dims):
     what = f"checkpoint.initial_load_path {path}"
-    if os.path.isdir(path):
+    store = store_for(path)
+    if store.isdir(path):
         mine = integrity.verify_share(path, dims.rank, dims.world_size)
         problems = [p for p in parallel.all_gather_objects(dims, mine) if p is not None]
         problem = problems[0] if problems else None
@@ -66,15 +69,16 @@ def _load_dcp(model: torch.nn.Module, path: str, dims):
             f"{what} {problem}; convert it with the version that wrote it (e.g. to a HF folder)"
         )
     state = {"model": get_model_state_dict(model)}
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = store.reader(path).read_metadata().state_dict_metadata
     model_entries = {k.split(".", 1)[1]: md for k, md in saved.items() if k.startswith("model.")}
     problem = compat.model_mismatch(state["model"], model_entries)
     if problem:
         raise CheckpointError(
             f"{what}: {problem}; use the model.flavor and tokenizer of the job that wrote it"
         )
-    dcp.load(state, checkpoint_id=path, process_group=dims.cpu_group,
-             planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
+    dcp.load(state, checkpoint_id=path, storage_reader=store.reader(path),
+             process_group=dims.cpu_group, planner=DataOnlyLoadPlanner(),
+             no_dist=not dist.is_initialized())  # fmt: skip
     set_model_state_dict(model, state["model"])
 
 
@@ -86,7 +90,12 @@ WAIT_MIN_BYTES_PER_S = 25e6
 
 
 def folder_bytes(path: str) -> int:
-    """Bytes of the files in a folder (not recursive). Cost: one stat per file."""
+    """Bytes of the files in a folder (not recursive; a URL's objects under it). Cost: one
+    stat per file (a listing page per 1,000 objects)."""
+    if is_url(path):
+        store = store_for(path)
+        return sum(int(e.get("size") or 0) for e in store.fs.ls(path, detail=True, refresh=True)
+                   if e.get("type") == "file")  # fmt: skip
     if not os.path.isdir(path):
         return 0
     return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
@@ -110,7 +119,8 @@ def _load_hf(model: torch.nn.Module, path: str, dims):
     weights, problem = {}, None
     if dims.is_main:
         try:
-            weights, _ = read_hf_folder(path, getattr(model, "module", model).args)
+            with local_copy(path) as folder:
+                weights, _ = read_hf_folder(folder, getattr(model, "module", model).args)
         except Exception as e:  # noqa: BLE001 - whatever stops the read is the folder's
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
     if group is not None:

@@ -1,4 +1,5 @@
-"""A save's life: ``step-N.partial`` written by DCP, then finalized into ``step-N``.
+"""A save's life: ``step-N.partial`` written by DCP, then finalized into ``step-N``
+(on an object store: ``step-N`` written in place, complete once its manifest is).
 
 Owns: writing a state with DCP (sync, or async on the checkpoint's own gloo group with
 one persistent stager), the finalizer (every rank checksums and fsyncs the files it
@@ -10,7 +11,10 @@ An async save is finalized in a background thread the moment DCP's write complet
 so it is durable without waiting for the next save. A folder named ``step-N`` is
 complete by construction: the manifest is written inside the ``.partial`` before the
 rename, and a ``.partial`` that already holds a manifest is finished by verifying
-against it (a kill between the two is harmless).
+against it (a kill between the two is harmless). On an object store (``store``: no
+rename) the save is written into ``step-N`` itself and the manifest, written by rank 0
+after every rank's digest arrived (so after every rank's upload and DCP's
+``.metadata``), is what publishes it; async saves upload from DCP's thread alike.
 
 Never: choose what to save or what to resume from.
 """
@@ -18,12 +22,9 @@ Never: choose what to save or what to resume from.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
 import re
-import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,9 +43,12 @@ from torchtitan.checkpoint.folder import (
     complete_steps,
     fsync_dir,
     read_manifest,
+    remove_checkpoint,
+    save_folder,
     step_folder,
     write_json,
 )
+from torchtitan.checkpoint.store import join, store_for
 
 logger = logging.getLogger("torchtitan")
 # DCP notes on every call of a single process (no process group) that it assumes one;
@@ -56,8 +60,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 class Saver:
     """Writes and finalizes checkpoints in ``folder``; at most one async save in flight."""
 
-    def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int):
+    def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int,
+                 shares_stager_of: Saver | None = None):  # fmt: skip
+        """``shares_stager_of``: another tier's saver whose staging buffers this one reuses
+        (its saves never overlap this one's: the manager waits for both)."""
         self.folder, self.dims = folder, dims
+        self._stager_owner = shares_stager_of
+        self.store = store_for(folder)
         self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
         self._staging: Future | None = None  # the in-memory copy of an async save
         self._pending: Future | None = None  # its write and finalization
@@ -72,6 +81,11 @@ class Saver:
         self.last_write_s = 0.0
 
     @property
+    def writing(self) -> bool:
+        """An async save is being written or finalized."""
+        return self._pending is not None and not self._pending.done()
+
+    @property
     def _no_dist(self) -> bool:
         return not torch.distributed.is_initialized()
 
@@ -82,11 +96,13 @@ class Saver:
         long before), and (sync mode) the write and finalization.
         """
         self.wait()
-        partial = step_folder(self.folder, step) + ".partial"
+        partial = save_folder(self.folder, step)
         if self.dims.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-            write_json(os.path.join(partial, PENDING), manifest)
+            if self.store.in_place:  # written in place: an older timeline's step-N goes first
+                timeline.make_room(self.folder, step)
+            remove_checkpoint(partial)
+            self.store.makedirs(partial)
+            write_json(join(partial, PENDING), manifest)
         parallel.barrier(self.dims)
         begin = time.perf_counter()
         if self.async_mode == "async":
@@ -94,6 +110,7 @@ class Saver:
                 response = dcp.async_save(
                     state,
                     checkpoint_id=partial,
+                    storage_writer=self.store.writer(partial),
                     process_group=self.dims.cpu_group,
                     async_stager=self._async_stager(),
                     no_dist=self._no_dist,
@@ -111,8 +128,8 @@ class Saver:
             )
         else:
             with self._save_errors(step):
-                dcp.save(state, checkpoint_id=partial, process_group=self.dims.cpu_group,
-                         no_dist=self._no_dist)  # fmt: skip
+                dcp.save(state, checkpoint_id=partial, storage_writer=self.store.writer(partial),
+                         process_group=self.dims.cpu_group, no_dist=self._no_dist)  # fmt: skip
                 self.finalize(step)
             logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)
 
@@ -149,6 +166,8 @@ class Saver:
     def _async_stager(self):
         # One stager for the whole run: it keeps its CPU copy buffers between saves,
         # and stages in a background thread so the save returns at once.
+        if self._stager_owner is not None:
+            return self._stager_owner._async_stager()
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(
@@ -195,7 +214,7 @@ class Saver:
         try:
             yield
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            shutil.rmtree(step_folder(self.folder, step) + ".partial", ignore_errors=True)
+            remove_checkpoint(save_folder(self.folder, step))
             done = complete_steps(self.folder)
             raise CheckpointError(
                 f"saving checkpoint step-{step} in {self.folder} failed: {root_cause(e)}; free "
@@ -204,7 +223,8 @@ class Saver:
             ) from e
 
     def finalize(self, step: int, share: list[str] | None = None):
-        """``step-N.partial`` -> ``step-N`` once every rank's data is on disk.
+        """``step-N.partial`` -> ``step-N`` once every rank's data is on disk (on a store:
+        ``step-N``'s manifest written once every rank's data is uploaded).
 
         Each rank checksums and fsyncs the files it wrote (O(own shard)), or ``share``
         when finishing a partial left by a killed job; rank 0 gathers the digests
@@ -212,7 +232,7 @@ class Saver:
         every rank the outcome. Runs on the training thread (sync, restart) or the
         finalizer thread (async), always on the checkpoint group.
         """
-        partial = step_folder(self.folder, step) + ".partial"
+        partial = save_folder(self.folder, step)
         try:
             names = integrity.own_files(partial, self.dims.rank) if share is None else share
             begin = time.perf_counter()
@@ -231,11 +251,10 @@ class Saver:
             else:
                 files = {name: info for d in every for name, info in d.items()}
                 try:
-                    with open(os.path.join(partial, PENDING)) as f:
-                        manifest = {**json.load(f), "files": files}
-                    write_json(os.path.join(partial, MANIFEST), manifest)
+                    manifest = {**read_manifest(partial, PENDING), "files": files}
+                    write_json(join(partial, MANIFEST), manifest)
                     self.publish(step)
-                except OSError as e:  # the others wait for the outcome: always send one
+                except (OSError, ValueError) as e:  # the others wait for the outcome: send one
                     outcome = f"rank 0 could not publish step-{step}: {e}"
         outcome = parallel.broadcast_from_main(self.dims, outcome)
         if outcome is not None:
@@ -246,14 +265,14 @@ class Saver:
 
         The manifest is written before this, inside the partial: a kill anywhere in here
         leaves either a partial with a manifest (finished by ``finish_partial``) or a
-        complete ``step-N``.
+        complete ``step-N``. On a store the manifest was the publication: only the purge.
         """
-        partial = step_folder(self.folder, step) + ".partial"
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(partial, PENDING))
-        timeline.make_room(self.folder, step)
-        os.replace(partial, step_folder(self.folder, step))
-        fsync_dir(self.folder)
+        partial = save_folder(self.folder, step)
+        self.store.remove(join(partial, PENDING))
+        if not self.store.in_place:
+            timeline.make_room(self.folder, step)
+            self.store.move_folder(partial, step_folder(self.folder, step), last=MANIFEST)
+            fsync_dir(self.folder)
         timeline.purge(self.folder, self.keep_latest_k)
 
     def finish_partial(self, step: int):
@@ -267,12 +286,12 @@ class Saver:
           its files each and it is finalized;
         - otherwise it is an interrupted write and is removed.
         """
-        path = step_folder(self.folder, step) + ".partial"
+        path = save_folder(self.folder, step)
         status = None
         if self.dims.is_main:
-            if os.path.isfile(os.path.join(path, MANIFEST)):
+            if self.store.isfile(join(path, MANIFEST)):
                 status = "manifest"
-            elif os.path.isfile(os.path.join(path, PENDING)) and integrity.dcp_data_complete(path):
+            elif self.store.isfile(join(path, PENDING)) and integrity.dcp_data_complete(path):
                 status = "data"
             else:
                 status = "incomplete"
@@ -280,7 +299,7 @@ class Saver:
         if status == "incomplete":
             if self.dims.is_main:
                 logger.warning("ignoring and removing incomplete checkpoint %s", path)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_checkpoint(path)
             parallel.barrier(self.dims)
             return
         logger.warning("finishing checkpoint %s: its data was written before the job stopped", path)
@@ -293,7 +312,7 @@ class Saver:
         except CheckpointError as e:  # every rank gets the same outcome
             if self.dims.is_main:
                 logger.warning("removing %s: %s", path, e)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_checkpoint(path)
         parallel.barrier(self.dims)
 
     def _publish_verified(self, step: int, path: str):

@@ -1,7 +1,9 @@
 """CheckpointManager: save and load the whole training state with torch.distributed.checkpoint.
 
-Owns: the save interval, the manifest, and loading the timeline's resume point into every
-component. The components come as adapters (``stateful.Adapter``: what each saves,
+Owns: the save interval and the tiers (``checkpoint.folder``, a local path or an object
+store's URL; with ``checkpoint.local_interval``, a local tier saved between its saves,
+resumed from when newer and held by every rank), the manifest, and loading the
+timeline's resume point into every component. The components come as adapters (``stateful.Adapter``: what each saves,
 which entries it expects from a given checkpoint, how it loads), all handled alike:
 the manager names none of them. It composes the package's parts: ``lifecycle`` writes
 and finalizes, ``timeline`` chooses and keeps, ``integrity`` verifies, ``stateful``
@@ -25,7 +27,6 @@ from another job (``initial_weights.py`` does, when this run has no checkpoint).
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -40,6 +41,7 @@ from torchtitan.checkpoint.changes import resumable_changes
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
+    MANIFEST,
     CheckpointError,
     check_writable,
     partial_steps,
@@ -49,6 +51,7 @@ from torchtitan.checkpoint.folder import (
 from torchtitan.checkpoint.lease import Lease
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
 from torchtitan.checkpoint.stateful import Adapter, Saved
+from torchtitan.checkpoint.store import join, store_for
 
 logger = logging.getLogger("torchtitan")
 
@@ -62,7 +65,7 @@ class CheckpointManager:
         ``fingerprint``: the data this run trains on, recorded in each manifest."""
         ck = cfg.checkpoint
         self.enabled = ck.enable_checkpoint
-        self.folder = os.path.join(cfg.job.dump_folder, ck.folder)
+        self.folder = join(cfg.job.dump_folder, ck.folder)  # or a URL (an object store)
         self.interval = ck.interval
         self.options = timeline.recovery_options(ck.load_step, list(ck.exclude_from_loading))
         self.model_weights_only = ck.model_weights_only
@@ -72,13 +75,32 @@ class CheckpointManager:
         self.config_dict = cfg.to_dict()
         self.states = dict(components)
         self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k)
+        # The local tier (checkpoint.local_interval): frequent saves to a local folder.
+        self.local_interval = ck.local_interval
+        self.local_folder = (
+            join(cfg.job.dump_folder, ck.local_folder) if ck.local_interval else None
+        )
+        self.local_saver = None
+        if self.local_folder is not None:
+            self.local_saver = Saver(self.local_folder, dims, ck.async_mode, ck.keep_latest_k,
+                                     shares_stager_of=self.saver)  # fmt: skip
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
         self.loaded_from: str | None = None
         self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
         if self.enabled:
             check_writable(self.folder)
+            if self.local_folder is not None:
+                check_writable(self.local_folder)
             self._take_lease()
+
+    @property
+    def savers(self) -> list[Saver]:
+        return [self.saver] if self.local_saver is None else [self.saver, self.local_saver]
+
+    @property
+    def tiers(self) -> list[tuple[str, Saver]]:
+        return [(s.folder, s) for s in self.savers]
 
     def _take_lease(self):
         """Rank 0 takes the folder's lease (waiting for a live holder); every rank gets
@@ -101,16 +123,28 @@ class CheckpointManager:
 
     # ---- saving ---------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Every ``interval`` steps (where the job stops is the loop's to add)."""
-        return self.enabled and step % self.interval == 0
+        """Every ``interval`` steps, and every ``local_interval`` steps to the local tier
+        (where the job stops is the loop's to add)."""
+        local = self.local_interval and step % self.local_interval == 0
+        return self.enabled and (step % self.interval == 0 or bool(local))
+
+    def _saver_for(self, step: int, final: bool) -> Saver:
+        """The local tier for its own steps; the main folder for ``interval`` steps, the
+        training's last step and any other (a preemption's: the node may not come back)."""
+        local = self.local_interval and step % self.local_interval == 0
+        if self.local_saver is not None and local and step % self.interval != 0 and not final:
+            return self.local_saver
+        return self.saver
 
     def save(self, step: int, *, final: bool = False, model_only: bool = False):
         """Write ``step-N`` (see ``Saver.save`` for what blocks the caller); ``final``: the
         training's last step, saved as weights only under ``checkpoint.model_weights_only``."""
         self.lease.check()
-        # The previous save's state_dict views must not be reused: wait for it (and say
-        # so, once, when that makes the loop wait).
-        self.saver.wait_for_previous(step)
+        # The previous save's state_dict views (and the shared staging buffers) must not
+        # be reused, and two DCP saves must not share the checkpoint group at once: wait
+        # for any tier's (and say so, once, when that makes the loop wait).
+        for saver in self.savers:
+            saver.wait_for_previous(step)
         weights_only = model_only or (self.model_weights_only and final)
         names = [n for n, s in self.states.items() if s.weights or not weights_only]
         state = {name: self.states[name].state_dict() for name in names}
@@ -124,18 +158,21 @@ class CheckpointManager:
             "data_fingerprint": self.fingerprint,
             "timeline": self.timeline,
         }
-        self.saver.save(step, state, manifest)
+        self._saver_for(step, final or model_only).save(step, state, manifest)
 
     def wait_for_staging(self):
-        self.saver.wait_for_staging()
+        for saver in self.savers:
+            saver.wait_for_staging()
 
     def wait(self):
-        self.saver.wait()
+        for saver in self.savers:
+            saver.wait()
 
     def close(self):
         """Finish the pending save, then release the folder's lease (idempotent)."""
         try:
-            self.saver.close()
+            for saver in reversed(self.savers):  # the main saver owns the shared stager
+                saver.close()
         finally:
             self.lease.release()
 
@@ -143,7 +180,9 @@ class CheckpointManager:
         """Release the folder's lease without waiting for a save (a job that failed): now,
         or, while an async save is still being written, when it ends, so that the next
         job never tidies ``.partial`` folders under a write in flight."""
-        self.saver.after_write(self.lease.release)
+        # Saves never overlap (save() waits for every tier's): at most one is pending.
+        writing = [saver for saver in self.savers if saver.writing]
+        (writing[0] if writing else self.saver).after_write(self.lease.release)
 
     # ---- loading --------------------------------------------------------------------
     def load(self) -> list[str]:
@@ -152,11 +191,13 @@ class CheckpointManager:
         (a seed or weights-only checkpoint, or it was excluded) counts from step 0."""
         if not self.enabled:
             return []
-        for step in parallel.broadcast_from_main(self.dims, partial_steps(self.folder)):
-            self.saver.finish_partial(step)
+        for folder, saver in self.tiers:
+            for step in parallel.broadcast_from_main(self.dims, partial_steps(folder)):
+                saver.finish_partial(step)
         path, exclude = self._choose()
         if path is None:
-            logger.info("no checkpoint in %s: starting from scratch", self.folder)
+            logger.info("no checkpoint in %s: starting from scratch",
+                        " or ".join(folder for folder, _ in self.tiers))  # fmt: skip
             return []
         begin = time.perf_counter()
         loaded = self._load_from(path, exclude)
@@ -169,21 +210,31 @@ class CheckpointManager:
         )
         return loaded
 
+    def _plan(self, folder: str) -> tuple[list, timeline.Plan]:
+        """Rank 0: a tier's checkpoints and what to resume from among them."""
+        survey = timeline.survey(folder)
+        return survey, timeline.plan_resume(survey, self.options, self.fingerprint)
+
     def _choose(self) -> tuple[str | None, list[str]]:
-        """Rank 0 plans (timeline.plan_resume); every rank verifies; rank 0 sets newer
-        checkpoints aside. Returns the path to load and the components not to load."""
-        survey = plan = None
+        """Rank 0 plans (timeline.plan_resume) in each tier, the newer tier wins (the local
+        one only where every rank holds its files); every rank verifies; rank 0 sets newer
+        checkpoints of that tier aside. Returns the path to load and the components not
+        to load."""
+        plans = None
         if self.dims.is_main:
-            survey = timeline.survey(self.folder)
-            plan = timeline.plan_resume(survey, self.options, self.fingerprint)
+            plans = [(folder, *self._plan(folder)) for folder, _ in self.tiers]
+        plans = parallel.broadcast_from_main(self.dims, plans)
+        folder, survey, plan = plans[0]
+        if len(plans) > 1 and self._local_tier_wins(plans[0], plans[1]):
+            folder, survey, plan = plans[1]
+        if self.dims.is_main:
             for note in plan.notes:
                 logger.info("%s", note)
-        survey, plan = parallel.broadcast_from_main(self.dims, (survey, plan))
         if plan.problem:
             raise CheckpointError(plan.problem)
         chosen = None
         for i, step in enumerate(plan.candidates):
-            path = step_folder(self.folder, step)
+            path = step_folder(folder, step)
             problem = self._verify(path)
             if problem is None:
                 chosen = step
@@ -200,12 +251,15 @@ class CheckpointManager:
             logger.warning(
                 "CHECKPOINT %s IS DAMAGED (%s): falling back to an older one", path, problem
             )
-        generation, origin = timeline.generation_for(survey, plan, chosen)
+        # A new generation is newer than any tier's (the chosen tier's entries last: they
+        # name the chosen step).
+        others = [e for f, entries, _ in plans if f != folder for e in entries]
+        generation, origin = timeline.generation_for(others + survey, plan, chosen)
         self.timeline = {"generation": generation, "origin": origin}
         if chosen is None:
             return None, []
         if self.dims.is_main:
-            timeline.set_aside_after(self.folder, survey, chosen)
+            timeline.set_aside_after(folder, survey, chosen)
             if plan.branch and self.options:
                 logger.info(
                     "%s: a new timeline (generation %d) begins at step-%d; relaunching this "
@@ -213,7 +267,33 @@ class CheckpointManager:
                     timeline.describe(self.options), generation, chosen,
                 )  # fmt: skip
         parallel.barrier(self.dims)
-        return step_folder(self.folder, chosen), plan.exclude
+        return step_folder(folder, chosen), plan.exclude
+
+    def _local_tier_wins(self, main: tuple, local: tuple) -> bool:
+        """Whether to resume from the local tier: its resume point is at least as new as
+        the main folder's (a tie goes to the faster read), or only it has one, and every
+        rank holds the files of that checkpoint. Collective (the same answer everywhere).
+
+        "Holds": the manifest, DCP's ``.metadata`` and every byte range it names, checked
+        by each rank on its own view of the local folder (O(files) stats per rank), then
+        one all-reduce: a node-local folder that lacks another node's shards, or a wiped
+        one, is not resumed from on any rank.
+        """
+        (_, main_survey, main_plan), (folder, local_survey, local_plan) = main, local
+        if local_plan.problem or not local_plan.candidates:
+            return False
+        if not main_plan.problem and main_plan.candidates:
+            order = {e.step: e.order for e in main_survey}[main_plan.candidates[0]]
+            if {e.step: e.order for e in local_survey}[local_plan.candidates[0]] < order:
+                return False
+        path = step_folder(folder, local_plan.candidates[0])
+        holds = store_for(path).isfile(join(path, MANIFEST)) and integrity.dcp_data_complete(path)
+        missing = not holds
+        if parallel.any_rank(self.dims, missing):
+            logger.warning("not resuming from %s: not every rank holds its files there; "
+                           "taking the newest in %s", path, main[0])  # fmt: skip
+            return False
+        return True
 
     def _verify(self, path: str) -> str | None:
         """Every rank checks a share of the files (O(total / ranks)); all get the first problem."""
@@ -229,7 +309,8 @@ class CheckpointManager:
                 f"checkpoint {path} {problem}; resume it with the version that wrote it, or "
                 f"start from its weights with --checkpoint.initial_load_path {path}"
             )
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        reader = store_for(path).reader(path)
+        metadata = reader.read_metadata().state_dict_metadata
         saved: dict[str, Saved] = {}
         for key, md in metadata.items():
             name, entry = key.split(".", 1)
@@ -257,8 +338,9 @@ class CheckpointManager:
             if targets is not None:
                 state[name] = targets
         try:
-            dcp.load(state, checkpoint_id=path, process_group=self.dims.cpu_group,
-                     planner=DataOnlyLoadPlanner(), no_dist=not dist.is_initialized())  # fmt: skip
+            dcp.load(state, checkpoint_id=path, storage_reader=store_for(path).reader(path),
+                     process_group=self.dims.cpu_group, planner=DataOnlyLoadPlanner(),
+                     no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
             refused = [f[0] for f in getattr(e, "failures", {}).values()
                        if isinstance(f[0], CheckpointError)]  # fmt: skip

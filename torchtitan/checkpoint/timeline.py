@@ -24,8 +24,6 @@ Never: read tensors, write checkpoints, or use a process group.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from dataclasses import dataclass, field
 
 from torchtitan.checkpoint.folder import (
@@ -33,9 +31,11 @@ from torchtitan.checkpoint.folder import (
     fsync_dir,
     holds_training_state,
     read_manifest,
+    remove_checkpoint,
     set_aside,
     step_folder,
 )
+from torchtitan.checkpoint.store import store_for
 
 logger = logging.getLogger("torchtitan")
 
@@ -190,7 +190,7 @@ def purge(folder: str, keep_latest_k: int) -> list[int]:
     full = [e for e in survey(folder) if e.full]
     removed = []
     for entry in full[:-keep_latest_k]:
-        shutil.rmtree(step_folder(folder, entry.step), ignore_errors=True)
+        remove_checkpoint(step_folder(folder, entry.step))
         removed.append(entry.step)
         logger.info("removed old checkpoint step-%d (keep_latest_k=%d)", entry.step, keep_latest_k)
     return removed
@@ -199,7 +199,7 @@ def purge(folder: str, keep_latest_k: int) -> list[int]:
 def make_room(folder: str, step: int):
     """Rank 0, before publishing ``step-N``: an older timeline's ``step-N`` is set aside."""
     final = step_folder(folder, step)
-    if os.path.isdir(final):
+    if store_for(folder).isdir(final):
         dst = set_aside(final)
         logger.warning(
             "moved %s aside to %s: an older timeline's checkpoint of the step being saved",

@@ -288,12 +288,27 @@ class Validation:
 @dataclass
 class Checkpoint:
     enable_checkpoint: bool = _opt(False, "save and resume checkpoints")
-    folder: str = _opt("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    folder: str = _opt(
+        "checkpoint",
+        "checkpoint folder, relative to job.dump_folder, or a URL (s3://bucket/prefix; "
+        "credentials and endpoint from the AWS_* variables)",
+    )
     interval: int = _opt(
         500,
         "steps between checkpoints",
         ge=1,
         hint="to disable checkpointing set checkpoint.enable_checkpoint false",
+    )
+    local_interval: int = _opt(
+        0,
+        "steps between checkpoints to checkpoint.local_folder, a fast local tier beside "
+        "checkpoint.folder (steps that checkpoint.interval saves go there); 0: no local tier",
+        ge=0,
+    )
+    local_folder: str = _opt(
+        "checkpoint_local",
+        "the local tier's folder (checkpoint.local_interval), relative to job.dump_folder; "
+        "a local path, never a URL",
     )
     keep_latest_k: int = _opt(0, "checkpoints to keep; 0 keeps all", ge=0)
     load_step: int = _opt(-1, "step to resume from; -1 = latest", ge=-1)

@@ -89,6 +89,22 @@ def check_rules(cfg: JobConfig) -> None:
             f"comm.init_timeout_seconds {cfg.comm.init_timeout_seconds}: the other ranks "
             "would time out while rank 0 waits for the folder; lower the one or raise the other"
         )
+    if "://" in cfg.job.dump_folder:
+        raise ConfigError(
+            f"job.dump_folder {cfg.job.dump_folder!r} is a URL; metrics, logs and the local "
+            "checkpoint tier are written locally: keep it a local path and set "
+            "--checkpoint.folder to the URL"
+        )
+    if ck.local_interval and "://" in ck.local_folder:
+        raise ConfigError(
+            f"checkpoint.local_folder {ck.local_folder!r} is a URL; the local tier is a "
+            "local path (set checkpoint.folder to the store)"
+        )
+    if ck.local_interval and ck.local_folder == ck.folder:
+        raise ConfigError(
+            f"checkpoint.local_folder and checkpoint.folder are both {ck.folder!r}; give the "
+            "local tier a folder of its own"
+        )
     if cfg.metrics.enable_tensorboard:
         _check_importable("torch.utils.tensorboard", "metrics.enable_tensorboard", "tensorboard")
     if cfg.metrics.enable_wandb:

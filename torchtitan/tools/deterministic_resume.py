@@ -20,6 +20,12 @@ the bit-exact loss comparison (a different layout draws batches in another order
 
 Extra ``--section.key value`` arguments are passed to every run, e.g.
 ``--training.num_workers 2`` or ``--model.dropout 0.1``. Exit status 0 only on success.
+
+``--checkpoint.folder s3://bucket/prefix`` (any URL) keeps the checkpoints in a store:
+it is emptied first, as the dump folder is, and with --resume-every the uninterrupted
+run saves beside it, to ``<prefix>-reference`` (its own timeline, as its dump folder).
+The corpus and its counts may be URLs too (``--training.dataset_path``,
+``--training.length_index_dir``): they are only read, and the counts are shared.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import subprocess
 from collections.abc import Callable
 
 from torchtitan import REPO_ROOT
+from torchtitan.checkpoint import MANIFEST, complete_steps
+from torchtitan.checkpoint.store import is_url, store_for
 from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
 from torchtitan.runs import losses, validation_losses
 from torchtitan.tools.launch import DEBUG_CONFIG, run_env, torchrun_command
@@ -65,7 +73,33 @@ def launch(launcher: Launcher, nproc: int, dump: str, args, extra: list[str], ov
         raise SystemExit(f"training exited with status {status}; full log in {dump}/runs.log")
 
 
-def delete_last_checkpoints(dump: str, count: int) -> list[int]:
+def checkpoint_url(extra: list[str]) -> str | None:
+    """The ``--checkpoint.folder`` of ``extra`` where it is a URL (a store), else None."""
+    found = [v for k, v in zip(extra, extra[1:]) if k == "--checkpoint.folder"]
+    return found[-1] if found and is_url(found[-1]) else None
+
+
+def with_checkpoint_folder(extra: list[str], folder: str) -> list[str]:
+    """``extra`` with its ``--checkpoint.folder`` replaced by ``folder``."""
+    out = list(extra)
+    for i, key in enumerate(out[:-1]):
+        if key == "--checkpoint.folder":
+            out[i + 1] = folder
+    return out
+
+
+def empty_store_folder(url: str):
+    """Remove every object under ``url``: each check starts from no checkpoint, as from
+    an emptied dump folder."""
+    store_for(url).rmtree(url)
+
+
+def delete_last_checkpoints(dump: str, count: int, url: str | None = None) -> list[int]:
+    if url is not None:  # a store: the complete steps, each manifest deleted first
+        doomed = complete_steps(url)[-count:] if count else []
+        for step in doomed:
+            store_for(url).rmtree(f"{url.rstrip('/')}/step-{step}", first=MANIFEST)
+        return doomed
     folder = os.path.join(dump, "checkpoint")
     steps = sorted(
         int(n.split("-")[1]) for n in os.listdir(folder) if n.startswith("step-") and "." not in n
@@ -143,12 +177,19 @@ def main(argv=None, launcher: Launcher = torchrun_launcher) -> int:
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
     batch = ["--training.batch_size", str(args.batch_size)]
+    url = checkpoint_url(extra)
+    if url is not None:
+        empty_store_folder(url)
 
     if args.resume_every:
         reference_dump = dump + "-reference"
         shutil.rmtree(reference_dump, ignore_errors=True)
         os.makedirs(reference_dump)
-        launch(launcher, args.nproc, reference_dump, args, extra, batch)
+        reference_extra = extra
+        if url is not None:  # its own timeline, as its own dump folder
+            reference_extra = with_checkpoint_folder(extra, url.rstrip("/") + "-reference")
+            empty_store_folder(url.rstrip("/") + "-reference")
+        launch(launcher, args.nproc, reference_dump, args, reference_extra, batch)
         for stop in range(args.interval, args.steps + 1, args.interval):
             launch(
                 launcher,
@@ -167,7 +208,7 @@ def main(argv=None, launcher: Launcher = torchrun_launcher) -> int:
         launch(launcher, args.nproc, dump, args, extra, batch)
         reference, reference_validation = losses(dump), validation_losses(dump)
         first_provenance = sequences_by_step(read_provenance(os.path.join(dump, "provenance")))
-        deleted = delete_last_checkpoints(dump, args.delete)
+        deleted = delete_last_checkpoints(dump, args.delete, url)
         resume_step = args.steps - args.delete * args.interval
         print(f"deleted checkpoints {deleted}; resuming from step {resume_step}")
         nproc = args.resume_nproc or args.nproc

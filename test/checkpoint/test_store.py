@@ -1,0 +1,427 @@
+"""Checkpoints on an object store: the real S3 API of harness/s3.py (moto's server on
+127.0.0.1), reached through fsspec/s3fs and the AWS_* variables as a job reaches a bucket.
+
+Runs train.main in this process (one rank) where the rank count does not matter, and
+torchrun (2 gloo ranks, slow tier) where it does. Each property has a negative control.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from helpers import (
+    CONFIG,
+    REPO,
+    error_lines,
+    losses,
+    run_main,
+    shim_env,
+    torchrun,
+    train_here,
+)
+
+from harness.s3 import local_s3, missing
+from torchtitan.checkpoint import (
+    MANIFEST,
+    PENDING,
+    complete_steps,
+    read_manifest,
+    verify_checkpoint,
+)
+from torchtitan.tools.launch import torchrun_command
+
+CK = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the server's request log
+    with local_s3() as (name, _):
+        yield name
+
+
+def s3fs():
+    import s3fs as module
+
+    return module.S3FileSystem()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The per-step losses of 6 uninterrupted steps (one rank, no checkpoint)."""
+    dump = tmp_path_factory.mktemp("reference")
+    train_here(dump, "--training.steps", 6)
+    return losses(dump)
+
+
+@pytest.fixture(scope="module")
+def on_bucket(bucket, tmp_path_factory) -> str:
+    """A run that stopped at step 4 of 6, saving (async) to s3://<bucket>/run every 2 steps."""
+    url = f"s3://{bucket}/run"
+    train_here(tmp_path_factory.mktemp("on_bucket"), "--training.steps", 6, *CK,
+               "--checkpoint.async_mode", "async", "--checkpoint.folder", url,
+               "--training.stop_at_step", 4)  # fmt: skip
+    return url
+
+
+def copy_prefix(src: str, dst: str) -> str:
+    s3fs().copy(src, dst, recursive=True)
+    return dst
+
+
+def resume(dump, url: str, *extra) -> str:
+    _, log = train_here(dump, "--training.steps", 6, *CK, "--checkpoint.folder", url, *extra)
+    return log
+
+
+def loaded_step(log: str) -> int:
+    line = next(x for x in log.splitlines() if "loaded checkpoint" in x)
+    return int(line.split("/step-")[1].split()[0])
+
+
+def test_a_run_on_a_bucket_resumes_bit_exactly(on_bucket, bucket, reference, tmp_path):
+    """Saved async to the bucket (manifest last, signed by size and ETag), resumed from it
+    to losses equal to an uninterrupted run's. Negative control: the same resume leaving
+    the data position out differs (the comparison can fail)."""
+    assert complete_steps(on_bucket) == [2, 4]
+    manifest = read_manifest(f"{on_bucket}/step-4")
+    assert manifest["step"] == 4 and {".metadata", "__0_0.distcp"} <= set(manifest["files"])
+    assert all("etag" in sig for sig in manifest["files"].values())
+    assert verify_checkpoint(f"{on_bucket}/step-4") is None
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/exact")
+    dump = tmp_path / "exact"
+    log = resume(dump, url)
+    assert loaded_step(log) == 4 and f"{url}/step-4" in log
+    assert losses(dump) == {s: v for s, v in reference.items() if s > 4}
+    assert not (dump / "checkpoint").exists(), "nothing written to the local dump folder"
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/control")
+    dump = tmp_path / "control"
+    resume(dump, url, "--checkpoint.exclude_from_loading", "dataloader")
+    assert losses(dump) != {s: v for s, v in reference.items() if s > 4}
+
+
+def test_a_step_without_its_manifest_is_never_chosen(on_bucket, bucket, reference, tmp_path):
+    """A ``step-4/`` whose manifest is missing (an upload killed before rank 0 wrote it)
+    is not listed, not resumed from, and removed at the next start: the resume takes
+    step-2 and is exact. Negative control: with the manifest, step-4 is chosen."""
+    url = copy_prefix(on_bucket, f"s3://{bucket}/torn")
+    s3fs().rm_file(f"{url}/step-4/{MANIFEST}")
+    assert complete_steps(url) == [2]
+    dump = tmp_path / "torn"
+    log = resume(dump, url)
+    assert loaded_step(log) == 2 and "removing incomplete checkpoint" in log
+    assert losses(dump) == {s: v for s, v in reference.items() if s > 2}
+    assert complete_steps(url) == [2, 4, 6], "step-4 written again, whole"
+
+    url = copy_prefix(on_bucket, f"s3://{bucket}/whole")
+    assert loaded_step(resume(tmp_path / "whole", url)) == 4
+
+
+def test_an_upload_killed_after_its_data_is_finished_on_restart(on_bucket, bucket, tmp_path):
+    """Killed after every rank's data and DCP's ``.metadata`` were uploaded, before the
+    manifest (the pending one is there): the restart signs the files, writes the manifest
+    and resumes from step-4. Negative control: without DCP's ``.metadata`` it is removed
+    and step-2 is taken."""
+    for name, drop, step in (("finished", MANIFEST, 4), ("unfinished", ".metadata", 2)):
+        url = copy_prefix(on_bucket, f"s3://{bucket}/{name}")
+        manifest = read_manifest(f"{url}/step-4")
+        manifest.pop("files")
+        fs = s3fs()
+        fs.pipe_file(f"{url}/step-4/{PENDING}", json.dumps(manifest).encode())
+        fs.rm_file(f"{url}/step-4/{MANIFEST}")
+        if drop != MANIFEST:
+            fs.rm_file(f"{url}/step-4/{drop}")
+        assert complete_steps(url) == [2]
+        log = resume(tmp_path / name, url)
+        assert loaded_step(log) == step, log
+        if step == 4:
+            assert "finishing checkpoint" in log
+            assert verify_checkpoint(f"{url}/step-4") is None
+
+
+def test_a_replaced_object_is_named_before_loading(on_bucket, bucket, tmp_path):
+    """An object changed after the manifest was written (same size, other bytes: another
+    ETag) stops the start with one line naming it. Negative control: the untouched copy
+    verifies."""
+    url = copy_prefix(on_bucket, f"s3://{bucket}/replaced")
+    assert verify_checkpoint(f"{url}/step-4") is None
+    fs, name = s3fs(), f"{url}/step-4/__0_0.distcp"
+    data = bytearray(fs.cat_file(name))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(name, bytes(data))
+    status, log = train_here(tmp_path / "replaced", "--training.steps", 6, *CK,
+                             "--checkpoint.folder", url, expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "__0_0.distcp was replaced" in errors[0], log
+
+
+def test_a_delete_or_a_set_aside_touches_that_folder_only(bucket):
+    """On a store a folder is a key prefix: deleting ``step-4`` (manifest first) must not
+    take ``step-40`` or ``step-4.abandoned`` with it, and setting ``step-40`` aside moves
+    every object. Control: ``step-4`` itself is gone."""
+    from torchtitan.checkpoint.folder import remove_checkpoint, set_aside
+
+    url = f"s3://{bucket}/prefixes"
+    names = ["step-4/a", f"step-4/{MANIFEST}", "step-40/a", f"step-40/{MANIFEST}",
+             "step-4.abandoned/a"]  # fmt: skip
+    for name in names:
+        s3fs().pipe_file(f"{url}/{name}", b"x")
+    remove_checkpoint(f"{url}/step-4")
+    assert complete_steps(url) == [40]
+    assert set_aside(f"{url}/step-40") == f"{url}/step-40.abandoned"
+    left = sorted(p.split("/prefixes/", 1)[1] for p in s3fs().find(f"{bucket}/prefixes"))
+    assert left == ["step-4.abandoned/a", "step-40.abandoned/a", f"step-40.abandoned/{MANIFEST}"]
+
+
+def test_an_unreachable_bucket_is_one_line_at_start(bucket, tmp_path):
+    """A bucket that does not exist: one line naming the folder and the fix, at start."""
+    status, log = train_here(tmp_path, "--training.steps", 2, *CK,
+                             "--checkpoint.folder", f"s3://{bucket}-absent/run", expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "is not writable" in errors[0], log
+
+
+# A probe around the real DCP writer: SIGKILL this process once DCP is about to write the
+# ``.metadata`` of the save named by KILL_SAVE, i.e. after the rank's data is uploaded.
+KILL_SHIM = """
+import os, signal
+from torch.distributed.checkpoint import filesystem
+
+_finish = filesystem.FileSystemWriter.finish
+
+def finish(self, metadata, results):
+    if str(self.path).rstrip("/").endswith(os.environ["KILL_SAVE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _finish(self, metadata, results)
+
+filesystem.FileSystemWriter.finish = finish
+"""
+
+
+@pytest.mark.slow
+def test_a_save_killed_mid_upload_is_never_chosen(bucket, reference, tmp_path):
+    """``kill -9`` of the job while step-4 is being uploaded (its data is in the bucket,
+    DCP's ``.metadata`` and the manifest are not): step-4 is not complete, the relaunch
+    resumes from step-2 and its losses equal an uninterrupted run's. (Its negative
+    control, a step-4 holding its manifest being chosen, is the fast test's.)"""
+    url = f"s3://{bucket}/killed"
+    args = [*CONFIG, "--job.dump_folder", tmp_path / "killed", "--training.steps", 6, *CK,
+            "--checkpoint.folder", url]  # fmt: skip
+    env = shim_env(tmp_path / "shim", KILL_SHIM, KILL_SAVE="step-4")
+    proc = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert complete_steps(url) == [2]
+    names = {p.rsplit("/", 1)[1] for p in s3fs().ls(f"{url}/step-4", refresh=True)}
+    assert "__0_0.distcp" in names and MANIFEST not in names, names
+    log = resume(tmp_path / "killed", url)
+    assert loaded_step(log) == 2
+    assert losses(tmp_path / "killed") == reference
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_a_bucket_and_resume_exactly(bucket, tmp_path):
+    """2 gloo ranks under torchrun, async saves to the bucket: each rank uploads its own
+    shard, the manifest names both ranks' files, and the resume (a new launch) equals an
+    uninterrupted 2-rank run. Negative control: the resume without the data position
+    differs."""
+    url = f"s3://{bucket}/two"
+    common = [*CONFIG, "--training.steps", 6, *CK, "--checkpoint.async_mode", "async"]
+    runs = {
+        "ref": [*common, "--job.dump_folder", tmp_path / "ref"],
+        "first": [*common, "--job.dump_folder", tmp_path / "run", "--checkpoint.folder", url,
+                  "--training.stop_at_step", 4],
+        "resume": [*common, "--job.dump_folder", tmp_path / "run", "--checkpoint.folder", url],
+    }  # fmt: skip
+    for name, args in runs.items():
+        proc = torchrun(list(map(str, args)))
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        if name == "first":
+            files = read_manifest(f"{url}/step-4")["files"]
+            assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files)
+    assert "step-4" in proc.stderr.split("loaded checkpoint", 1)[1][:300]
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+    expected = {s: v for s, v in losses(tmp_path / "ref").items() if s > 4}
+
+    control = [*common, "--job.dump_folder", tmp_path / "control", "--checkpoint.folder",
+               copy_prefix(url, f"s3://{bucket}/two-control"), "--checkpoint.load_step", 4,
+               "--checkpoint.exclude_from_loading", "dataloader"]  # fmt: skip
+    assert torchrun(list(map(str, control))).returncode == 0
+    assert losses(tmp_path / "control") != expected
+
+
+def test_no_store_variable_comes_from_the_config():
+    """Credentials and endpoint only from the AWS_* variables: no config key names them."""
+    from torchtitan.config import JobConfig
+
+    keys = str(JobConfig().to_dict()).lower()
+    assert "endpoint" not in keys and "aws" not in keys and "secret" not in keys
+
+
+def first_loss(dump) -> float:
+    return losses(dump)[1]
+
+
+def test_initial_weights_and_a_hf_export_from_a_bucket(on_bucket, bucket, tmp_path):
+    """``checkpoint.initial_load_path s3://.../step-4`` (written on the store, signed by
+    ETags) starts a run from the same weights as the local step-4 of the same training
+    (equal first loss); so does a HF export written to the bucket and read back from it
+    (``initial_load_format hf``). Negative controls: a fresh start's first loss differs,
+    and a step that is not in the bucket is one line."""
+    pytest.importorskip("safetensors")
+    from torchtitan.hf import export
+
+    local = tmp_path / "local"
+    train_here(local, "--training.steps", 6, *CK, "--training.stop_at_step", 4)
+    one = ["--training.steps", 1]
+    train_here(tmp_path / "from_local", *one, "--checkpoint.initial_load_path",
+               local / "checkpoint" / "step-4")  # fmt: skip
+    _, log = train_here(tmp_path / "from_s3", *one, "--checkpoint.initial_load_path",
+                        f"{on_bucket}/step-4")  # fmt: skip
+    assert f"model weights from {on_bucket}/step-4 (dcp)" in log
+    assert first_loss(tmp_path / "from_s3") == first_loss(tmp_path / "from_local")
+
+    export(f"{on_bucket}/step-4", f"s3://{bucket}/hf")
+    assert {"config.json", "model.safetensors"} <= {
+        p.rsplit("/", 1)[1] for p in s3fs().ls(f"{bucket}/hf", refresh=True)
+    }
+    train_here(tmp_path / "from_hf", *one, "--checkpoint.initial_load_path",
+               f"s3://{bucket}/hf", "--checkpoint.initial_load_format", "hf")  # fmt: skip
+    assert first_loss(tmp_path / "from_hf") == first_loss(tmp_path / "from_local")
+
+    train_here(tmp_path / "scratch", *one)
+    assert first_loss(tmp_path / "scratch") != first_loss(tmp_path / "from_local")
+    status, log = train_here(tmp_path / "absent", *one, "--checkpoint.initial_load_path",
+                             f"{on_bucket}/step-3", expect_ok=False)  # fmt: skip
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and f"{on_bucket}/step-3" in errors[0], log
+
+
+# ---- tiers: checkpoint.local_interval to a local folder, checkpoint.interval to the store --
+
+
+@pytest.fixture(scope="module")
+def tiered(bucket, tmp_path_factory) -> tuple:
+    """8 steps stopped at 6: the local tier every 2 steps, the store every 4: local
+    step-2 and step-6 (the stop), store step-4. Returns (dump, url, reference losses)."""
+    root = tmp_path_factory.mktemp("tiered")
+    train_here(root / "ref", "--training.steps", 8)
+    url = f"s3://{bucket}/tiered"
+    train_here(root / "run", *tier_args(url), "--training.stop_at_step", 6)
+    return root / "run", url, losses(root / "ref")
+
+
+def tier_args(url: str) -> list:
+    """Async saves: the two tiers share one stager and never write at once."""
+    return ["--training.steps", 8, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 4,
+            "--checkpoint.local_interval", 2, "--checkpoint.folder", url,
+            "--checkpoint.async_mode", "async"]  # fmt: skip
+
+
+def fresh_copy(tiered, bucket, tmp_path, name: str):
+    """A copy of the tiered run (its dump with the local tier, its store prefix)."""
+    dump, url, reference = tiered
+    shutil.copytree(dump, tmp_path / name)
+    return tmp_path / name, copy_prefix(url, f"s3://{bucket}/{name}"), reference
+
+
+def test_the_local_tier_is_resumed_when_newer_and_the_store_once_it_is_wiped(
+    tiered, bucket, tmp_path
+):
+    """Local step-6 is newer than the store's step-4: the resume takes it; with the local
+    folder wiped (a new node), the store's step-4. Both finish equal to an uninterrupted
+    run. Negative control: a local tier that lacks a rank's shard (the file gone) is not
+    taken; the store's step-4 is, and the run is exact."""
+    dump, url, _ = tiered
+    assert complete_steps(str(dump / "checkpoint_local")) == [2, 6]
+    assert complete_steps(url) == [4]
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "newer")
+    _, log = train_here(dump, *tier_args(url))
+    assert f"{dump}/checkpoint_local/step-6" in log and loaded_step(log) == 6
+    assert losses(dump) == reference
+    assert complete_steps(url) == [4, 8], "the last step goes to the store"
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "wiped")
+    shutil.rmtree(dump / "checkpoint_local")
+    _, log = train_here(dump, *tier_args(url))
+    assert f"{url}/step-4" in log and loaded_step(log) == 4
+    assert losses(dump) == reference
+
+    dump, url, reference = fresh_copy(tiered, bucket, tmp_path, "shard")
+    (dump / "checkpoint_local" / "step-6" / "__0_0.distcp").unlink()
+    _, log = train_here(dump, *tier_args(url))
+    assert "not every rank holds its files" in log and loaded_step(log) == 4, log
+    assert losses(dump) == reference
+
+
+def test_a_local_folder_or_a_dump_folder_that_is_a_url_is_refused(tmp_path):
+    status, log = train_here(tmp_path, "--checkpoint.enable_checkpoint",
+                             "--checkpoint.local_interval", 2,
+                             "--checkpoint.local_folder", "s3://b/x", expect_ok=False)  # fmt: skip
+    assert status != 0 and "checkpoint.local_folder 's3://b/x' is a URL" in log
+    status, log = run_main([*CONFIG, "--job.dump_folder", "s3://b/run"])
+    assert status != 0 and "set --checkpoint.folder to the URL" in log
+
+
+# Another node's view of a node-local folder: rank 1 does not see the files rank 0 wrote
+# there (it holds only its own). One machine cannot have two local disks; this hides
+# rank 0's files from rank 1's listing and existence tests, nothing else.
+OTHER_NODE_SHIM = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("HIDE_UNDER"):
+    from torchtitan.checkpoint import store
+
+    _isfile = store.LocalStore.isfile
+
+    def isfile(self, path):
+        path = str(path)
+        if path.startswith(os.environ["HIDE_UNDER"]) and os.path.basename(path).startswith("__0_"):
+            return False
+        return _isfile(self, path)
+
+    store.LocalStore.isfile = isfile
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_local_tier_only_when_both_hold_its_files(bucket, tmp_path):
+    """2 gloo ranks, the local tier every 2 steps, the store every 4, stopped at 6: the
+    relaunch resumes from local step-6 and equals an uninterrupted run. Negative control:
+    where rank 1 does not see rank 0's shard in the local folder (another node's disk),
+    both ranks agree (all-reduce) on the store's step-4, and the run is exact too."""
+    common = [*CONFIG, *tier_args(f"s3://{bucket}/two-tiers")]
+    ref = torchrun(list(map(str, [*CONFIG, "--training.steps", 8, "--job.dump_folder",
+                                  tmp_path / "ref"])))  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    first = torchrun(list(map(str, [*common, "--job.dump_folder", tmp_path / "run",
+                                    "--training.stop_at_step", 6])))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "run", tmp_path / "other")
+    copy_prefix(f"s3://{bucket}/two-tiers", f"s3://{bucket}/two-tiers-other")
+
+    again = torchrun(list(map(str, [*common, "--job.dump_folder", tmp_path / "run"])))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert loaded_step(again.stderr) == 6 and "checkpoint_local/step-6" in again.stderr
+    assert losses(tmp_path / "run") == losses(tmp_path / "ref")
+
+    other = [*CONFIG, *tier_args(f"s3://{bucket}/two-tiers-other"), "--job.dump_folder",
+             tmp_path / "other"]  # fmt: skip
+    env = shim_env(tmp_path / "shim", OTHER_NODE_SHIM,
+                   HIDE_UNDER=str(tmp_path / "other" / "checkpoint_local"))  # fmt: skip
+    proc = subprocess.run(torchrun_command(2, list(map(str, other))), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not every rank holds its files" in proc.stderr and loaded_step(proc.stderr) == 4
+    assert losses(tmp_path / "other") == losses(tmp_path / "ref")
