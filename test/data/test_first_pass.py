@@ -169,6 +169,30 @@ def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(tm
         assert set(order.counts._unit_tokens) <= lanes
 
 
+def test_a_unit_whose_counts_kept_no_tokens_is_not_looked_for(tmp_path, monkeypatch):
+    """Counts measured with no reader to keep tokens for (scripts/prepare_data.py) say so:
+    a loader over them never looks for a sidecar (a request a unit in a bucket). Negative
+    control: over counts whose measuring kept tokens, it does."""
+    folder, _ = corpus(tmp_path / "c")
+    looked: list = []
+
+    def loader_counting(counts):
+        loader = loader_of(folder, counts, "true")
+        real = loader.stream.orders[0].counts._load_tokens
+        loader.stream.orders[0].counts._load_tokens = lambda u: looked.append(u) or real(u)
+        return loader
+
+    prepared = loader_of(folder, tmp_path / "prepared", "true").stream.orders[0]
+    prepared.counts.share_tokens = False  # as prepare_data measures
+    prepared.pass_tokens()
+    first_pass(loader_counting(tmp_path / "prepared"))
+    assert looked == []
+    kept = loader_of(folder, tmp_path / "kept", "true").stream.orders[0]
+    kept.pass_tokens()
+    first_pass(loader_counting(tmp_path / "kept"))
+    assert looked
+
+
 def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
     """A sidecar is a cache, never the truth: one that is damaged, or that holds another
     unit's tokens under this unit's name (the sidecars swapped round), is passed over and

@@ -50,10 +50,13 @@ next step), ~0.4 MB each for web text (256 documents of ~700 tokens at 2 bytes; 
 where the vocabulary passes 65,536): about 25-50 MB a source at any time, whatever the
 corpus (c4 or FineWeb alike), plus the units in flight when a process is killed (read and
 deleted by the relaunch that continues them). In memory, a process that reads windows
-keeps the same units at most, and never more than ``KEEP_TOKEN_BYTES`` a source. In a bucket, a unit
-measured costs seven requests (GET, HEAD, claim PUT, HEAD, counts PUT, GET, DELETE; a GET
-and a PUT per ``HEARTBEAT_S`` of measuring), a unit read one GET: c4 measured once ~2.5 M
-requests, FineWeb ~150 M (prepare it once; every job then reads).
+keeps the same units at most, and never more than ``KEEP_TOKEN_BYTES`` a source. In a
+bucket, a unit measured costs seven requests (GET, HEAD, claim PUT, HEAD, counts PUT, GET,
+DELETE; a GET and a PUT per ``HEARTBEAT_S`` of measuring), and two more on a first pass
+(its sidecar's PUT and DELETE, and a GET by each other process that reads it); a unit
+read one GET (its count file says whether a sidecar was kept, so none is looked for
+where none was): c4 measured once ~2.5 M requests, FineWeb ~150 M (prepare it once;
+every job then reads).
 
 Never: choose an order, pack windows, or touch torch.distributed.
 """
@@ -88,7 +91,7 @@ KEEP_UNITS = 256  # units' counts a process keeps in memory (a few lanes' lookah
 # text, ~25 MB), with room for units of long documents; beyond it the least recently read
 # unit is dropped and read back from its sidecar if needed again.
 KEEP_TOKEN_BYTES = 96 << 20
-KEEP_MISSES = 1024  # units known to have no sidecar (so not looked for again)
+KEEP_MISSES = 1024  # units known to have no sidecar (not looked for: their counts say so)
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
@@ -328,6 +331,8 @@ class SourceCounts:
             with np.load(io.BytesIO(data)) as z:
                 lengths = z["lengths"]
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
+                if "sidecar" not in z.files:  # no tokens were kept: none to look for
+                    self._no_sidecar(unit)
             return UnitCounts(lengths, ats.astype(np.int64))
         except FileNotFoundError:
             return None
@@ -392,12 +397,13 @@ class SourceCounts:
             counts = self._measure(
                 unit, heartbeat=lambda: claims.touch(claim, self._tokens.get(unit))
             )
+            sidecar = False
             if isinstance(counts, tuple):  # and the tokens measured, for the readers
                 counts, tokens = counts
                 self._keep_tokens(unit, tokens)
                 # Before the counts: a process that finds the counts finds these too.
-                self._write_tokens(unit, tokens)
-            self._write(path, unit, counts)
+                sidecar = self._write_tokens(unit, tokens)
+            self._write(path, unit, counts, sidecar)
         finally:
             self._release(unit)
         self.measured += 1
@@ -418,9 +424,7 @@ class SourceCounts:
             return None
         tokens = self._load_tokens(unit)
         if tokens is None or not tokens.fits(counts):
-            self._no_tokens[unit] = None
-            while len(self._no_tokens) > KEEP_MISSES:
-                self._no_tokens.popitem(last=False)
+            self._no_sidecar(unit)
             return None
         self._keep_tokens(unit, tokens)
         return tokens
@@ -444,6 +448,11 @@ class SourceCounts:
                 self._sidecars.discard(unit)
                 _remove(self.tokens_path(unit))
 
+    def _no_sidecar(self, unit):
+        self._no_tokens[tuple(int(x) for x in unit)] = None
+        while len(self._no_tokens) > KEEP_MISSES:
+            self._no_tokens.popitem(last=False)
+
     def _keep_tokens(self, unit, tokens: UnitTokens):
         if not self.keeps_tokens:
             return
@@ -465,18 +474,22 @@ class SourceCounts:
         except Exception:  # noqa: BLE001 - a torn or foreign sidecar: tokenize instead
             return None
 
-    def _write_tokens(self, unit, tokens: UnitTokens):
+    def _write_tokens(self, unit, tokens: UnitTokens) -> bool:
         if self._writable:
             arrays = {"ids": tokens.ids, "doc_ids": tokens.doc_ids, "lengths": tokens.lengths}
             if self._write_whole(self.tokens_path(unit), arrays):
                 self._sidecars.add(tuple(int(x) for x in unit))
+                return True
+        return False
 
-    def _write(self, path: str, unit, counts: UnitCounts):
+    def _write(self, path: str, unit, counts: UnitCounts, sidecar: bool = False):
         if not self._writable:
             return
         arrays = {"lengths": counts.lengths}
         if not np.array_equal(counts.ats, unit[1] + np.arange(len(counts.lengths))):
             arrays["ats"] = counts.ats  # JSON lines: byte offsets
+        if sidecar:  # a reader looks for the unit's sidecar only where one was written
+            arrays["sidecar"] = np.ones(1, dtype=np.uint8)
         self._write_whole(path, arrays)
 
     def _write_whole(self, path: str, arrays: dict) -> bool:
