@@ -65,6 +65,13 @@ def calls(monkeypatch) -> Counter:
     return seen
 
 
+def measure_all(order):
+    """Every unit of ``order`` measured as a lane reaching it would (its tokens kept):
+    the sidecars another process leaves for this one's readers."""
+    for unit in order.units(order.source.extent()):
+        order.counts.counts(unit)
+
+
 def first_pass(loader) -> tuple[set, set]:
     """Reads steps until the second pass has begun: (documents read in the first pass,
     those read in the second)."""
@@ -123,7 +130,7 @@ def test_a_sidecar_of_another_process_is_read_instead_of_the_text(tmp_path, call
     folder, texts = corpus(tmp_path / "c")
     counts = tmp_path / "n"
     measurer = loader_of(folder, counts, "true").stream.orders[0]
-    measurer.pass_tokens()  # every unit measured, its tokens left for the readers
+    measure_all(measurer)  # every unit measured, its tokens left for the readers
     assert len(list(counts.rglob("*.tokens"))) == len(measurer.units(measurer.source.extent()))
     calls.clear()
     reader = loader_of(folder, counts, "true")
@@ -183,12 +190,11 @@ def test_a_unit_whose_counts_kept_no_tokens_is_not_looked_for(tmp_path, monkeypa
         return loader
 
     prepared = loader_of(folder, tmp_path / "prepared", "true").stream.orders[0]
-    prepared.counts.share_tokens = False  # as prepare_data measures
-    prepared.pass_tokens()
+    prepared.pass_tokens()  # as prepare_data measures: no lane reads them, none kept
+    assert not list((tmp_path / "prepared").rglob("*.tokens"))
     first_pass(loader_counting(tmp_path / "prepared"))
     assert looked == []
-    kept = loader_of(folder, tmp_path / "kept", "true").stream.orders[0]
-    kept.pass_tokens()
+    measure_all(loader_of(folder, tmp_path / "kept", "true").stream.orders[0])
     first_pass(loader_counting(tmp_path / "kept"))
     assert looked
 
@@ -200,7 +206,7 @@ def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
     swapped sidecars, trusted without the check, give other batches."""
     folder, _ = corpus(tmp_path / "c")
     counts = tmp_path / "n"
-    loader_of(folder, counts, "true").stream.orders[0].pass_tokens()
+    measure_all(loader_of(folder, counts, "true").stream.orders[0])
     sidecars = sorted(counts.rglob("*.tokens"))
     data = [p.read_bytes() for p in sidecars]
     for i, path in enumerate(sidecars):  # each takes its neighbour's; the last is torn

@@ -197,7 +197,15 @@ class SourceOrder:
         every unit's counts, measured where missing: O(corpus) on a corpus's first start,
         so for tools and tests, never the training path."""
         units = self.units(self.source.extent() if extent is None else extent)
-        return sum(self.counts.counts(unit).total for unit in units)
+        # No lane reads these units now: their measured tokens are not kept for one.
+        keeping = getattr(self.counts, "share_tokens", False)
+        if keeping:
+            self.counts.share_tokens = False
+        try:
+            return sum(self.counts.counts(unit).total for unit in units)
+        finally:
+            if keeping:
+                self.counts.share_tokens = True
 
     def pass_read(self, cursor: Cursor) -> float:
         """The share of the cursor's pass read, by units (a unit a lane is in counts its
