@@ -38,9 +38,8 @@ import threading
 
 logger = logging.getLogger("torchtitan")
 
-POLL_S = (
-    0.2  # the launcher's death is noticed within this: a few debug-model steps (one getppid a poll)
-)
+# The launcher's death is noticed within this: a few debug-model steps (a getppid a poll).
+POLL_S = 0.2
 
 
 class LauncherWatch:
