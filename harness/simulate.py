@@ -46,7 +46,8 @@ class SimulatedCounts:
         self._mem: OrderedDict[tuple, UnitCounts] = OrderedDict()
         self.measured, self.scale = 0, scale
 
-    def counts(self, unit, ahead=()) -> UnitCounts:
+    def counts(self, unit, ahead=(), upto: int | None = None) -> UnitCounts:
+        """The whole unit's, whatever ``upto`` asks (nothing to measure)."""
         unit = tuple(int(x) for x in unit)
         hit = self._mem.get(unit)
         if hit is None:

@@ -245,9 +245,9 @@ def _measured_in_a_fork(order, delay: float):
         try:
             measure = order.counts._measure
 
-            def slow(unit, heartbeat=None):
+            def slow(unit, heartbeat=None, **piece):
                 time.sleep(delay)
-                return measure(unit, heartbeat)
+                return measure(unit, heartbeat, **piece)
 
             order.counts._measure = slow
             order.pass_tokens()
@@ -296,13 +296,13 @@ def test_a_measurer_renews_its_claim_in_the_bucket(tmp_path, prefix, tokenizer):
     order = build_stream(training, tokenizer).orders[0]
     measure, beats = order.counts._measure, []
 
-    def measured(unit, heartbeat=None):
+    def measured(unit, heartbeat=None, **piece):
         claim = order.counts.path(unit) + ".claim"
         claims.touch(claim, "another-token")
         beats.append(_record_at(claim).get("beat"))
         heartbeat()
         beats.append(_record_at(claim).get("beat"))
-        return measure(unit, heartbeat)
+        return measure(unit, heartbeat, **piece)
 
     order.counts._measure = measured
     assert order.counts.counts(order.units(1)[0]).total > 0

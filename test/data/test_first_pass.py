@@ -173,7 +173,7 @@ def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(tm
     for loader in ranks:  # kept: at most units the lanes read now (a sidecar a second pass
         order, cursor = loader.stream.orders[0], loader.position.cursors[0]  # met again)
         lanes = {tuple(int(x) for x in order.unit(cursor, k)[1]) for _, k, _ in cursor.lanes}
-        assert set(order.counts._unit_tokens) <= lanes
+        assert {unit for unit, _ in order.counts._unit_tokens} <= lanes
 
 
 def test_a_unit_whose_counts_kept_no_tokens_is_not_looked_for(tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_a_unit_whose_counts_kept_no_tokens_is_not_looked_for(tmp_path, monkeypa
     def loader_counting(counts):
         loader = loader_of(folder, counts, "true")
         real = loader.stream.orders[0].counts._load_tokens
-        loader.stream.orders[0].counts._load_tokens = lambda u: looked.append(u) or real(u)
+        loader.stream.orders[0].counts._load_tokens = lambda *k: looked.append(k) or real(*k)
         return loader
 
     prepared = loader_of(folder, tmp_path / "prepared", "true").stream.orders[0]
@@ -221,9 +221,9 @@ def test_sidecars_that_do_not_fit_their_counts_are_not_read(tmp_path):
     trusting.stream.orders[0].counts._no_tokens.clear()
     for sidecar_unit in list(trusting.stream.orders[0].units(6)):
         unit = tuple(int(x) for x in sidecar_unit)
-        tokens = trusting.stream.orders[0].counts._load_tokens(unit)
+        tokens = trusting.stream.orders[0].counts._load_tokens(unit, 0)
         if tokens is not None:
-            trusting.stream.orders[0].counts._unit_tokens[unit] = tokens
+            trusting.stream.orders[0].counts._unit_tokens[(unit, 0)] = tokens
     reference = loader_of(folder, tmp_path / "plain2", "true", share=False)
     differs = False
     for _ in range(12):
@@ -246,14 +246,18 @@ def test_a_units_sidecar_goes_once_its_last_token_is_read(tmp_path):
         loader.next_step()
     lanes = [order.unit(loader.position.cursors[0], k)[1] for _, k, token in
              loader.position.cursors[0].lanes if token]  # fmt: skip
-    assert len(lanes) > LANES // 2 and all(
-        Path(order.counts.tokens_path(tuple(int(x) for x in u))).exists() for u in lanes
-    )
+    assert len(lanes) > LANES // 2 and all(sidecars_of(order, u) for u in lanes)
     assert len(list(counts.rglob("*.tokens"))) <= LANES + LOOKAHEAD
     first_pass(loader)
     loader.next_step()  # the pass's last steps are read: what they finished goes
     loader.next_step()
     assert list(counts.rglob("*.tokens")) == []
+
+
+def sidecars_of(order, unit) -> list:
+    """The sidecars of ``unit``'s pieces on disk."""
+    path = Path(order.counts.path(tuple(int(x) for x in unit)))
+    return list(path.parent.glob(path.stem + "@*.tokens"))
 
 
 MEMORY = textwrap.dedent("""
@@ -281,7 +285,7 @@ MEMORY = textwrap.dedent("""
     while not loader.take_epoch_starts():
         next(loader)
         peak = max(peak, rss())
-        kept = max(kept, len(held._unit_tokens))
+        kept = max(kept, len({unit for unit, _ in held._unit_tokens}))
     print(json.dumps({"first": first, "peak": peak, "kept": kept, "bytes": held._unit_token_bytes,
                       "measured": held.measured}))
 """)

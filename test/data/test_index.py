@@ -135,9 +135,9 @@ MEASURE = textwrap.dedent("""
                           Tokenizer(DEFAULT_TOKENIZER_PATH))
     order = stream.orders[0]
     measure = order.counts._measure
-    def slow(unit, heartbeat=None):
+    def slow(unit, heartbeat=None, **piece):
         time.sleep(delay)
-        return measure(unit, heartbeat)
+        return measure(unit, heartbeat, **piece)
     order.counts._measure = slow
     order.pass_tokens()
     print("measured", order.counts.measured, flush=True)

@@ -63,6 +63,7 @@ Never: choose an order, pack windows, or touch torch.distributed.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
@@ -91,17 +92,35 @@ KEEP_UNITS = 256  # units' counts a process keeps in memory (a few lanes' lookah
 # text, ~25 MB), with room for units of long documents; beyond it the least recently read
 # unit is dropped and read back from its sidecar if needed again.
 KEEP_TOKEN_BYTES = 96 << 20
-KEEP_MISSES = 1024  # units known to have no sidecar (not looked for: their counts say so)
+KEEP_MISSES = 1024  # pieces known to have no sidecar (not looked for: their counts say so)
+# A unit is measured in pieces (SourceCounts): the first of at least this many documents
+# (a window of 2,049 tokens needs about 3 web documents; 16 cover the windows of a lane's
+# first steps), each later one of at least PIECE_GROWTH - 1 times the documents before it
+# (16, 48, 192 of 256: three pieces a unit, so a piece file and a claim more per unit
+# than measuring it whole, and a first step that waits for 16 documents a unit).
+FIRST_PIECE_DOCS = 16
+PIECE_GROWTH = 4
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
 @dataclass
 class UnitCounts:
     """The token count of each document of one unit, in reading order, and where the
-    reader finds each (a row of the file, a JSON line's byte offset, a dataset row)."""
+    reader finds each (a row of the file, a JSON line's byte offset, a dataset row).
+
+    Or of the unit's first documents only (``complete`` False): a unit is measured in
+    *pieces*, the first few documents first (``FIRST_PIECE_DOCS``, or as many as the
+    windows that asked need), the rest as the lanes reach them (``next_at``: where the
+    next piece reads from). ``pieces``: the first document of each piece these counts
+    were put together from; ``sidecars``: those whose measured tokens were kept in a
+    sidecar file (``SourceCounts.unit_tokens``)."""
 
     lengths: np.ndarray  # int32
     ats: np.ndarray  # int64
+    complete: bool = True
+    next_at: int = -1
+    pieces: tuple = (0,)
+    sidecars: tuple = ()
 
     @cached_property
     def cum(self) -> np.ndarray:
@@ -110,6 +129,7 @@ class UnitCounts:
 
     @property
     def total(self) -> int:
+        """Tokens of the unit (of its documents measured, while not ``complete``)."""
         return int(self.cum[-1]) if len(self.lengths) else 0
 
     @cached_property
@@ -117,22 +137,43 @@ class UnitCounts:
         """Documents with no tokens (skipped by the bad-data policy)."""
         return int((self.lengths == 0).sum())
 
+    def covers(self, upto: int | None) -> bool:
+        """Whether these counts reach token ``upto`` (exclusive: at least ``upto`` tokens
+        measured) or are the whole unit; ``upto`` None asks for the whole unit."""
+        return self.complete or (upto is not None and self.total >= upto)
+
     def row_at(self, token: int) -> tuple[int, int]:
         """(row, token within it) of the unit's ``token``-th token. Cost: O(log rows)."""
         j = int(np.searchsorted(self.cum, token, side="right"))
         return j, token - (int(self.cum[j - 1]) if j else 0)
 
+    def piece_of(self, row: int) -> int:
+        """The first document of the piece ``row`` was measured in."""
+        return self.pieces[bisect.bisect_right(self.pieces, row) - 1]
+
+    def then(self, piece: UnitCounts, sidecar: bool) -> UnitCounts:
+        """These counts followed by ``piece``, the piece measured from ``next_at`` (its
+        tokens in a sidecar or not)."""
+        first = len(self.lengths)
+        return UnitCounts(
+            np.concatenate([self.lengths, piece.lengths]), np.concatenate([self.ats, piece.ats]),
+            piece.complete, piece.next_at, (*self.pieces, first),
+            (*self.sidecars, first) if sidecar else self.sidecars,
+        )  # fmt: skip
+
 
 @dataclass
 class UnitTokens:
-    """The tokens of one unit as its measuring tokenized them: every document's tokens back
-    to back (``ids``, the narrowest unsigned type that holds the vocabulary), and each
-    document's id (``doc_ids``), in reading order. Where document ``row`` lies in ``ids``
-    is its counts' (``UnitCounts.cum``)."""
+    """The tokens of one piece of a unit as its measuring tokenized them: every document's
+    tokens back to back (``ids``, the narrowest unsigned type that holds the vocabulary),
+    and each document's id (``doc_ids``), in reading order, from the unit's document
+    ``first`` on. Where document ``row`` lies in ``ids`` is its counts'
+    (``UnitCounts.cum``, less the tokens before ``first``)."""
 
     ids: np.ndarray
     doc_ids: np.ndarray  # str
     lengths: np.ndarray  # int32: each document's tokens, as its counts hold them
+    first: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -141,41 +182,64 @@ class UnitTokens:
     def fits(self, counts: UnitCounts) -> bool:
         """Whether these are the tokens of the documents ``counts`` describe (a sidecar
         of other counts, e.g. left beside counts measured again, is not)."""
+        end = self.first + len(self.lengths)
         return (len(self.ids) == int(self.lengths.sum()) and len(self.doc_ids) == len(self.lengths)
-                and np.array_equal(self.lengths, counts.lengths))  # fmt: skip
+                and end <= len(counts.lengths)
+                and np.array_equal(self.lengths, counts.lengths[self.first : end]))  # fmt: skip
 
     def document(self, counts: UnitCounts, row: int) -> tuple[str, np.ndarray]:
-        """(doc_id, tokens as int32) of document ``row``."""
-        end = int(counts.cum[row])
-        return str(self.doc_ids[row]), self.ids[end - int(counts.lengths[row]) : end].astype(
-            np.int32
-        )
+        """(doc_id, tokens as int32) of document ``row`` (of this piece)."""
+        base = int(counts.cum[self.first - 1]) if self.first else 0
+        end = int(counts.cum[row]) - base
+        return str(self.doc_ids[row - self.first]), self.ids[
+            end - int(counts.lengths[row]) : end
+        ].astype(np.int32)
 
 
-def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None,
-                 keep: bool = False):  # fmt: skip
-    """Counts of one unit: its documents read from its start and tokenized (the
-    ``heartbeat`` called every ``HEARTBEAT_S`` on the way); with ``keep``, ``(counts,
-    UnitTokens)``, the tokens kept for the windows that read the unit. Cost: the unit's
-    documents read and tokenized once (~1,000 documents: about a second of web text);
-    kept, its tokens held until it returns (~0.4 MB for 256 web documents)."""
-    lengths, ats, at = [], [], unit[1]
+def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None, keep: bool = False,
+                 at: int | None = None, docs: int | None = None,
+                 upto: int | None = None):  # fmt: skip
+    """Counts of one unit, or of one piece of it: its documents read from ``at`` (the
+    unit's start by default) and tokenized (the ``heartbeat`` called every
+    ``HEARTBEAT_S`` on the way), up to the unit's end, or, given ``docs`` and ``upto``,
+    until at least ``docs`` documents and ``upto`` tokens are measured (then
+    ``complete`` is False, and ``next_at`` where the rest begins). With ``keep``,
+    ``(counts, UnitTokens)``, the tokens kept for the windows that read them. Cost: the
+    documents read and tokenized once (a unit of ~256 web documents: about a second);
+    kept, their tokens held until it returns (~0.4 MB for 256 web documents)."""
+    lengths, ats = [], []
     parts, doc_ids = [], []
+    at = unit[1] if at is None else at
+    tokens_so_far, complete = 0, True
     beat = time.monotonic()
     while at is not None:
-        docs, at, _ = source.read(unit, at)
-        for start, _, doc_id, value in docs:
+        read, next_at, _ = source.read(unit, at)
+        for start, _, doc_id, value in read:
+            if docs is not None and len(lengths) >= docs and tokens_so_far >= (upto or 0):
+                next_at, complete = start, False  # enough: the rest is a later piece's
+                break
             tokens = document_tokens(tokenizer, doc_id, value, source.spec.name, bad_data)
             lengths.append(0 if tokens is None else len(tokens))
+            tokens_so_far += lengths[-1]
             ats.append(start)
             if keep:
                 doc_ids.append(doc_id)
                 if tokens is not None:
                     parts.append(tokens)
+        if not complete:
+            break
+        at = next_at
+        if at is not None and docs is not None and len(lengths) >= docs and tokens_so_far >= (
+            upto or 0
+        ):
+            complete = False  # the piece ends where a read ends
+            next_at = at
+            break
         if heartbeat is not None and time.monotonic() - beat > HEARTBEAT_S:
             heartbeat()
             beat = time.monotonic()
-    counts = UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64))
+    counts = UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64),
+                        complete, -1 if complete else int(next_at))  # fmt: skip
     if not keep:
         return counts
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
@@ -219,11 +283,22 @@ class SourceCounts:
     ``keys[f]`` names file ``f``'s counts (map-style: ``keys[0]``, the source's; the
     source's ``count_keys``); a unit's
     counts are ``<folder>/<key>/<lo>-<hi>.npz``. ``measure(unit)`` measures one unit
-    (``measure_unit`` by default). ``measured`` counts the units this process measured
+    (``measure_unit`` by default). ``measured`` counts the pieces this process measured
     (tests and benchmarks read it).
 
+    **By pieces.** A window needs a unit's counts only up to its own tokens, so a unit is
+    measured a piece at a time, each under a claim of its own: the first
+    ``FIRST_PIECE_DOCS`` documents (or as many as the window that asked needs), then
+    ``PIECE_GROWTH - 1`` times the documents before it, and so on (16, 48, 192 of a
+    256-row unit). A piece that does not end the unit is a file of its own,
+    ``<lo>-<hi>@<first document>.npz`` (its counts and where the next piece reads from);
+    the piece that ends it writes the unit's file, whole, and deletes the others. A
+    corpus's first step so waits for a few documents of each unit its windows lie in,
+    never for whole units. Asked for a whole unit (``prepare_data``, ``pass_tokens``),
+    it is one piece.
+
     With ``share_tokens`` (a stream that reads windows sets it; tools that only measure,
-    such as prepare_data, do not), a unit measured here keeps its tokens for the window
+    such as prepare_data, do not), a piece measured here keeps its tokens for the window
     readers: ``unit_tokens`` gives them (this process's, else the sidecar another wrote),
     ``let_go`` lets them go once the unit's lane finished it."""
 
@@ -235,14 +310,15 @@ class SourceCounts:
         self._mem: OrderedDict[tuple, UnitCounts] = OrderedDict()
         self.measured = 0
         self._writable = True
-        self._tokens: dict[tuple, str] = {}  # unit -> the token of this process's claim
+        self._tokens: dict[tuple, str] = {}  # (unit, piece) -> the token of this process's claim
         self._progress = _Progress(source.spec.name, log)
         # A pretokenized source's documents are framed, not tokenized: nothing to share.
         self.share_tokens = not getattr(source.spec, "tokens_field", "")
+        # (unit, first document of the piece) -> its measured tokens
         self._unit_tokens: OrderedDict[tuple, UnitTokens] = OrderedDict()
         self._unit_token_bytes = 0
-        self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # units with no sidecar
-        self._sidecars: set = set()  # the units whose sidecar this process wrote, not yet gone
+        self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # pieces with no sidecar
+        self._sidecars: set = set()  # the pieces whose sidecar this process wrote, not yet gone
         # Whether this process keeps measured tokens in memory: not a process that reads no
         # window (a rank's main process whose loader workers read); its sidecars serve.
         self.keeps_tokens = True
@@ -253,41 +329,55 @@ class SourceCounts:
                 "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
                 "_no_tokens": OrderedDict(), "_sidecars": set()}  # fmt: skip
 
-    def _measure_unit(self, unit, heartbeat=None):
+    def _measure_unit(self, unit, heartbeat=None, **piece):
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
-                            keep=self.share_tokens)  # fmt: skip
+                            keep=self.share_tokens, **piece)  # fmt: skip
 
     def path(self, unit) -> str:
         f, lo, hi = (int(x) for x in unit)
         return storage.join(self.folder, self.keys[f], f"{lo}-{hi}.npz")
 
-    def tokens_path(self, unit) -> str:
-        """Where the sidecar of ``unit``'s measured tokens lies (while its unit is read)."""
-        return self.path(unit)[: -len(".npz")] + ".tokens"  # an .npz of its own name
+    def piece_path(self, unit, first: int) -> str:
+        """Where the counts of the piece of ``unit`` from its document ``first`` lie while
+        the unit is not measured whole."""
+        return self.path(unit)[: -len(".npz")] + f"@{first}.npz"
 
-    def counts(self, unit, ahead=()) -> UnitCounts:
-        """The counts of ``unit`` (a ``(file, lo, hi)`` of the source's units). Where no one
-        measured it yet, this process measures it, or, if another holds its claim,
-        measures the first unclaimed units of ``ahead`` (the units the order reaches next,
-        or a function that lists them) while it waits. Raises DataError after ``wait_s``
+    def claim_path(self, unit, first: int = 0) -> str:
+        """The claim of measuring ``unit`` from its document ``first`` (from its start:
+        the unit's claim)."""
+        return (self.piece_path(unit, first) if first else self.path(unit)) + ".claim"
+
+    def tokens_path(self, unit, first: int = 0) -> str:
+        """Where the sidecar of the tokens of ``unit``'s piece from its document ``first``
+        lies (while its unit is read)."""
+        return self.piece_path(unit, first)[: -len(".npz")] + ".tokens"  # an .npz of its own
+
+    def counts(self, unit, ahead=(), upto: int | None = None) -> UnitCounts:
+        """The counts of ``unit`` (a ``(file, lo, hi)`` of the source's units): the whole
+        unit, or, given ``upto``, at least its documents that hold its first ``upto``
+        tokens (``UnitCounts.covers``). Where no one measured them yet, this process
+        measures the next piece, or, if another holds its claim, measures the first piece
+        of the first unclaimed units of ``ahead`` (the units the order reaches next, or a
+        function that lists them) while it waits. Raises DataError after ``wait_s``
         seconds of waiting on others."""
         if not isinstance(unit, tuple):
             unit = tuple(int(x) for x in unit)
         hit = self._mem.get(unit)
-        if hit is not None:
+        if hit is not None and hit.covers(upto):
             self._mem.move_to_end(unit)
             return hit
-        found = self._load(unit)
-        if found is None:
+        found = self._follow(unit, hit)
+        if not found.pieces or not found.covers(upto):
             ahead = ahead() if callable(ahead) else ahead
-            found = self._obtain(unit, [tuple(int(x) for x in u) for u in ahead])
+            found = self._obtain(unit, found, upto, [tuple(int(x) for x in u) for u in ahead])
         self._keep(unit, found)
         return found
 
     def has(self, unit) -> bool:
-        """Whether the unit's counts exist (in memory or in the folder)."""
+        """Whether the unit's counts exist whole (in memory or in the folder)."""
         unit = tuple(int(x) for x in unit)
-        return unit in self._mem or storage.exists(self.path(unit))
+        hit = self._mem.get(unit)
+        return (hit is not None and hit.complete) or storage.exists(self.path(unit))
 
     def _keep(self, unit, counts: UnitCounts):
         self._mem[unit] = counts
@@ -295,31 +385,54 @@ class SourceCounts:
         while len(self._mem) > KEEP_UNITS:
             self._mem.popitem(last=False)
 
-    def _obtain(self, unit, ahead: list) -> UnitCounts:
+    def _follow(self, unit, known: UnitCounts | None) -> UnitCounts:
+        """What the folder holds of ``unit`` beyond ``known``: its whole counts, else
+        ``known`` (or nothing: ``_nothing``) followed by the pieces written since. Cost:
+        a read a piece (the unit's file first)."""
+        if known is not None and known.complete:
+            return known
+        whole = self._load(unit)
+        if whole is not None:
+            return whole
+        known = known if known is not None else _nothing(unit)
+        while True:
+            piece = self._load_piece(unit, len(known.lengths))
+            if piece is None:
+                return known
+            known = known.then(*piece)
+
+    def _obtain(self, unit, known: UnitCounts, upto: int | None, ahead: list) -> UnitCounts:
         begin = time.monotonic()
         delay, i = 0.01, 0
         while True:
-            if self._claim(unit):
-                return self._measure_claimed(unit)
-            found = self._load(unit)
-            if found is not None:
-                return found
+            first = len(known.lengths)
+            if self._claim(unit, first):
+                known = self._measure_claimed(unit, known, upto)
+                if known.covers(upto):
+                    return known
+                continue
+            found = self._follow(unit, known)
+            if found is not known:  # written meanwhile
+                known = found
+                if known.covers(upto):
+                    return known
+                continue
             # Another process measures it: measure what no one measures yet meanwhile.
             while i < len(ahead):
                 other, i = ahead[i], i + 1
-                if other not in self._mem and self._claim(other):
-                    self._keep(other, self._measure_claimed(other))
+                if other not in self._mem and self._claim(other, 0):
+                    self._keep(other, self._measure_claimed(other, _nothing(other), 0))
                     break
             else:
                 waited = time.monotonic() - begin
                 if waited > self.wait_s:
                     raise DataError(
                         f"waited {waited:.0f} s for the token counts of unit {unit} of dataset "
-                        f"{self.source.spec.name!r}, which {self._holder(unit)} is measuring "
-                        f"({self.path(unit)}.claim); check that process, or raise "
-                        "training.length_index_wait_seconds"
+                        f"{self.source.spec.name!r}, which {self._holder(unit, first)} is "
+                        f"measuring ({self.claim_path(unit, first)}); check that process, or "
+                        "raise training.length_index_wait_seconds"
                     )
-                self._progress.waiting(unit, self._holder(unit), waited)
+                self._progress.waiting(unit, self._holder(unit, first), waited)
                 time.sleep(delay)
                 delay = min(0.5, delay * 2)
 
@@ -331,9 +444,9 @@ class SourceCounts:
             with np.load(io.BytesIO(data)) as z:
                 lengths = z["lengths"]
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
-                if "sidecar" not in z.files:  # no tokens were kept: none to look for
-                    self._no_sidecar(unit)
-            return UnitCounts(lengths, ats.astype(np.int64))
+                pieces = tuple(int(x) for x in z["pieces"]) if "pieces" in z.files else (0,)
+                sidecars = tuple(int(x) for x in z["sidecars"]) if "sidecars" in z.files else ()
+            return UnitCounts(lengths, ats.astype(np.int64), True, -1, pieces, sidecars)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a damaged file is measured again
@@ -343,16 +456,41 @@ class SourceCounts:
             _remove(path)
             return None
 
+    def _load_piece(self, unit, first: int) -> tuple[UnitCounts, bool] | None:
+        """(counts of the piece from document ``first``, whether it has a sidecar), or
+        None where it is not written (or is damaged: measured again)."""
+        path = self.piece_path(unit, first)
+        data = None
+        try:
+            data = storage.read_bytes(path)
+            with np.load(io.BytesIO(data)) as z:
+                piece = UnitCounts(z["lengths"], z["ats"].astype(np.int64), False,
+                                   int(z["next_at"][0]))  # fmt: skip
+                return piece, "sidecar" in z.files
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a damaged file is measured again
+            if data is None and storage.is_remote(path):
+                return None
+            logger.warning("token counts %s are unreadable (%r): measuring them again", path, e)
+            _remove(path)
+            return None
+
     # ---- claims (torchtitan.claims: the lease's rule) -------------------------------
-    def _claim(self, unit) -> bool:
-        """Claim ``unit`` for this process (True), unless its counts exist or another live
-        process holds it. Takes over a claim whose holder is gone (``claims.gone``: not
-        refreshed for ``CLAIM_STALE_S``, a torn claim included, or a dead process of this
-        machine and pid namespace)."""
-        path = self.path(unit)
-        if storage.exists(path):
+    def _claim(self, unit, first: int = 0) -> bool:
+        """Claim measuring ``unit`` from its document ``first`` for this process (True),
+        unless the unit's counts or that piece exist or another live process holds it.
+        Takes over a claim whose holder is gone (``claims.gone``: not refreshed for
+        ``CLAIM_STALE_S``, a torn claim included, or a dead process of this machine and
+        pid namespace)."""
+        path, piece = self.path(unit), self.piece_path(unit, first)
+
+        def written() -> bool:
+            return storage.exists(path) or storage.exists(piece)
+
+        if written():
             return False
-        claim = path + ".claim"
+        claim = self.claim_path(unit, first)
         record = claims.record(rank=os.environ.get("RANK", "0"))
         for _ in range(3):
             try:
@@ -362,7 +500,7 @@ class SourceCounts:
                 seen = claims.read(claim)
             except OSError as e:  # a read-only folder: measure here, keep it in memory
                 self._cannot_write(e)
-                return not storage.exists(path)
+                return not written()
             if seen is None:
                 continue  # released meanwhile: the counts are there, or it can be made
             why = claims.gone(seen, CLAIM_STALE_S)
@@ -374,57 +512,73 @@ class SourceCounts:
                 break
         else:
             return False
-        self._tokens[unit] = record["token"]
-        if storage.exists(path):  # measured between the check and the claim
-            self._release(unit)
+        self._tokens[(unit, first)] = record["token"]
+        if written():  # measured between the check and the claim
+            self._release(unit, first)
             return False
         return True
 
-    def _release(self, unit):
-        claims.release(self.path(unit) + ".claim", self._tokens.pop(unit, ""))
+    def _release(self, unit, first: int = 0):
+        claims.release(self.claim_path(unit, first), self._tokens.pop((unit, first), ""))
 
-    def _holder(self, unit) -> str:
+    def _holder(self, unit, first: int = 0) -> str:
         try:
-            seen = claims.read(self.path(unit) + ".claim")
+            seen = claims.read(self.claim_path(unit, first))
         except OSError:
             seen = None
         return claims.describe(seen.record) if seen is not None else "another process"
 
-    def _measure_claimed(self, unit) -> UnitCounts:
-        path = self.path(unit)
-        claim = path + ".claim"
+    def _measure_claimed(self, unit, known: UnitCounts, upto: int | None) -> UnitCounts:
+        """Measure the piece of ``unit`` after ``known`` (claimed), write it, and return
+        ``known`` followed by it. ``upto`` None: the rest of the unit in one piece."""
+        first = len(known.lengths)
+        claim = self.claim_path(unit, first)
+        piece = {"at": known.next_at}
+        if upto is not None:  # a piece at a time, each PIECE_GROWTH times the documents
+            piece.update(docs=max(FIRST_PIECE_DOCS, (PIECE_GROWTH - 1) * first),
+                         upto=max(0, upto - known.total))  # fmt: skip
         try:
             counts = self._measure(
-                unit, heartbeat=lambda: claims.touch(claim, self._tokens.get(unit))
+                unit, heartbeat=lambda: claims.touch(claim, self._tokens.get((unit, first))),
+                **piece,
             )
             sidecar = False
             if isinstance(counts, tuple):  # and the tokens measured, for the readers
                 counts, tokens = counts
+                tokens.first = first
                 self._keep_tokens(unit, tokens)
                 # Before the counts: a process that finds the counts finds these too.
                 sidecar = self._write_tokens(unit, tokens)
-            self._write(path, unit, counts, sidecar)
+            whole = known.then(counts, sidecar)
+            if whole.complete:
+                self._write(unit, whole)
+                for other in whole.pieces[:-1]:  # the pieces before: the unit's file has them
+                    _remove(self.piece_path(unit, other))
+            else:
+                self._write_piece(unit, first, counts, sidecar)
         finally:
-            self._release(unit)
+            self._release(unit, first)
         self.measured += 1
         self._progress.measured(counts.total)
-        return counts
+        return whole
 
     # ---- measured tokens, shared with the window readers -------------------------------
-    def unit_tokens(self, unit, counts: UnitCounts) -> UnitTokens | None:
-        """The tokens of ``unit`` as its measuring process kept them: this process's own,
-        else the sidecar another process wrote (read once, then kept); None where there
-        are none, or none that fit ``counts`` (the reader then tokenizes the document).
-        Cost: a lookup; the first time a unit is asked, one small file read or a stat."""
-        hit = self._unit_tokens.get(unit)
+    def unit_tokens(self, unit, counts: UnitCounts, row: int = 0) -> UnitTokens | None:
+        """The tokens of the piece of ``unit`` that holds document ``row``, as its measuring
+        process kept them: this process's own, else the sidecar another process wrote
+        (read once, then kept); None where there are none, or none that fit ``counts``
+        (the reader then tokenizes the document). Cost: a lookup; the first time a piece
+        is asked, one small file read."""
+        key = (unit, counts.piece_of(row))
+        hit = self._unit_tokens.get(key)
         if hit is not None:
-            self._unit_tokens.move_to_end(unit)
+            self._unit_tokens.move_to_end(key)
             return hit
-        if not self.share_tokens or unit in self._no_tokens:
+        if not self.share_tokens or key[1] not in counts.sidecars or key in self._no_tokens:
             return None
-        tokens = self._load_tokens(unit)
+        tokens = self._load_tokens(*key)
         if tokens is None or not tokens.fits(counts):
-            self._no_sidecar(unit)
+            self._no_sidecar(key)
             return None
         self._keep_tokens(unit, tokens)
         return tokens
@@ -436,39 +590,38 @@ class SourceCounts:
         soon as a unit's last token is read: a step's windows are read grouped by the unit
         each starts in, so at the end of a pass, where a window goes on in another lane's
         unit, a window of that unit's earlier tokens may be read after the one that ends
-        it. Cost: one unlink (or DELETE) a unit, in the process that wrote its sidecar."""
-        for unit in units:
-            unit = tuple(int(x) for x in unit)
-            tokens = self._unit_tokens.pop(unit, None)
-            if tokens is not None:
-                self._unit_token_bytes -= tokens.nbytes
-        for unit in sidecars:  # by the process that wrote it: one delete a sidecar
-            unit = tuple(int(x) for x in unit)
-            if unit in self._sidecars:
-                self._sidecars.discard(unit)
-                _remove(self.tokens_path(unit))
+        it. Cost: one unlink (or DELETE) a piece, in the process that wrote its sidecar;
+        a scan of the pieces kept (a few hundred at most)."""
+        gone = {tuple(int(x) for x in unit) for unit in units}
+        for key in [k for k in self._unit_tokens if k[0] in gone]:
+            self._unit_token_bytes -= self._unit_tokens.pop(key).nbytes
+        gone = {tuple(int(x) for x in unit) for unit in sidecars}
+        for key in [k for k in self._sidecars if k[0] in gone]:  # by the process that wrote it
+            self._sidecars.discard(key)
+            _remove(self.tokens_path(*key))
 
-    def _no_sidecar(self, unit):
-        self._no_tokens[tuple(int(x) for x in unit)] = None
+    def _no_sidecar(self, key: tuple):
+        self._no_tokens[key] = None
         while len(self._no_tokens) > KEEP_MISSES:
             self._no_tokens.popitem(last=False)
 
     def _keep_tokens(self, unit, tokens: UnitTokens):
         if not self.keeps_tokens:
             return
-        old = self._unit_tokens.pop(unit, None)
+        key = (unit, tokens.first)
+        old = self._unit_tokens.pop(key, None)
         self._unit_token_bytes += tokens.nbytes - (old.nbytes if old is not None else 0)
-        self._unit_tokens[unit] = tokens
-        self._no_tokens.pop(unit, None)
+        self._unit_tokens[key] = tokens
+        self._no_tokens.pop(key, None)
         while self._unit_token_bytes > KEEP_TOKEN_BYTES and len(self._unit_tokens) > 1:
             _, gone = self._unit_tokens.popitem(last=False)
             self._unit_token_bytes -= gone.nbytes
 
-    def _load_tokens(self, unit) -> UnitTokens | None:
+    def _load_tokens(self, unit, first: int) -> UnitTokens | None:
         try:
-            data = storage.read_bytes(self.tokens_path(unit))
+            data = storage.read_bytes(self.tokens_path(unit, first))
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                return UnitTokens(z["ids"], z["doc_ids"], z["lengths"])
+                return UnitTokens(z["ids"], z["doc_ids"], z["lengths"], first)
         except FileNotFoundError:
             return None
         except Exception:  # noqa: BLE001 - a torn or foreign sidecar: tokenize instead
@@ -477,20 +630,30 @@ class SourceCounts:
     def _write_tokens(self, unit, tokens: UnitTokens) -> bool:
         if self._writable:
             arrays = {"ids": tokens.ids, "doc_ids": tokens.doc_ids, "lengths": tokens.lengths}
-            if self._write_whole(self.tokens_path(unit), arrays):
-                self._sidecars.add(tuple(int(x) for x in unit))
+            if self._write_whole(self.tokens_path(unit, tokens.first), arrays):
+                self._sidecars.add((tuple(int(x) for x in unit), tokens.first))
                 return True
         return False
 
-    def _write(self, path: str, unit, counts: UnitCounts, sidecar: bool = False):
+    def _write(self, unit, counts: UnitCounts):
         if not self._writable:
             return
         arrays = {"lengths": counts.lengths}
         if not np.array_equal(counts.ats, unit[1] + np.arange(len(counts.lengths))):
             arrays["ats"] = counts.ats  # JSON lines: byte offsets
-        if sidecar:  # a reader looks for the unit's sidecar only where one was written
+        if counts.sidecars:  # a reader looks for a piece's sidecar only where one was written
+            arrays["pieces"] = np.asarray(counts.pieces, dtype=np.int32)
+            arrays["sidecars"] = np.asarray(counts.sidecars, dtype=np.int32)
+        self._write_whole(self.path(unit), arrays)
+
+    def _write_piece(self, unit, first: int, counts: UnitCounts, sidecar: bool):
+        if not self._writable:
+            return
+        arrays = {"lengths": counts.lengths, "ats": counts.ats,
+                  "next_at": np.array([counts.next_at], dtype=np.int64)}  # fmt: skip
+        if sidecar:
             arrays["sidecar"] = np.ones(1, dtype=np.uint8)
-        self._write_whole(path, arrays)
+        self._write_whole(self.piece_path(unit, first), arrays)
 
     def _write_whole(self, path: str, arrays: dict) -> bool:
         """``arrays`` as one .npz at ``path``, published whole (storage.publish: written
@@ -512,6 +675,12 @@ class SourceCounts:
                 self.folder, error,
             )  # fmt: skip
         self._writable = False
+
+
+def _nothing(unit) -> UnitCounts:
+    """The counts of no document of ``unit``: what its first piece follows."""
+    return UnitCounts(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), False,
+                      int(unit[1]), (), ())  # fmt: skip
 
 
 class _Progress:

@@ -117,16 +117,17 @@ class SourceOrder:
         u = int(self.order(cursor.pass_, cursor.extent)[k])
         return u, units[u]
 
-    def unit_counts(self, cursor: Cursor, k: int):
-        """The counts of the ``k``-th unit of the cursor's pass (measured now if no one has;
-        while another process measures it, this one measures the units after it)."""
+    def unit_counts(self, cursor: Cursor, k: int, upto: int | None = None):
+        """The counts of the ``k``-th unit of the cursor's pass, whole or (``upto``) at least
+        up to its token ``upto`` (measured now if no one has; while another process
+        measures it, this one measures the units after it)."""
         units = self.units(cursor.extent)
         order = self.order(cursor.pass_, cursor.extent)
 
         def ahead() -> list:
             return [units[u] for u in order[k + 1 : k + 1 + LOOKAHEAD]]
 
-        return self.counts.counts(units[order[k]], ahead)
+        return self.counts.counts(units[order[k]], ahead, upto)
 
     def _begin(self, cursor: Cursor):
         cursor.extent = self.source.extent()
@@ -151,7 +152,9 @@ class SourceOrder:
         while need:
             lane = cursor.lanes[i]
             _, k, token = lane
-            counts = self.unit_counts(cursor, k)
+            # Counts up to a token past the window's end: a unit measured in pieces ends
+            # here only if it has no token more (index.SourceCounts), as a whole one would.
+            counts = self.unit_counts(cursor, k, token + need + 1)
             take = min(need, counts.total - token)
             if take > 0:
                 u, unit = self.unit(cursor, k)
@@ -160,7 +163,7 @@ class SourceOrder:
                 need -= take
                 took += take
                 cursor.tokens += take
-            if lane[2] < counts.total:
+            if lane[2] < counts.total or not counts.complete:
                 continue
             if len(self.finished) < MAX_FINISHED:  # a walk without a stream taking them
                 self.finished.append(self.unit(cursor, k)[1])
@@ -209,14 +212,23 @@ class SourceOrder:
 
     def pass_read(self, cursor: Cursor) -> float:
         """The share of the cursor's pass read, by units (a unit a lane is in counts its
-        share of tokens read): 0 before the pass begins. For the metrics. Cost: O(lanes),
-        over counts the lanes have (measured already)."""
+        share of tokens read; while only its first pieces are measured, the share of its
+        rows, or bytes, before the lane's document): 0 before the pass begins. For the
+        metrics. Cost: O(lanes), over counts the lanes have (measured already)."""
         if not cursor.lanes:
             return 0.0
         done = cursor.taken - len(cursor.lanes)
         for _, k, token in cursor.lanes:
-            if token:
-                done += token / self.unit_counts(cursor, k).total
+            if not token:
+                continue
+            counts = self.unit_counts(cursor, k, token)
+            if counts.complete:
+                done += token / counts.total
+                continue
+            _, lo, hi = self.unit(cursor, k)[1]
+            row, _ = counts.row_at(token)
+            at = int(counts.ats[row]) if row < len(counts.ats) else counts.next_at
+            done += min(max((at - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 0.0
         return done / len(self.units(cursor.extent))
 
     def skipped_before(self, cursor: Cursor) -> int:
@@ -225,7 +237,7 @@ class SourceOrder:
         for _, k, token in cursor.lanes:
             if token == 0:  # a lane not begun on its unit: nothing passed (and nothing
                 continue  # to measure here: its counts may not exist yet)
-            counts = self.unit_counts(cursor, k)
+            counts = self.unit_counts(cursor, k, token)
             j = int(np.searchsorted(counts.cum, token, side="right"))
             partial += int((counts.lengths[:j] == 0).sum())
         return cursor.skipped + partial

@@ -99,7 +99,7 @@ class DocumentReader:
             return hit
         # On a first pass, the tokens its measuring kept (index.SourceCounts.unit_tokens):
         # no text read, nothing tokenized again.
-        measured = self._measured(unit, counts)
+        measured = self._measured(unit, counts, row)
         if measured is not None:
             return measured.document(counts, row)
         doc_id, value = self._raw(unit, row, counts)
@@ -118,11 +118,11 @@ class DocumentReader:
             self._tokens.popitem(last=False)
         return doc_id, tokens
 
-    def _measured(self, unit: tuple, counts):
+    def _measured(self, unit: tuple, counts, row: int):
         if not self.share_measured:
             return None
         unit_tokens = getattr(self.order.counts, "unit_tokens", None)
-        return unit_tokens(unit, counts) if unit_tokens is not None else None
+        return unit_tokens(unit, counts, row) if unit_tokens is not None else None
 
     def let_go(self, units: list, sidecars: list):
         """The measured tokens of ``units`` leave this process, and ``sidecars``' files go
@@ -267,7 +267,7 @@ class TokenStream:
         order, reader = self.orders[source], self.readers[source]
         parts, spans = [], []
         for pass_, _, u, lo, hi, unit in pieces:
-            counts = order.counts.counts(unit)
+            counts = order.counts.counts(unit, upto=hi)
             at = lo
             while at < hi:
                 row, token = counts.row_at(at)
