@@ -340,3 +340,28 @@ def test_a_first_pass_with_its_counts_in_a_bucket(tmp_path, calls):
         fs.invalidate_cache()
         assert not [p for p in fs.find(f"{bucket}/counts") if p.endswith(".tokens")]
         assert any(p.endswith(".npz") for p in fs.find(f"{bucket}/counts"))
+
+
+def test_a_rank_whose_workers_read_leaves_the_measuring_to_them(tmp_path, monkeypatch):
+    """With loader workers, the rank's own process reads no window: it measures nothing
+    and decodes no block (its workers plan the same steps ahead of it and measure them),
+    so it holds none of their memory. Where no worker claims a piece (none started, or
+    they are stuck), it measures the piece itself after ``DEFER_S``. Negative control:
+    planning with no worker running, it waits ``DEFER_S`` and then measures."""
+    import time
+
+    from torchtitan.data.loader import plan_steps
+
+    folder, _ = corpus(tmp_path / "c")
+    loader = loader_of(folder, tmp_path / "n", "true", workers=2)
+    for _ in range(6):
+        loader.next_step()
+    assert loader.stream.orders[0].counts.measured == 0
+    assert loader.stream.sources[0].rows_decoded == 0
+    loader.close()
+
+    monkeypatch.setattr(length_index, "DEFER_S", 0.5)
+    alone = loader_of(folder, tmp_path / "alone", "true", workers=2)  # its workers never start
+    begin = time.monotonic()
+    next(plan_steps(alone.stream, alone.schedule, 0, 0, alone.stream.start()))
+    assert time.monotonic() - begin >= 0.5 and alone.stream.orders[0].counts.measured > 0

@@ -112,9 +112,10 @@ def test_pieces_give_the_batches_and_positions_of_whole_counts(tmp_path, calls, 
     warm_counts = loader_of(folder, tmp_path / "warm", streaming).stream.orders[0]
     warm_counts.pass_tokens()  # measured whole, as prepare_data does
     for unit in warm_counts.units(warm_counts.source.extent()):
-        with np.load(warm_counts.counts.path(unit)) as a, np.load(
-            cold.stream.orders[0].counts.path(unit)
-        ) as b:
+        with (
+            np.load(warm_counts.counts.path(unit)) as a,
+            np.load(cold.stream.orders[0].counts.path(unit)) as b,
+        ):
             assert np.array_equal(a["lengths"], b["lengths"])
     warm = loader_of(folder, tmp_path / "warm", streaming)
     for (batches, position), (w_batches, w_position) in zip(got, steps_of(warm, 3), strict=True):

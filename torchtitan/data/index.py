@@ -5,16 +5,21 @@ Owns: measuring one unit (each document tokenized as the window reader tokenizes
 files in ``training.length_index_dir``, and handing the measuring out among every
 process that needs counts.
 
-- **Just in time.** The global order (order.py) asks for a unit's counts when a window
-  first reaches the unit, so a corpus's first step waits for the units its first windows
-  lie in, never for the corpus. Later units are measured as the order reaches them.
-- **Shared, and surviving.** Each unit's counts are one file, written atomically
+- **Just in time, by pieces.** The global order (order.py) asks for a unit's counts up
+  to the tokens a window needs when the window reaches them, so a corpus's first step
+  waits for the first documents (``FIRST_PIECE_DOCS``) of the units its first windows
+  lie in, never for whole units or the corpus. A unit is measured a piece at a time as
+  its lane reads on (16, 48, 192 documents of a 256-row unit), each piece under a claim
+  of its own; tools that ask for a whole unit measure it in one piece.
+- **Shared, and surviving.** Each unit's counts are one file (while it is measured in
+  pieces, a file a piece, ``<lo>-<hi>@<first document>.npz``, which the piece that ends
+  the unit folds into the unit's file and deletes), written atomically
   (``os.replace``; in a bucket, ``s3://...``, one create-only PUT: storage.py), named
   by what they depend on: the content signature of the data
   file (size, CRC32 of its first and last MiB; not its path), the unit's range, the
-  tokenizer and the reading settings (``counts_key``). A kill -9 loses at most the units
+  tokenizer and the reading settings (``counts_key``). A kill -9 loses at most the pieces
   being measured; a relaunch, another job, or another node reading the same folder
-  reuses the rest.
+  reuses the rest, and goes on from the last piece written.
 - **Dynamic work.** A process that needs a unit no one has measured claims it (a
   ``.claim`` file published whole, naming host, pid and rank, its mtime refreshed
   while it measures: ``torchtitan.claims``, the lease's rule) and measures it. Where
@@ -26,9 +31,9 @@ process that needs counts.
   (``training.length_index_wait_seconds``) and ends in one line naming whom it waited for.
 
 - **Tokenized once on the first pass.** The measuring process keeps the ids it tokenized
-  (``UnitTokens``: the unit's tokens back to back, and its documents' ids) for the
+  (``UnitTokens``: a piece's tokens back to back, and its documents' ids) for the
   windows that read the unit: in its memory, and in a sidecar file beside the counts
-  (``<lo>-<hi>.tokens``, an .npz written before them) for the other processes of the job, loader
+  (``<lo>-<hi>@<first>.tokens``, an .npz written before them) for the other processes of the job, loader
   workers and ranks, which read the unit's windows too. A window reader takes a document's
   tokens from there and reads no text; the sidecar goes once its unit's lane finished
   it, a step later (``let_go``). A sidecar is a cache, never the truth: one that is missing,
@@ -50,13 +55,18 @@ next step), ~0.4 MB each for web text (256 documents of ~700 tokens at 2 bytes; 
 where the vocabulary passes 65,536): about 25-50 MB a source at any time, whatever the
 corpus (c4 or FineWeb alike), plus the units in flight when a process is killed (read and
 deleted by the relaunch that continues them). In memory, a process that reads windows
-keeps the same units at most, and never more than ``KEEP_TOKEN_BYTES`` a source. In a
-bucket, a unit measured costs seven requests (GET, HEAD, claim PUT, HEAD, counts PUT, GET,
-DELETE; a GET and a PUT per ``HEARTBEAT_S`` of measuring), and two more on a first pass
-(its sidecar's PUT and DELETE, and a GET by each other process that reads it); a unit
-read one GET (its count file says whether a sidecar was kept, so none is looked for
-where none was): c4 measured once ~2.5 M requests, FineWeb ~150 M (prepare it once;
-every job then reads).
+keeps the same units at most, and never more than ``KEEP_TOKEN_BYTES`` a source. Pieces
+cost files, not tokens: a 256-row unit measured in three pieces writes two piece files
+(and deletes them) and takes three claims where a whole one takes one; locally a few
+hundred microseconds a unit. In a bucket, a piece measured costs about nine requests
+(two HEADs, claim PUT, two HEADs, its counts' PUT, the claim's GET and DELETE; a GET
+and a PUT per ``HEARTBEAT_S`` of measuring), and two more on a first pass (its sidecar's
+PUT and DELETE, and a GET by each other process that reads it), plus a GET of each
+earlier piece by each process that reads on: about 30 a unit measured by a job, where
+``scripts/prepare_data.py`` (whole units) takes about 8; a unit read is one GET (its
+count file says which pieces kept a sidecar, so none is looked for where none was): c4
+measured by a job ~40 M requests, FineWeb ~2.5 G (about $200 and $12,500 of S3 PUTs and
+GETs: prepare a corpus that large once, every job then reads).
 
 Never: choose an order, pack windows, or touch torch.distributed.
 """
@@ -100,6 +110,10 @@ KEEP_MISSES = 1024  # pieces known to have no sidecar (not looked for: their cou
 # than measuring it whole, and a first step that waits for 16 documents a unit).
 FIRST_PIECE_DOCS = 16
 PIECE_GROWTH = 4
+# How long a process that leaves the measuring to its loader workers waits for a piece no
+# one has claimed before it measures the piece itself (its workers plan the same steps
+# ahead of it, so such a wait ends as soon as they start: seconds at most).
+DEFER_S = 5.0
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
 
 
@@ -211,12 +225,16 @@ def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None, keep: b
     parts, doc_ids = [], []
     at = unit[1] if at is None else at
     tokens_so_far, complete = 0, True
+
+    def enough() -> bool:
+        return docs is not None and len(lengths) >= docs and tokens_so_far >= (upto or 0)
+
     beat = time.monotonic()
     while at is not None:
         read, next_at, _ = source.read(unit, at)
         for start, _, doc_id, value in read:
-            if docs is not None and len(lengths) >= docs and tokens_so_far >= (upto or 0):
-                next_at, complete = start, False  # enough: the rest is a later piece's
+            if enough():
+                next_at = start  # the rest is a later piece's
                 break
             tokens = document_tokens(tokenizer, doc_id, value, source.spec.name, bad_data)
             lengths.append(0 if tokens is None else len(tokens))
@@ -226,20 +244,15 @@ def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None, keep: b
                 doc_ids.append(doc_id)
                 if tokens is not None:
                     parts.append(tokens)
-        if not complete:
-            break
         at = next_at
-        if at is not None and docs is not None and len(lengths) >= docs and tokens_so_far >= (
-            upto or 0
-        ):
-            complete = False  # the piece ends where a read ends
-            next_at = at
+        if at is not None and enough():
+            complete = False
             break
         if heartbeat is not None and time.monotonic() - beat > HEARTBEAT_S:
             heartbeat()
             beat = time.monotonic()
     counts = UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64),
-                        complete, -1 if complete else int(next_at))  # fmt: skip
+                        complete, -1 if complete else int(at))  # fmt: skip
     if not keep:
         return counts
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
@@ -319,9 +332,14 @@ class SourceCounts:
         self._unit_token_bytes = 0
         self._no_tokens: OrderedDict[tuple, None] = OrderedDict()  # pieces with no sidecar
         self._sidecars: set = set()  # the pieces whose sidecar this process wrote, not yet gone
-        # Whether this process keeps measured tokens in memory: not a process that reads no
-        # window (a rank's main process whose loader workers read); its sidecars serve.
+        # Whether this process keeps measured tokens in memory, and measures what no one has:
+        # not a process that reads no window (a rank's main process whose loader workers
+        # read). Its sidecars would serve, but its workers plan the same steps ahead of it
+        # and measure them anyway: it waits for their counts, and measures only a piece no
+        # one claimed for DEFER_S (its workers stuck or gone), so it never holds decoded
+        # blocks of its own (streaming.KEEP_BLOCK_BYTES a process).
         self.keeps_tokens = True
+        self.measures = True
 
     def __getstate__(self):
         # A worker reads its own, and holds no claim of its parent's.
@@ -404,9 +422,13 @@ class SourceCounts:
     def _obtain(self, unit, known: UnitCounts, upto: int | None, ahead: list) -> UnitCounts:
         begin = time.monotonic()
         delay, i = 0.01, 0
+        # A process that leaves the measuring to its loader workers looks for their counts
+        # often (a stat or a GET a poll, only while it waits on them).
+        longest = 0.5 if self.measures or storage.is_remote(self.folder) else 0.05
         while True:
             first = len(known.lengths)
-            if self._claim(unit, first):
+            turn = self.measures or time.monotonic() - begin > DEFER_S
+            if turn and self._claim(unit, first):
                 known = self._measure_claimed(unit, known, upto)
                 if known.covers(upto):
                     return known
@@ -418,7 +440,7 @@ class SourceCounts:
                     return known
                 continue
             # Another process measures it: measure what no one measures yet meanwhile.
-            while i < len(ahead):
+            while self.measures and i < len(ahead):
                 other, i = ahead[i], i + 1
                 if other not in self._mem and self._claim(other, 0):
                     self._keep(other, self._measure_claimed(other, _nothing(other), 0))
@@ -434,7 +456,7 @@ class SourceCounts:
                     )
                 self._progress.waiting(unit, self._holder(unit, first), waited)
                 time.sleep(delay)
-                delay = min(0.5, delay * 2)
+                delay = min(longest, delay * 2)
 
     def _load(self, unit) -> UnitCounts | None:
         path = self.path(unit)
@@ -539,7 +561,8 @@ class SourceCounts:
                          upto=max(0, upto - known.total))  # fmt: skip
         try:
             counts = self._measure(
-                unit, heartbeat=lambda: claims.touch(claim, self._tokens.get((unit, first))),
+                unit,
+                heartbeat=lambda: claims.touch(claim, self._tokens.get((unit, first))),
                 **piece,
             )
             sidecar = False

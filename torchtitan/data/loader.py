@@ -188,10 +188,11 @@ def _wait_for_exit(rank_pid: int, pidfd: int | None, stop_fd: int):
 
 
 def _keep_measured_tokens(counts, keep: bool):
-    """Whether a process keeps the tokens it measures in memory (index.SourceCounts): one
-    that reads windows does; a rank whose workers read leaves them to the sidecars."""
+    """Whether a process measures token counts and keeps the tokens it measures in memory
+    (index.SourceCounts): one that reads windows does; a rank whose workers read leaves
+    both to them (they plan the same steps ahead of it: it reads their counts)."""
     if hasattr(counts, "keeps_tokens"):
-        counts.keeps_tokens = keep
+        counts.keeps_tokens = counts.measures = keep
 
 
 def _as_is(group: list[dict]) -> list[dict]:
