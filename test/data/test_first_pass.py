@@ -146,14 +146,19 @@ def test_a_sidecar_of_another_process_is_read_instead_of_the_text(tmp_path, call
     assert sum(calls.values()) > 0
 
 
-def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(tmp_path, calls):
+@pytest.mark.parametrize("first_piece", [16, 2])
+def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(
+    tmp_path, calls, monkeypatch, first_piece
+):
     """Two ranks (two loaders on one counts folder, stepped in turn) split the measuring
     and each reads its slice of every step: over the first pass, each document is
     tokenized once in all (the other rank's through the sidecars), and once the pass is
     read, neither keeps the measured tokens of a unit of that pass, also of units it
     measured ahead and never read the end of (let go by the plan, not by who read the
     last token). Negative control: midway, each keeps those of the units its lanes are
-    in."""
+    in. Units of 5 documents, measured whole (first pieces of 16) or in pieces of 2 and
+    3, each piece claimed by one rank."""
+    monkeypatch.setattr(length_index, "FIRST_PIECE_DOCS", first_piece)
     folder, texts = corpus(tmp_path / "c", files=8, docs=80)
     c = cfg(folder, length_index_dir=tmp_path / "n", streaming="true", global_batch_size=8)
     ranks = [build_dataloader(c, TOKENIZER, r, 2) for r in range(2)]

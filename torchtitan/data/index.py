@@ -385,7 +385,7 @@ class SourceCounts:
             self._mem.move_to_end(unit)
             return hit
         found = self._follow(unit, hit)
-        if not found.pieces or not found.covers(upto):
+        if not found.covers(upto):
             ahead = ahead() if callable(ahead) else ahead
             found = self._obtain(unit, found, upto, [tuple(int(x) for x in u) for u in ahead])
         self._keep(unit, found)
