@@ -108,11 +108,13 @@ def test_a_first_pass_tokenizes_each_document_once(tmp_path, streaming, calls):
 
 
 @pytest.mark.parametrize("streaming,workers", [("true", 0), ("true", 2), ("false", 2)])
-def test_the_first_pass_gives_the_batches_of_reading_the_text(tmp_path, streaming, workers):
+def test_the_first_pass_gives_the_batches_of_reading_the_text(tmp_path, streaming, workers,
+                                                              monkeypatch):  # fmt: skip
     """A cold loader taking the measured tokens, with or without workers (which measure
     in one process and read in another: the sidecars), gives the batches of a loader
     that reads and tokenizes the text, token for token and span for span, over a pass
-    and into the next."""
+    and into the next. Units measured in pieces from one document on (1, 3, 12 ...)."""
+    monkeypatch.setattr(length_index, "FIRST_PIECE_DOCS", 1)
     folder, _ = corpus(tmp_path / "c")
     shared = loader_of(folder, tmp_path / "n1", streaming, workers)
     plain = loader_of(folder, tmp_path / "n2", streaming, share=False)
@@ -146,7 +148,7 @@ def test_a_sidecar_of_another_process_is_read_instead_of_the_text(tmp_path, call
     assert sum(calls.values()) > 0
 
 
-@pytest.mark.parametrize("first_piece", [16, 2])
+@pytest.mark.parametrize("first_piece", [16, 1])
 def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(
     tmp_path, calls, monkeypatch, first_piece
 ):
@@ -156,8 +158,8 @@ def test_two_ranks_tokenize_each_document_once_and_keep_what_their_lanes_read(
     read, neither keeps the measured tokens of a unit of that pass, also of units it
     measured ahead and never read the end of (let go by the plan, not by who read the
     last token). Negative control: midway, each keeps those of the units its lanes are
-    in. Units of 5 documents, measured whole (first pieces of 16) or in pieces of 2 and
-    3, each piece claimed by one rank."""
+    in. Units of 5 documents, measured whole (first pieces of 16) or in pieces of 1, 3
+    and 1, each piece claimed by one rank."""
     monkeypatch.setattr(length_index, "FIRST_PIECE_DOCS", first_piece)
     folder, texts = corpus(tmp_path / "c", files=8, docs=80)
     c = cfg(folder, length_index_dir=tmp_path / "n", streaming="true", global_batch_size=8)

@@ -58,8 +58,9 @@ def pieces_on_disk(counts: Path) -> list[Path]:
 def test_a_cold_first_step_measures_only_the_first_pieces(tmp_path, calls, monkeypatch):
     """Map-style, 1,600 rows in units of 100: the first step's 8 windows (32 tokens each)
     wait for the first piece (16 documents) of the 8 units they lie in, 128 documents,
-    written as piece files, no unit whole. Negative control: with pieces as large as a
-    unit (measured whole, as before), the same step tokenizes all 800 rows."""
+    written as piece files, no unit whole; a unit of a few rows (50, in a corpus of small
+    files) is measured whole. Negative control: with pieces as large as a unit (measured
+    whole, as before), the same step tokenizes all 800 rows."""
     folder, _ = corpus(tmp_path / "c", files=4, docs=400)
     loader = loader_of(folder, tmp_path / "n", "false")
     assert len(loader.stream.orders[0].units(1600)) == 16
@@ -67,6 +68,13 @@ def test_a_cold_first_step_measures_only_the_first_pieces(tmp_path, calls, monke
     assert sum(calls.values()) == 8 * length_index.FIRST_PIECE_DOCS
     assert len(pieces_on_disk(tmp_path / "n")) == 8
     assert not [p for p in (tmp_path / "n").rglob("*.npz") if "@" not in p.name]
+
+    calls.clear()  # units of 50 rows (at most 4 x 16): whole, one file and claim a unit
+    small, _ = corpus(tmp_path / "small", files=8, docs=800)
+    few = loader_of(small, tmp_path / "few", "true")
+    assert len(few.stream.orders[0].units(8)) == 128
+    few.next_step()
+    assert sum(calls.values()) == 8 * 50 and not pieces_on_disk(tmp_path / "few")
 
     calls.clear()
     monkeypatch.setattr(length_index, "FIRST_PIECE_DOCS", 10**9)
@@ -153,25 +161,25 @@ def test_a_lane_ends_a_unit_measured_in_pieces_where_its_tokens_end(tmp_path, mo
 
 def test_a_left_piece_is_continued_and_a_torn_one_measured_again(tmp_path, calls, caplog):
     """A process killed after writing a unit's first piece leaves it for the next: a fresh
-    process asking for the whole unit measures only the rest (24 of 40 rows), and the
+    process asking for the whole unit measures only the rest (84 of 100 rows), and the
     unit's file is whole, equal to one measured in one go, with no piece left. A piece
-    torn by a crash is passed over and the unit measured from its start (40), a warning
+    torn by a crash is passed over and the unit measured from its start (100), a warning
     naming it."""
-    folder, _ = corpus(tmp_path / "c", files=1, docs=640)
+    folder, _ = corpus(tmp_path / "c", files=1, docs=1600)
 
     def counts_in(name: str):
         return loader_of(folder, tmp_path / name, "false").stream.orders[0].counts
 
     unit = tuple(int(x) for x in loader_of(folder, tmp_path / "x", "false").stream.orders[0]
-                 .units(640)[0])  # fmt: skip
-    assert unit[2] - unit[1] == 40
+                 .units(1600)[0])  # fmt: skip
+    assert unit[2] - unit[1] == 100
     reference = counts_in("reference").counts(unit)
     counts_in("n").counts(unit, upto=1)  # the first piece, then the process is gone
     assert len(pieces_on_disk(tmp_path / "n")) == 1
     calls.clear()
     whole = counts_in("n")
     assert np.array_equal(whole.counts(unit).lengths, reference.lengths)
-    assert sum(calls.values()) == 40 - length_index.FIRST_PIECE_DOCS
+    assert sum(calls.values()) == 100 - length_index.FIRST_PIECE_DOCS
     assert not pieces_on_disk(tmp_path / "n") and Path(whole.path(unit)).exists()
 
     counts_in("torn").counts(unit, upto=1)
@@ -180,4 +188,4 @@ def test_a_left_piece_is_continued_and_a_torn_one_measured_again(tmp_path, calls
     calls.clear()
     with caplog.at_level(logging.WARNING):
         assert np.array_equal(counts_in("torn").counts(unit).lengths, reference.lengths)
-    assert sum(calls.values()) == 40 and piece.name in caplog.text
+    assert sum(calls.values()) == 100 and piece.name in caplog.text

@@ -556,7 +556,13 @@ class SourceCounts:
         first = len(known.lengths)
         claim = self.claim_path(unit, first)
         piece = {"at": known.next_at}
-        if upto is not None:  # a piece at a time, each PIECE_GROWTH times the documents
+        # A unit of a few rows (at most PIECE_GROWTH x FIRST_PIECE_DOCS: 64) is measured
+        # whole: its pieces would cost more files and claims than the rows they defer (a
+        # JSON lines unit is a byte range, never this small).
+        small = first == 0 and 0 < unit[2] - unit[1] <= PIECE_GROWTH * FIRST_PIECE_DOCS
+        if (
+            upto is not None and not small
+        ):  # a piece at a time, each PIECE_GROWTH times the documents
             piece.update(docs=max(FIRST_PIECE_DOCS, (PIECE_GROWTH - 1) * first),
                          upto=max(0, upto - known.total))  # fmt: skip
         try:
