@@ -10,7 +10,8 @@ process that needs counts.
   waits for the first documents (``FIRST_PIECE_DOCS``) of the units its first windows
   lie in, never for whole units or the corpus. A unit is measured a piece at a time as
   its lane reads on (16, 48, 192 documents of a 256-row unit), each piece under a claim
-  of its own; tools that ask for a whole unit measure it in one piece.
+  of its own; a unit of at most 64 rows, and any unit a tool asks for whole, is measured
+  in one piece.
 - **Shared, and surviving.** Each unit's counts are one file (while it is measured in
   pieces, a file a piece, ``<lo>-<hi>@<first document>.npz``, which the piece that ends
   the unit folds into the unit's file and deletes), written atomically
