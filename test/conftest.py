@@ -27,6 +27,7 @@ import os
 import signal
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,23 @@ def length_index_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_TOKENIZER_PATH)
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Calls of the tokenizer by text, in this process (measuring and reading both go
+    through packing.encode_document)."""
+    from torchtitan.data import packing
+
+    seen: Counter = Counter()
+    real = packing.encode_document
+
+    def counting(tokenizer, text):
+        seen[text] += 1
+        return real(tokenizer, text)
+
+    monkeypatch.setattr(packing, "encode_document", counting)
+    return seen
 
 
 @pytest.fixture(scope="session")

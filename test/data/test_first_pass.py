@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from helpers import cfg, write_parquet
 
 from harness import s3
-from torchtitan.data import build_dataloader, packing
+from torchtitan.data import build_dataloader
 from torchtitan.data import index as length_index
 from torchtitan.data.order import LANES, LOOKAHEAD
 
@@ -48,21 +47,6 @@ def loader_of(folder, counts, streaming: str, workers: int = 0, share: bool = Tr
 def _tokenizer(tokenizer):
     global TOKENIZER
     TOKENIZER = tokenizer
-
-
-@pytest.fixture
-def calls(monkeypatch) -> Counter:
-    """Calls of the tokenizer by text, in this process (measuring and reading both go
-    through packing.encode_document)."""
-    seen: Counter = Counter()
-    real = packing.encode_document
-
-    def counting(tokenizer, text):
-        seen[text] += 1
-        return real(tokenizer, text)
-
-    monkeypatch.setattr(packing, "encode_document", counting)
-    return seen
 
 
 def measure_all(order):

@@ -6,7 +6,6 @@ process is measured again or continued."""
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 import torch
 from helpers import cfg, write_parquet
 
-from torchtitan.data import build_dataloader, packing
+from torchtitan.data import build_dataloader
 from torchtitan.data import index as length_index
 
 
@@ -39,16 +38,6 @@ def loader_of(folder, counts, streaming: str, rank: int = 0, world: int = 1):
 def _tokenizer(tokenizer):
     global TOKENIZER
     TOKENIZER = tokenizer
-
-
-@pytest.fixture
-def calls(monkeypatch) -> Counter:
-    """Calls of the tokenizer by text, in this process."""
-    seen: Counter = Counter()
-    real = packing.encode_document
-    monkeypatch.setattr(packing, "encode_document",
-                        lambda tokenizer, text: seen.update([text]) or real(tokenizer, text))  # fmt: skip
-    return seen
 
 
 def pieces_on_disk(counts: Path) -> list[Path]:
