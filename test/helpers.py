@@ -168,6 +168,19 @@ def assert_run_read_every_token_once(dump):
 SEQ = 31  # windows of 32 tokens: documents of a few hundred tokens span many windows
 
 
+def distinct_parquet(folder: Path, files: int, docs: int, row_group: int,
+                     text) -> tuple[Path, dict[str, str]]:  # fmt: skip
+    """``files`` parquet files of ``docs`` documents each, ``text(f, i)`` the text of row
+    ``i`` of file ``f`` (each distinct, so that a call of the tokenizer names its
+    document), ids ``d<f>-<i>``, ``row_group`` rows a group; and the texts by id."""
+    texts = {}
+    for f in range(files):
+        rows = [{"id": f"d{f}-{i}", "text": text(f, i)} for i in range(docs)]
+        texts.update((r["id"], r["text"]) for r in rows)
+        write_parquet(folder / f"part-{f:03d}.parquet", rows, row_group=row_group)
+    return folder, texts
+
+
 def cfg(corpus, *extra, seq=SEQ, batch=4, **kw):
     """The debug config over ``corpus`` (None: the sources come from ``kw``), parsed;
     each keyword is a ``training.*`` setting."""

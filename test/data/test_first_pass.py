@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cfg, write_parquet
+from helpers import cfg, distinct_parquet
 
 from harness import s3
 from torchtitan.data import build_dataloader
@@ -25,13 +25,13 @@ from torchtitan.data.order import LANES, LOOKAHEAD
 def corpus(folder: Path, files: int = 6, docs: int = 80) -> tuple[Path, dict[str, str]]:
     """``files`` parquet files of ``docs`` documents, every text distinct (so a call of the
     tokenizer names its document), 4 units a file; and the texts by id."""
-    texts = {}
-    for f in range(files):
-        rows = [{"id": f"d{f}-{i}", "text": f"File {f}, document {i}: " + "a verse. " * (4 + i % 9)}
-                for i in range(docs)]  # fmt: skip
-        texts.update((r["id"], r["text"]) for r in rows)
-        write_parquet(folder / f"part-{f:03d}.parquet", rows, row_group=docs // 4)
-    return folder, texts
+    return distinct_parquet(
+        folder,
+        files,
+        docs,
+        docs // 4,
+        lambda f, i: f"File {f}, document {i}: " + "a verse. " * (4 + i % 9),
+    )
 
 
 def loader_of(folder, counts, streaming: str, workers: int = 0, share: bool = True, **kw):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cfg, write_parquet
+from helpers import cfg, distinct_parquet, write_parquet
 
 from torchtitan.data import build_dataloader
 from torchtitan.data import index as length_index
@@ -20,13 +20,13 @@ from torchtitan.data import index as length_index
 def corpus(folder: Path, files: int, docs: int) -> tuple[Path, dict[str, str]]:
     """``files`` parquet files of ``docs`` distinct documents (a tokenizer call names its
     document); the texts by id."""
-    texts = {}
-    for f in range(files):
-        rows = [{"id": f"d{f}-{i}", "text": f"File {f}, row {i}: " + "a verse. " * (3 + i % 7)}
-                for i in range(docs)]  # fmt: skip
-        texts.update((r["id"], r["text"]) for r in rows)
-        write_parquet(folder / f"part-{f:03d}.parquet", rows, row_group=docs // 2)
-    return folder, texts
+    return distinct_parquet(
+        folder,
+        files,
+        docs,
+        docs // 2,
+        lambda f, i: f"File {f}, row {i}: " + "a verse. " * (3 + i % 7),
+    )
 
 
 def loader_of(folder, counts, streaming: str, rank: int = 0, world: int = 1):

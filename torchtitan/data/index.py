@@ -123,7 +123,7 @@ class UnitCounts:
     """The token count of each document of one unit, in reading order, and where the
     reader finds each (a row of the file, a JSON line's byte offset, a dataset row).
 
-    Or of the unit's first documents only (``complete`` False): a unit is measured in
+    Or of the unit's first documents only (``next_at`` >= 0: not ``complete``): a unit is measured in
     *pieces*, the first few documents first (``FIRST_PIECE_DOCS``, or as many as the
     windows that asked need), the rest as the lanes reach them (``next_at``: where the
     next piece reads from). ``pieces``: the first document of each piece these counts
@@ -132,8 +132,7 @@ class UnitCounts:
 
     lengths: np.ndarray  # int32
     ats: np.ndarray  # int64
-    complete: bool = True
-    next_at: int = -1
+    next_at: int = -1  # where the next piece reads from; -1: these are the whole unit's
     pieces: tuple = (0,)
     sidecars: tuple = ()
 
@@ -141,6 +140,10 @@ class UnitCounts:
     def cum(self) -> np.ndarray:
         """Tokens up to and including each document."""
         return np.cumsum(self.lengths, dtype=np.int64)
+
+    @property
+    def complete(self) -> bool:
+        return self.next_at < 0
 
     @property
     def total(self) -> int:
@@ -172,7 +175,7 @@ class UnitCounts:
         first = len(self.lengths)
         return UnitCounts(
             np.concatenate([self.lengths, piece.lengths]), np.concatenate([self.ats, piece.ats]),
-            piece.complete, piece.next_at, (*self.pieces, first),
+            piece.next_at, (*self.pieces, first),
             (*self.sidecars, first) if sidecar else self.sidecars,
         )  # fmt: skip
 
@@ -225,7 +228,7 @@ def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None, keep: b
     lengths, ats = [], []
     parts, doc_ids = [], []
     at = unit[1] if at is None else at
-    tokens_so_far, complete = 0, True
+    tokens_so_far = 0
 
     def enough() -> bool:
         return docs is not None and len(lengths) >= docs and tokens_so_far >= (upto or 0)
@@ -246,14 +249,13 @@ def measure_unit(source, tokenizer, unit, bad_data: str, heartbeat=None, keep: b
                 if tokens is not None:
                     parts.append(tokens)
         at = next_at
-        if at is not None and enough():
-            complete = False
+        if at is not None and enough():  # the rest is a later piece's
             break
         if heartbeat is not None and time.monotonic() - beat > HEARTBEAT_S:
             heartbeat()
             beat = time.monotonic()
     counts = UnitCounts(np.array(lengths, dtype=np.int32), np.array(ats, dtype=np.int64),
-                        complete, -1 if complete else int(at))  # fmt: skip
+                        -1 if at is None else int(at))  # fmt: skip
     if not keep:
         return counts
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
@@ -469,7 +471,7 @@ class SourceCounts:
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
                 pieces = tuple(int(x) for x in z["pieces"]) if "pieces" in z.files else (0,)
                 sidecars = tuple(int(x) for x in z["sidecars"]) if "sidecars" in z.files else ()
-            return UnitCounts(lengths, ats.astype(np.int64), True, -1, pieces, sidecars)
+            return UnitCounts(lengths, ats.astype(np.int64), -1, pieces, sidecars)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a damaged file is measured again
@@ -487,8 +489,7 @@ class SourceCounts:
         try:
             data = storage.read_bytes(path)
             with np.load(io.BytesIO(data)) as z:
-                piece = UnitCounts(z["lengths"], z["ats"].astype(np.int64), False,
-                                   int(z["next_at"][0]))  # fmt: skip
+                piece = UnitCounts(z["lengths"], z["ats"].astype(np.int64), int(z["next_at"][0]))
                 return piece, "sidecar" in z.files
         except FileNotFoundError:
             return None
@@ -709,8 +710,8 @@ class SourceCounts:
 
 def _nothing(unit) -> UnitCounts:
     """The counts of no document of ``unit``: what its first piece follows."""
-    return UnitCounts(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), False,
-                      int(unit[1]), (), ())  # fmt: skip
+    return UnitCounts(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), int(unit[1]),
+                      (), ())  # fmt: skip
 
 
 class _Progress:

@@ -163,7 +163,7 @@ class SourceOrder:
                 need -= take
                 took += take
                 cursor.tokens += take
-            if lane[2] < counts.total or not counts.complete:
+            if lane[2] < counts.total:  # counts in part hold a token past it (asked above)
                 continue
             if len(self.finished) < MAX_FINISHED:  # a walk without a stream taking them
                 self.finished.append(self.unit(cursor, k)[1])
