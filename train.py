@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from torchtitan import fault_tolerance, parallel, pipeline, tensor_parallel
+from torchtitan import parallel
 from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
@@ -28,15 +28,17 @@ from torchtitan.data import (
 )
 from torchtitan.data.plan import resolve_plan
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from torchtitan.faults import fault_tolerance
+from torchtitan.faults.launcher import watch_launcher
+from torchtitan.faults.preemption import Preemption
 from torchtitan.initial_weights import load_initial_weights
-from torchtitan.launcher import watch_launcher
 from torchtitan.loss import BatchLoss
-from torchtitan.metrics import StepMetrics
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
-from torchtitan.preemption import Preemption
-from torchtitan.profiling import Profiler
+from torchtitan.parallel import pipeline, tensor_parallel
+from torchtitan.records.metrics import StepMetrics
+from torchtitan.records.profiling import Profiler
 from torchtitan.step import PipelineStep, TrainStep
 from torchtitan.validate import Validator
 

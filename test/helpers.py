@@ -25,9 +25,9 @@ from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.state import from_tensor, to_tensor
-from torchtitan.provenance import check_exactly_once, read_provenance
-from torchtitan.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
-from torchtitan.runs import read_records
+from torchtitan.records.provenance import check_exactly_once, read_provenance
+from torchtitan.records.runs import losses as losses  # noqa: PLC0414 - re-exported for the tests
+from torchtitan.records.runs import read_records
 from torchtitan.tools.launch import DEBUG_CONFIG
 
 REPO = REPO_ROOT  # the repository's root, wherever the test file lies under test/

@@ -20,9 +20,9 @@ from torchtitan.config import parse_args
 from torchtitan.data import build_validation_loader
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.loss import BatchLoss
-from torchtitan.metrics import peak_tflops
 from torchtitan.models import build_model, count_parameters
 from torchtitan.models.llama import flops_per_token, llama_configs
+from torchtitan.records.metrics import peak_tflops
 from torchtitan.step import TrainStep
 from torchtitan.validate import Validator
 

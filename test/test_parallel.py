@@ -27,13 +27,14 @@ from helpers import (
     torchrun,
 )
 
-from torchtitan import parallel, tensor_parallel
+from torchtitan import parallel
 from torchtitan.config import ConfigError, parse_args
 from torchtitan.data import document_lengths
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchtitan.models import build_model
 from torchtitan.models.llama import llama_configs
-from torchtitan.provenance import (
+from torchtitan.parallel import tensor_parallel
+from torchtitan.records.provenance import (
     check_complete,
     check_exactly_once,
     read_provenance,
@@ -444,8 +445,8 @@ def test_pipeline_layouts_that_cannot_work_are_one_line_each():
     batch that does not split evenly over the data-parallel ranks, where the pipeline is
     built: one ConfigError each, naming the key and the fix. Negative control: a layout
     that fits gives its stages' layers."""
-    from torchtitan import pipeline
     from torchtitan.data.schedule import BatchSchedule
+    from torchtitan.parallel import pipeline
 
     pp2 = ["--parallelism.pipeline_parallel_degree", "2"]
     for argv, fragment in (

@@ -37,12 +37,12 @@ from helpers import (
     write_jsonl_file,
 )
 
-from torchtitan import metrics
 from torchtitan.checkpoint import complete_steps, own_files, read_manifest
 from torchtitan.config import parse_args, resolve_path
 from torchtitan.data import document_lengths
-from torchtitan.provenance import check_complete, read_provenance, sequences_by_step
-from torchtitan.runs import RunRecordError
+from torchtitan.records import metrics
+from torchtitan.records.provenance import check_complete, read_provenance, sequences_by_step
+from torchtitan.records.runs import RunRecordError
 from torchtitan.tools.check_provenance import main as provenance_check
 from torchtitan.tools.deterministic_resume import main as resume_check
 from torchtitan.tools.launch import run_env, torchrun_command

@@ -14,7 +14,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from torchtitan import parallel, tensor_parallel
+from torchtitan import parallel
+from torchtitan.parallel import tensor_parallel
 
 # The label value F.cross_entropy ignores (its default ignore_index).
 IGNORE_INDEX = -100

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan import parallel, tensor_parallel
+from torchtitan import parallel
 from torchtitan.loss import BatchLoss
+from torchtitan.parallel import tensor_parallel
 
 __all__ = ["BatchLoss", "PipelineStep", "TrainStep"]  # BatchLoss: loss.py's, as before
 
@@ -111,7 +112,7 @@ class PipelineStep:
         )
 
     def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        from torchtitan import pipeline as pp
+        from torchtitan.parallel import pipeline as pp
 
         pl = self.pipeline
         sequences = self.feed.last_global_batch // self.dp_world

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan import parallel, tensor_parallel
+from torchtitan import parallel
 from torchtitan.loss import BatchLoss
+from torchtitan.parallel import tensor_parallel
 
 
 class Validator:

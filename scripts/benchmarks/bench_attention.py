@@ -20,7 +20,7 @@ import _root  # noqa: F401 - the repository's root on the path: harness, this to
 
 from harness import bench
 from torchtitan import REPO_ROOT
-from torchtitan.runs import read_records
+from torchtitan.records.runs import read_records
 from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 
 MODELS = {"debugmodel": ["--training.batch_size", "4"], "125M": ["--training.batch_size", "2"]}

@@ -45,7 +45,7 @@ import _root  # noqa: F401 - the repository's root on the path: harness, this to
 from harness import bench
 from harness.jobs import torchrun
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import read_records
+from torchtitan.records.runs import read_records
 
 
 def run(steps: int, checkpoint: bool, folder: Path, interval: int) -> tuple[list[dict], int]:

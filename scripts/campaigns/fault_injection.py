@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan import REPO_ROOT as REPO
-from torchtitan.runs import losses
+from torchtitan.records.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 

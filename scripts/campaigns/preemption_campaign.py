@@ -39,7 +39,7 @@ from fault_injection import command, last_step, saving, workers_of
 
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint import complete_steps
-from torchtitan.runs import losses
+from torchtitan.records.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.tools.launch import DEBUG_CONFIG, run_env
 

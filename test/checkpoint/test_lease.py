@@ -100,7 +100,7 @@ def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_pat
     over without waiting for the timeout. Waited for: the same record with a live pid
     (this process), and a dead pid of another pid namespace (another container, which
     may share the host name) or of another machine (another boot id)."""
-    from torchtitan import claims
+    from torchtitan.io import claims
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from helpers import cfg, write_parquet
 
-from torchtitan import claims
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data import index as length_index
 from torchtitan.data.plan import check_shared_folder
 from torchtitan.data.sources import DataError
+from torchtitan.io import claims
 
 
 def corpus(folder, files: int = 8, docs: int = 32):

@@ -365,7 +365,7 @@ def test_passes_begun_are_reported_once_each(tiny_corpus, second_corpus, tokeniz
         cursor = loader.position.cursors[s]
         assert passes == list(range(1, cursor.pass_ + (1 if cursor.lanes else 0)))
     assert len([e for e in events if e[0] == "shakespeare"]) >= 3
-    from torchtitan.metrics import passes_begun
+    from torchtitan.records.metrics import passes_begun
 
     line = passes_begun([[7, "few", 31], [8, "few", 32], [9, "few", 45], [9, "big", 1]])
     assert line == "passes 31-45 of few began at steps 7-9; pass 1 of big began at step 9"

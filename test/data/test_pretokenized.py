@@ -164,7 +164,7 @@ def test_elastic_resume_over_a_pretokenized_source(pretokenized_dozen, tokenizer
 
     In process: the loaders are what a rank runs (test_train's elastic chain launches
     real jobs); train.py over a pretokenized corpus is tested above."""
-    from torchtitan.provenance import check_complete, check_exactly_once
+    from torchtitan.records.provenance import check_complete, check_exactly_once
 
     provenance = {0: {}, 1: {}}
     ranks = loaders(pretokenized_dozen, tokenizer, 2, global_batch_size=8)

@@ -51,7 +51,7 @@ def save_and_restore(corpus: str, ckpt: str, workers: int):
 
 def across_ranks_names_the_slowest():
     """The log line's view of all ranks, from one real gather: rank r took 10 (r + 1) ms."""
-    from torchtitan.metrics import across_ranks
+    from torchtitan.records.metrics import across_ranks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = parallel.ParallelDims(rank, world, 0, torch.device("cpu"), "gloo",

@@ -28,8 +28,8 @@ import re
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from torchtitan import tensor_json
 from torchtitan.checkpoint.folder import CheckpointError
+from torchtitan.io import tensor_json
 
 to_tensor = tensor_json.to_tensor
 

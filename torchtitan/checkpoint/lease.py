@@ -13,7 +13,7 @@ so is, at once, one whose holder ran on this machine (its boot id), in this pid
 namespace, and whose process is gone (a ``kill -9`` relaunched on the same node need
 not wait the timeout).
 The live holder is never touched: a job only replaces a lease it has seen go stale.
-Creating, judging and taking over are ``torchtitan.claims``'s, the same rule the count
+Creating, judging and taking over are ``torchtitan.io.claims``'s, the same rule the count
 claims follow: the record is published whole (written aside, then linked onto
 ``lease.json``), a torn lease (empty or half-written) is judged by its age, and "its
 process is gone" needs this kernel's boot id and pid namespace, never the host name.
@@ -40,8 +40,8 @@ import os
 import threading
 import time
 
-from torchtitan import claims, storage
 from torchtitan.checkpoint.folder import CheckpointError
+from torchtitan.io import claims, storage
 
 logger = logging.getLogger("torchtitan")
 

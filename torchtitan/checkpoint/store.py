@@ -24,7 +24,7 @@ Credentials and endpoint come only from the standard variables (``AWS_ENDPOINT_U
 Cost: one request per call on a store (a listing page per 1,000 names), never a read of
 a data file except ``signature``/``check`` of a local file or a CRC32-signed object.
 
-``torchtitan.storage`` owns single objects (claims, leases, counts: conditional writes);
+``torchtitan.io.storage`` owns single objects (claims, leases, counts: conditional writes);
 this module owns what a checkpoint needs on top: folders, DCP's reader and writer,
 signatures.
 
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from torchtitan import storage
+from torchtitan.io import storage
 
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.

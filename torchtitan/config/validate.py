@@ -30,7 +30,7 @@ COMPONENTS = (
     "torchtitan.data.checks",
     "torchtitan.parallel",
     "torchtitan.models",
-    "torchtitan.fault_tolerance",
+    "torchtitan.faults.fault_tolerance",
 )
 
 

@@ -23,7 +23,7 @@ process that needs counts.
   reuses the rest, and goes on from the last piece written.
 - **Dynamic work.** A process that needs a unit no one has measured claims it (a
   ``.claim`` file published whole, naming host, pid and rank, its mtime refreshed
-  while it measures: ``torchtitan.claims``, the lease's rule) and measures it. Where
+  while it measures: ``torchtitan.io.claims``, the lease's rule) and measures it. Where
   another holds the claim, the process measures the next unclaimed units ahead of it
   meanwhile (the ranks of a job split the work of the steps ahead), and takes over a
   claim whose holder stopped refreshing it (``CLAIM_STALE_S``; a torn claim, empty or
@@ -87,9 +87,9 @@ from functools import cached_property
 
 import numpy as np
 
-from torchtitan import claims, storage
 from torchtitan.data.packing import document_tokens
 from torchtitan.data.spec import UNIT_ROWS, DataError
+from torchtitan.io import claims, storage
 
 logger = logging.getLogger(__name__)
 
@@ -500,7 +500,7 @@ class SourceCounts:
             _remove(path)
             return None
 
-    # ---- claims (torchtitan.claims: the lease's rule) -------------------------------
+    # ---- claims (torchtitan.io.claims: the lease's rule) -------------------------------
     def _claim(self, unit, first: int = 0) -> bool:
         """Claim measuring ``unit`` from its document ``first`` for this process (True),
         unless the unit's counts or that piece exist or another live process holds it.

@@ -175,7 +175,7 @@ def check_shared_folder(training, ranks: Ranks):
     reach). Cost: one small file (in a store: one PUT, a HEAD a rank, one DELETE)."""
     import uuid
 
-    from torchtitan import storage
+    from torchtitan.io import storage
 
     if ranks.world == 1:
         return

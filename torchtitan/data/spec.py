@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan import REPO_ROOT
-from torchtitan.storage import is_remote  # the one test of a URL (spec.is_remote for callers)
+from torchtitan.io.storage import is_remote  # the one test of a URL (spec.is_remote for callers)
 
 _FORMATS = {
     ".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text", ".arrow": "arrow",

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import logging
 
-from torchtitan import tensor_json
 from torchtitan.data.fingerprint import fingerprint_diff, grown_sources
 from torchtitan.data.order import Cursor
 from torchtitan.data.spec import DataError
+from torchtitan.io import tensor_json
 
 logger = logging.getLogger("torchtitan")
 

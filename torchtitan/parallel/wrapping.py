@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims, roots: list | None = 
     them all (the names a checkpoint uses) without being wrapped itself.
     """
     if dims.tp > 1:
-        from torchtitan import tensor_parallel
+        from torchtitan.parallel import tensor_parallel
 
         p = cfg.parallelism
         tensor_parallel.apply(model, dims.mesh["tp"], p.sequence_parallel, p.loss_parallel)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchtitan.provenance import check_complete, check_exactly_once, read_provenance
+from torchtitan.records.provenance import check_complete, check_exactly_once, read_provenance
 
 
 def main(argv=None) -> int:

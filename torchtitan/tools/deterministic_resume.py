@@ -39,8 +39,8 @@ from collections.abc import Callable
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint import MANIFEST, complete_steps
 from torchtitan.checkpoint.store import is_url, store_for
-from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
-from torchtitan.runs import losses, validation_losses
+from torchtitan.records.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.records.runs import losses, validation_losses
 from torchtitan.tools.launch import DEBUG_CONFIG, run_env, torchrun_command
 
 # launcher(nproc, argv) -> (exit status, log text): how one training job is run.

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from torchtitan import REPO_ROOT
-from torchtitan.runs import read_records
+from torchtitan.records.runs import read_records
 from torchtitan.tools.launch import run_env
 
 # Tokens per micro-batch of an eager throughput row (batch = TOKENS // seq_len).

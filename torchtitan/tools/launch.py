@@ -3,7 +3,7 @@
 Owns: the ``torchrun`` command line of a job, a free port for its rendezvous, the
 environment a launched job gets, and the debug config the tools default to.
 
-Never: train in-process, wait on a job, or read what it wrote (``torchtitan.runs``
+Never: train in-process, wait on a job, or read what it wrote (``torchtitan.records.runs``
 reads a run's records).
 """
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from torchtitan.metrics import MIX_WEIGHT, SOURCE_PASS, SOURCE_READ, SOURCE_TOKENS
-from torchtitan.runs import read_records
+from torchtitan.records.metrics import MIX_WEIGHT, SOURCE_PASS, SOURCE_READ, SOURCE_TOKENS
+from torchtitan.records.runs import read_records
 
 
 def mix_series(records: list[dict], window: int) -> dict:

@@ -9,7 +9,7 @@ import time
 
 from helpers import error_lines, train_here
 
-from torchtitan.profiling import tracing_ranks
+from torchtitan.records.profiling import tracing_ranks
 
 
 def test_profiling_writes_a_trace_a_trace_viewer_loads(tmp_path):

@@ -1,4 +1,4 @@
-"""torchtitan/claims.py: the one rule for claim files (the lease, the count claims).
+"""torchtitan/io/claims.py: the one rule for claim files (the lease, the count claims).
 
 The lease and the counts each test it through their own path (test/checkpoint/
 test_lease.py, test/data/test_index.py: torn files, kills between create and write,
@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 
-from torchtitan import claims
+from torchtitan.io import claims
 
 
 def _dead_pid() -> int:

@@ -1,4 +1,4 @@
-"""torchtitan/launcher.py: a rank whose launcher died gets SIGTERM within a few seconds.
+"""torchtitan/faults/launcher.py: a rank whose launcher died gets SIGTERM within a few seconds.
 
 The whole path (torchrun killed -9 mid-run: every rank saves, no process is left, the
 relaunch is exact) is in the slow tier (test_train.py); this is the watch alone, in a
@@ -21,7 +21,7 @@ from torchtitan.tools.launch import run_env
 
 RANK = textwrap.dedent("""
     import os, signal, sys, time
-    from torchtitan.launcher import LauncherWatch
+    from torchtitan.faults.launcher import LauncherWatch
     def stop(signum, frame):
         with open(sys.argv[1], "w") as f:
             f.write(signal.Signals(signum).name)
@@ -78,7 +78,7 @@ def test_a_rank_whose_launcher_is_killed_gets_sigterm(tmp_path, watch):
 
 def test_only_a_torchrun_rank_is_watched(monkeypatch):
     """A plain ``python train.py`` is the user's own process: no watch."""
-    from torchtitan.launcher import watch_launcher
+    from torchtitan.faults.launcher import watch_launcher
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert watch_launcher() is None

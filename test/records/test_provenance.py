@@ -1,4 +1,4 @@
-"""torchtitan/provenance.py: the checks over a run's provenance records (every token read
+"""torchtitan/records/provenance.py: the checks over a run's provenance records (every token read
 exactly once, every document of a finished pass read whole), each shown to see what it
 must: duplicates, holes, a replayed step, a skipped or partly read document."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from helpers import doc_tokens, loaders
 
-from torchtitan.provenance import check_complete, check_exactly_once
+from torchtitan.records.provenance import check_complete, check_exactly_once
 
 
 def test_exactly_once_check_sees_duplicates_and_holes():

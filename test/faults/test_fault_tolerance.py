@@ -1,4 +1,4 @@
-"""Live fault tolerance (torchtitan/fault_tolerance.py): the section's one-line errors,
+"""Live fault tolerance (torchtitan/faults/fault_tolerance.py): the section's one-line errors,
 the split of a step over its participants, and, in the slow tier, replica groups that
 die, train on, heal and rejoin, with every committed step's tokens read exactly once."""
 
@@ -17,8 +17,8 @@ from helpers import CONFIG, error_lines, losses, run_main, shim_env, torchrun
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
-from torchtitan.fault_tolerance import split_loader
-from torchtitan.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.faults.fault_tolerance import split_loader
+from torchtitan.records.provenance import check_exactly_once, read_provenance, sequences_by_step
 
 pytest.importorskip("torchft")
 
@@ -125,7 +125,7 @@ STEPS, KILL_AT, PAUSE_AT = 14, 5, 9
 # per group), the negative control.
 SHIM = """
 import os, signal, time
-from torchtitan import fault_tolerance as ft
+from torchtitan.faults import fault_tolerance as ft
 _init, _next, _commit, _close = (ft.ReplicaGroup.__init__, ft.ReplicaGroup.next_step,
                                  ft.ReplicaGroup.commit, ft.ReplicaGroup.close)
 HOLD = dict(x.split("=") for x in os.environ.get("FT_HOLD", "").split(",") if x)

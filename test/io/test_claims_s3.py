@@ -20,10 +20,10 @@ import pytest
 from helpers import cfg, write_parquet
 
 from harness import s3
-from torchtitan import claims, storage
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.checkpoint.lease import LEASE, Lease
 from torchtitan.data import build_stream
+from torchtitan.io import claims, storage
 
 pytestmark = pytest.mark.skipif(s3.missing() is not None, reason=str(s3.missing()))
 

@@ -70,7 +70,7 @@ import uuid
 from dataclasses import dataclass
 from functools import cache
 
-from torchtitan import storage
+from torchtitan.io import storage
 
 TAKEOVER = ".takeover"
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from torchtitan.data.order import LANES
-from torchtitan.runs import read_records
+from torchtitan.records.runs import read_records
 
 
 def read_provenance(folder: str) -> dict[int, dict[int, list]]:
