@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
 
+from harness import tiers
 from torchtitan.data.pretokenized_write import pretokenize
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -151,17 +152,32 @@ def no_process_left_behind(request):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the tier counts see every test
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` run only where a CUDA GPU is visible; elsewhere they are
-    skipped with the reason (scripts/gpu_check.sh runs them on a GPU machine)."""
+    skipped with the reason (scripts/gpu_check.sh runs them on a GPU machine). The
+    tiers' counts are kept for test_docs (harness/tiers.py). Tests that
+    share a module-scoped fixture (one launch serving many checks) stay on one xdist
+    worker, so the fixture is built once."""
     import torch
 
+    tiers.remember(config, items)
+    for item in items:
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture of module scope (built once for its module)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope == "module" for chain in defs for d in chain)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import tiers
 from torchtitan import REPO_ROOT
 from torchtitan.config import cli
 from torchtitan.config.errors import ConfigError
@@ -300,3 +301,145 @@ def test_the_link_check_reports_a_missing_file_and_a_missing_heading(tmp_path):
 )
 def test_anchors_are_githubs(heading, anchor):
     assert slug(heading) == anchor
+
+
+# ---- figures a script computes: the tiers' counts ---------------------------------------
+
+
+def test_the_testing_page_gives_the_tiers_counts_of_this_tree(request):
+    """docs/testing.md's counts are the collection's (this session's, when it collected the
+    whole tree; else a fresh pytest --collect-only). The fix: scripts/count_tests.py."""
+    counts = request.config.stash.get(tiers.COUNTS, None) or tiers.collected()
+    assert counts["fast"] > 400 and counts["slow"] > 20, f"the count saw the tree: {counts}"
+    stated = tiers.stated(tiers.PAGE.read_text())
+    assert stated == counts, f"docs/testing.md says {stated}; run python scripts/count_tests.py"
+
+
+def test_the_counts_check_reads_what_the_script_writes_and_sees_a_stale_count(tmp_path):
+    """Negative control: a page written with other counts is read back with those counts
+    (so the comparison above fails on it), and a page without the block is refused."""
+    page = tmp_path / "testing.md"
+    page.write_text(f"# Tests\n{tiers.COUNTS_BEGIN}\nold\n{tiers.COUNTS_END}\nafter\n")
+    counts = {"fast": 500, "slow": 40, "cuda": 7}
+    assert tiers.write(counts, page) and not tiers.write(counts, page)
+    assert tiers.stated(page.read_text()) == counts and page.read_text().endswith("after\n")
+    assert tiers.write({**counts, "slow": 41}, page)
+    assert tiers.stated(page.read_text()) != counts
+    with pytest.raises(ValueError, match="no <!-- counts"):
+        tiers.stated("# Tests\nThe suite holds **500** fast tests.\n")
+
+
+# ---- the layout page names the tree as it is --------------------------------------------
+
+LAYOUT = REPO_ROOT / "docs" / "layout.md"
+_ENTRY = re.compile(r"^(\S+)\s")  # a line of the layout block that starts a path's entry
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """{path: its description} of the layout page's block (a path at a line's start, its
+    description running on over the indented lines below it)."""
+    block = next(b for _, lang, b in split_page(text)[0] if "torchtitan/" in b)
+    entries, current = {}, None
+    for line in block.splitlines():
+        m = _ENTRY.match(line)
+        if m:
+            current = m.group(1)
+            entries[current] = line[len(current) :]
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def layout_problems(entries: dict[str, str], root: Path) -> list[str]:
+    """What the layout's entries say that the tree under ``root`` does not hold, and each
+    package, module, script and harness file of the tree that they do not name."""
+    problems = [f"{path} does not exist" for path in entries if not (root / path).exists()]
+    package = root / "torchtitan"
+    for child in sorted(package.iterdir()):
+        if child.name.startswith(("_", ".")):
+            continue
+        key = f"torchtitan/{child.name}" + ("/" if child.is_dir() else "")
+        if child.is_dir() and not (child / "__init__.py").exists():
+            continue
+        if key not in entries:
+            problems.append(f"{key} is not in the layout")
+        elif child.is_dir():
+            said = entries[key]
+            problems += [
+                f"{key}{module.name} is not named in its entry"
+                for module in sorted(child.glob("*.py"))
+                if module.stem != "__init__" and not re.search(rf"\b{module.stem}\b", said)
+            ]
+    text = " ".join(entries.values())
+    for folder in ("scripts", "scripts/benchmarks", "scripts/campaigns", "harness"):
+        for f in sorted((root / folder).glob("*")):
+            if f.suffix in (".py", ".sh") and not f.name.startswith("_"):
+                if f.name.startswith("bench_") or f.name == "__init__.py":
+                    continue  # the benchmarks are named as bench_*.py
+                if not re.search(rf"\b{re.escape(f.stem)}\b", text):
+                    problems.append(f"{folder}/{f.name} is not named in the layout")
+    return problems
+
+
+def test_the_layout_page_matches_the_tree():
+    problems = layout_problems(layout_entries(LAYOUT.read_text()), REPO_ROOT)
+    assert not problems, "docs/layout.md:\n" + "\n".join(problems)
+
+
+def test_the_layout_check_sees_a_missing_module_a_gone_path_and_an_unnamed_package(tmp_path):
+    """Negative control on a planted tree and page."""
+    for path in ("torchtitan/io/__init__.py", "torchtitan/io/claims.py", "torchtitan/io/disk.py",
+                 "torchtitan/faults/__init__.py", "torchtitan/step.py", "scripts/run.py",
+                 "harness/__init__.py"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    page = (
+        "```\ntorchtitan/io/     claims.py (the claims)\n"
+        "torchtitan/step.py  one step\ntorchtitan/gone.py  no more\nscripts/  run.py\n```\n"
+    )
+    problems = layout_problems(layout_entries(page), tmp_path)
+    assert problems == [
+        "torchtitan/gone.py does not exist",
+        "torchtitan/faults/ is not in the layout",
+        "torchtitan/io/disk.py is not named in its entry",
+    ], problems
+
+
+# ---- the time budgets CI holds itself to -------------------------------------------------
+
+
+def test_the_testing_page_states_a_budget_per_part_of_ci_within_45_minutes():
+    """CI (python -m harness.tiers in .ci/run) reads these; the total is the issue's 45
+    minutes and the fast tier the README's 4."""
+    limits = tiers.budgets(tiers.PAGE.read_text())
+    assert set(limits) == {"install", "fast", "slow", "total"}, limits
+    assert limits["fast"] <= 240 and limits["total"] <= 45 * 60
+    assert limits["install"] + limits["fast"] + limits["slow"] <= limits["total"]
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "python -m harness.tiers $((t1 - t0)) $((t2 - t1)) $((t3 - t2))" in ci
+
+
+def test_a_part_over_its_budget_fails_ci_with_one_line(capsys, tmp_path, monkeypatch):
+    """Negative control: a slow tier 1 s over its budget (and so the total, when the rest
+    fill it) is named and fails CI; a fast tier over is a warning; a run inside every
+    budget passes."""
+    page = tmp_path / "testing.md"
+    page.write_text(f"{tiers.BUDGETS_BEGIN}\n| part | budget |\n|---|---|\n| install and lint "
+                    f"| 120 s |\n| fast tier | 240 s |\n| slow tier | 1500 s |\n| total | 1860 s |\n"
+                    f"{tiers.BUDGETS_END}\n")  # fmt: skip
+    limits = tiers.budgets(page.read_text())
+    assert limits == {"install": 120, "fast": 240, "slow": 1500, "total": 1860}
+    assert tiers.over_budget({"install": 100, "fast": 240, "slow": 1500}, limits) == []
+    over = tiers.over_budget({"install": 120, "fast": 240, "slow": 1501}, limits)
+    assert over == [
+        "slow took 1501 s, over its budget of 1500 s (docs/testing.md)",
+        "total took 1861 s, over its budget of 1860 s (docs/testing.md)",
+    ]
+    monkeypatch.setattr(tiers, "PAGE", page)
+    assert tiers.main(["120", "240", "1501"]) == 1
+    assert "error: slow took 1501 s" in capsys.readouterr().out
+    assert tiers.main(["10", "250", "30"]) == 0  # a fast tier over: warned of, not failed
+    assert "warning: fast took 250 s" in capsys.readouterr().out
+    assert tiers.main(["10", "20", "30"]) == 0
+    with pytest.raises(ValueError, match="no <!-- budgets"):
+        tiers.budgets("| fast tier | 240 s |\n")
