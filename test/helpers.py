@@ -9,8 +9,10 @@ conftest.py holds only fixtures and the guards. Never: a fixture, or a test.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import json
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -80,6 +82,13 @@ GOOD_DOCUMENTS = [{"id": f"g{i}", "text": f"Good document number {i}.\n" * 4} fo
 
 
 # ---- runs -------------------------------------------------------------------------------
+
+
+def campaign_seed() -> int:
+    """The seed of a campaign's trials in this run: TORCHTITAN_CAMPAIGN_SEED if set (to
+    replay a failure), else today's date as a day number, so that CI draws other moments
+    and pairings each day while one run stays short (a failure prints its seed)."""
+    return int(os.environ.get("TORCHTITAN_CAMPAIGN_SEED", datetime.date.today().toordinal()))
 
 
 def torchrun(

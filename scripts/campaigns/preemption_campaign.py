@@ -11,7 +11,9 @@ scheduler sends before it kills, which the job must act on by itself:
    FSDP} on 2 ranks, with validation every 4 steps, and signals it once: SIGTERM or
    SIGUSR1, to every rank or to one rank, at a moment drawn from: after a random step,
    while a checkpoint is being written, at the step before a validation (the signal
-   lands in that step or its validation), or twice in a row. (``--compile-trials``
+   lands in that step or its validation), or twice in a row. The first 8 trials take
+   the moments in turn, shifted by the seed (so seeds pair layouts and moments
+   differently); later ones draw a moment. (``--compile-trials``
    adds trials signalled during the first ``torch.compile``.)
 3. Every trial must exit by itself through the preemption path: every rank says
    ``preempted at step N``, N at most 3 steps after the last step logged before the
@@ -201,7 +203,9 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     args.references = {}  # an uninterrupted run per layout that affects the losses, on demand
     failures, worst = 0, 0.0
-    plan = [MOMENTS[i % len(MOMENTS)] if i < len(MOMENTS) else rng.choice(MOMENTS)
+    # Every moment before any repeats; the seed turns which layout meets which moment
+    # (trial i runs layout i % 8), so that daily seeds pair each layout with each moment.
+    plan = [MOMENTS[(i + args.seed) % len(MOMENTS)] if i < len(LAYOUTS) else rng.choice(MOMENTS)
             for i in range(args.trials)] + ["compile"] * args.compile_trials  # fmt: skip
     for i, moment in enumerate(plan):
         problems, label, exit_s = trial(args, i, root, extra, rng, moment)

@@ -285,18 +285,18 @@ def test_load_step_abandons_the_newer_timeline(trained, tmp_path):
 
 
 def test_the_config_wins_for_lr_schedule_and_steps(tmp_path):
-    """Resumed with a new peak LR and a longer schedule, step 11 trains at the LR that
+    """Resumed with a new peak LR and a longer schedule, step 5 trains at the LR that
     config gives from scratch (the checkpoint holds the schedule's step count only)."""
-    train_here(tmp_path / "a", "--training.steps", 10, *CK, "--checkpoint.interval", 5)
-    new = ["--training.steps", 20, "--optimizer.lr", 1e-4, "--optimizer.weight_decay", 0.05]
-    _, log = train_here(tmp_path / "a", *new, *CK, "--checkpoint.interval", 5)
+    train_here(tmp_path / "a", "--training.steps", 4, *CK, "--checkpoint.interval", 2)
+    new = ["--training.steps", 8, "--optimizer.lr", 1e-4, "--optimizer.weight_decay", 0.05]
+    _, log = train_here(tmp_path / "a", *new, *CK, "--checkpoint.interval", 2)
     assert "config changed since" in log and "optimizer.lr: 0.0008 -> 0.0001" in log
-    assert "training.steps: 10 -> 20" in log
+    assert "training.steps: 4 -> 8" in log
     train_here(tmp_path / "b", *new)
     lr = {p.name: {r["step"]: r["lr"] for r in read_jsonl(p / "metrics.jsonl")}
           for p in (tmp_path / "a", tmp_path / "b")}  # fmt: skip
-    assert lr["a"][11] == lr["b"][11] and lr["a"][20] == lr["b"][20]
-    assert lr["a"][10] != lr["b"][10], "steps before the resume followed the old config"
+    assert lr["a"][5] == lr["b"][5] and lr["a"][8] == lr["b"][8]
+    assert lr["a"][4] != lr["b"][4], "steps before the resume followed the old config"
 
 
 def test_changed_data_settings_are_refused(trained, tmp_path):
