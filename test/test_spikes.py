@@ -255,3 +255,19 @@ def test_repeated_spikes_stop_after_max_rewinds(tmp_path, monkeypatch):
     assert "after 1 rewinds (training.max_rewinds 1)" in line
     train_here(tmp_path / "b", *REWIND, "--training.max_rewinds", 2)
     assert records(tmp_path / "b")[9]["rewinds"] == 2
+
+
+def test_the_checkpoint_keeps_a_skip_list_the_resume_does_not_repeat(tmp_path):
+    """--training.skip_steps 6-8 given at the start only: a run stopped at step 4 and
+    resumed without it still skips them (the loader entry holds the list, first step
+    included) and trains as the run that kept the flag. Negative control: the skip
+    list of a run that never had it (resumed from a plain step-4) differs from step 6."""
+    listed = [*REWIND, "--training.skip_steps", "6-8"]
+    train_here(tmp_path / "ref", *listed)
+    train_here(tmp_path / "a", *listed, "--training.stop_at_step", 4)
+    train_here(tmp_path / "a", *REWIND)
+    ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
+    assert [a[k]["loss"] for k in a] == [ref[k]["loss"] for k in ref]
+    train_here(tmp_path / "b", *REWIND, "--training.stop_at_step", 4)
+    train_here(tmp_path / "b", *REWIND)
+    assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
