@@ -22,6 +22,7 @@ from torchtitan.checkpoint import TrainState
 from torchtitan.config import parse_args
 from torchtitan.records.provenance import read_provenance, sequences_by_step
 from torchtitan.spikes import FAULT_ENV, SpikeGuard
+from torchtitan.tools.check_provenance import main as check_provenance
 
 SMALL = ["--training.seq_len", 32, "--training.batch_size", 2, "--metrics.log_freq", 1]
 
@@ -195,7 +196,8 @@ REWIND = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint
           "--metrics.data_provenance", *SMALL]  # fmt: skip
 
 
-def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots):
+def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots,
+                                                              capsys):  # fmt: skip
     """A spike at step 7 rewinds to step-5 (the newest at least rewind_steps 2 before it,
     not step-6) and skips the data of steps 6-8 (to the spike, plus skip_after 1). A
     run started with --training.skip_steps 6-8 logs the same losses (==) and reads the
@@ -217,6 +219,13 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
     assert pr == ps
     undone = read_jsonl(tmp_path / "rewound" / "provenance" / "rewound_rank0.jsonl")
     assert [u["step"] for u in undone] == [6, 7] and {u["rewind"] for u in undone} == {1}
+    assert check_provenance([str(tmp_path / "rewound" / "provenance"), "--steps", "7-7"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    spans = [s for seq in undone[1]["sequences"] for s in seq]
+    assert [x for x in listed if "rewound #1" in x] == [
+        f"step      7  {s[0]}:{s[1]}  tokens {s[2]}-{s[3]}  (rewound #1)" for s in spans
+    ]
+    assert any("rewound" not in x for x in listed)  # step 7 as the run kept it, too
     entry = json.loads((tmp_path / "rewound" / "spikes.jsonl").read_text().splitlines()[-1])
     assert entry["kind"] == "rewind" and entry["skip_steps"] == [6, 3]
     train_here(tmp_path / "off", *REWIND, "--training.skip_steps", "6-7")
