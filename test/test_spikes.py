@@ -8,21 +8,28 @@ Every run is the debug model in this process (train.main) for a few steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
-from helpers import error_lines, read_jsonl, train_here
+from helpers import CONFIG, REPO, error_lines, read_jsonl, train, train_here
 
 import train as train_script
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
 from torchtitan.config import parse_args
 from torchtitan.records.provenance import read_provenance, sequences_by_step
+from torchtitan.records.runs import losses
 from torchtitan.spikes import FAULT_ENV, SpikeGuard
 from torchtitan.tools.check_provenance import main as check_provenance
+from torchtitan.tools.launch import run_env, torchrun_command
 
 SMALL = ["--training.seq_len", 32, "--training.batch_size", 2, "--metrics.log_freq", 1]
 
@@ -280,3 +287,45 @@ def test_the_checkpoint_keeps_a_skip_list_the_resume_does_not_repeat(tmp_path):
     train_here(tmp_path / "b", *REWIND, "--training.stop_at_step", 4)
     train_here(tmp_path / "b", *REWIND)
     assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+# ---- two ranks, a loader worker each, killed after the rewind (slow tier) ---------------
+
+
+@pytest.mark.slow
+def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkeypatch):
+    """2 ranks x 1 loader worker: a NaN on rank 1 alone at step 3 is dropped on both (one
+    line each); a spike on rank 0 alone at step 7 (seen through the mean loss) rewinds
+    both to step-5. The run equals one started with --training.skip_steps 6-8 (losses
+    ==, provenance ==); a run killed (SIGKILL to the whole job) just after its rewind
+    and relaunched finishes on the same losses (the skip held: from the checkpoint's
+    entry, or the spike met again). Negative control: the list one step off differs."""
+    args = [*REWIND, "--training.num_workers", 1]
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1,7:x1000@0")
+    out = train(tmp_path / "ref", *args).stderr
+    assert sum("step 3: loss nan" in line for line in out.splitlines()) == 2
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1")
+    train(tmp_path / "listed", *args, "--training.skip_steps", "6-8")
+    ref, listed = losses(tmp_path / "ref"), losses(tmp_path / "listed")
+    assert ref == listed and sorted(ref) == list(range(1, 10))
+    assert sequences_by_step(read_provenance(tmp_path / "ref" / "provenance")) == (
+        sequences_by_step(read_provenance(tmp_path / "listed" / "provenance"))
+    )
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1,7:x1000@0")
+    dump = tmp_path / "killed"
+    proc = subprocess.Popen(torchrun_command(2, [*CONFIG, "--job.dump_folder", dump, *args]),
+                            cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            if '"kind": "rewind"' in (dump / "spikes.jsonl").read_text():
+                break
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    train(dump, *args)
+    assert losses(dump) == ref
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1")
+    train(tmp_path / "off", *args, "--training.skip_steps", "6-7")
+    assert losses(tmp_path / "off")[6] != ref[6]
