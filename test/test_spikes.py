@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from helpers import CONFIG, REPO, error_lines, read_jsonl, train, train_here
 import train as train_script
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
-from torchtitan.config import parse_args
+from torchtitan.config import ConfigError, parse_args
 from torchtitan.records.provenance import read_provenance, sequences_by_step
 from torchtitan.records.runs import losses
 from torchtitan.spikes import FAULT_ENV, SpikeGuard
@@ -124,6 +125,28 @@ def test_a_diverged_run_stops_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "2:nan,3:nan,5:inf")
     train_here(tmp_path / "b", "--training.steps", 6, *SMALL)
     assert records(tmp_path / "b")[6]["bad_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--training.on_spike", "rewind"], "checkpoint.enable_checkpoint is false"),
+        (["--training.on_spike", "skip_step", "--training.spike_window", 0], "no spike check"),
+        (["--training.on_spike", "rewind", "--checkpoint.enable_checkpoint",
+          "--fault_tolerance.enable", "--fault_tolerance.lighthouse", "http://h:1"],
+         "not available with fault_tolerance.enable"),
+        (["--training.skip_steps", "8-6"], "training.skip_steps '8-6'"),
+        (["--training.skip_steps", "a-b"], "write it as first-last"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_work_are_one_line(argv, fragment):
+    """Each impossible setting is one ConfigError line naming it. Negative control: the
+    same policies with what they need are accepted."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+        parse_args(list(map(str, argv)))
+    assert "\n" not in str(info.value)
+    parse_args(["--training.on_spike", "rewind", "--checkpoint.enable_checkpoint",
+                "--training.skip_steps", "3,6-8"])  # fmt: skip
 
 
 # ---- spike detection ------------------------------------------------------------------

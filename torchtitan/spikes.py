@@ -66,6 +66,14 @@ def check_config(cfg) -> None:
             f"training.on_spike {t.on_spike!r} with no spike check (training.spike_window 0, "
             "no spike_max_loss or spike_max_grad_norm); set one of them, or on_spike log"
         )
+    if t.on_spike == "rewind" and cfg.fault_tolerance.enable:
+        # The replica groups would have to load one checkpoint together, inside a quorum,
+        # while torchft heals a group from a live peer's weights, not from a folder.
+        raise ConfigError(
+            "training.on_spike rewind is not available with fault_tolerance.enable (the "
+            "replica groups would have to reload one checkpoint together); use on_spike "
+            "skip_step, whose verdict the groups share through the committed gradients"
+        )
     if t.on_spike == "rewind" and not cfg.checkpoint.enable_checkpoint:
         raise ConfigError(
             "training.on_spike rewind reloads a checkpoint, but checkpoint.enable_checkpoint "
