@@ -31,6 +31,7 @@ from torchtitan.records.runs import losses
 from torchtitan.spikes import FAULT_ENV, SpikeGuard
 from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.tools.launch import run_env, torchrun_command
+from torchtitan.tools.plot_spikes import plot_spikes, spike_series
 
 SMALL = ["--training.seq_len", 32, "--training.batch_size", 2, "--metrics.log_freq", 1]
 
@@ -258,6 +259,10 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
     assert any("rewound" not in x for x in listed)  # step 7 as the run kept it, too
     entry = json.loads((tmp_path / "rewound" / "spikes.jsonl").read_text().splitlines()[-1])
     assert entry["kind"] == "rewind" and entry["skip_steps"] == [6, 3]
+    series = spike_series(tmp_path / "rewound")
+    assert series["skipped"] == [[6, 8]] and series["spikes"] == [7]
+    assert series["undone"][1][0] == [6, 7] and series["kept"][0] == list(range(1, 10))
+    assert plot_spikes(tmp_path / "rewound").stat().st_size > 0
     train_here(tmp_path / "off", *REWIND, "--training.skip_steps", "6-7")
     off = records(tmp_path / "off")
     assert off[5]["loss"] == s[5]["loss"] and off[6]["loss"] != s[6]["loss"]
