@@ -177,7 +177,7 @@ class SpikeGuard(Adapter):
         step = self.next_step
         self.faults.pop(step, None)  # a fault fires once per process (a rewind retakes the step)
         norm = float(grad_norm)
-        value = parallel.mean_over_ranks(loss) if self.detects else float(loss)
+        value = parallel.mean_on_control(self.dims, float(loss)) if self.detects else float(loss)
         self.last_event = None
         if not (math.isfinite(norm) and math.isfinite(value)):
             self.bad_in_row += 1
