@@ -14,7 +14,9 @@ carries the weight that makes the averaged gradient the one of the global batch'
 loss, however unevenly the windows fell (``loss_weight = R * n / G``).
 
 The state is the position after the last step handed out in full: windows taken and a
-cursor per source (windows.Position: a few integers per lane), the same on every rank. Saving it costs
+cursor per source (windows.Position: a few integers per lane), the same on every rank,
+and the skips (``training.skip_steps``, a rewind's): the data of given steps passed over
+(``plan_steps``), a few integers each. Saving it costs
 nothing and no worker round-trip; resuming on any layout, batch size or sequence length
 is a seek to it. Workers prefetch from there without changing it.
 
@@ -94,7 +96,11 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
     would read are passed over, each of those steps at its own global batch and mix
     weights, as if they trained: exactly the windows a run that trained them read
     (their documents are dropped for this pass: never read, never tokenized). Cost: the
-    same arithmetic per skipped step, nothing read."""
+    same arithmetic per skipped window as per window trained, nothing read, once, in every
+    process that plans (each rank and each loader worker): measured 0.14 ms a window
+    (seq_len 2048, a busy 2-core CPU), so a PaLM-sized skip of 500 steps of 2048
+    sequences (1 M windows) costs a few minutes once; it grows with the windows skipped,
+    not with the corpus (the same at c4's 365 M documents as at FineWeb's 15 T tokens)."""
     while True:
         skipped = []
         for first, count in skips:
