@@ -27,6 +27,7 @@ from torchtitan.data import (
     build_validation_loader,
 )
 from torchtitan.data.plan import resolve_plan
+from torchtitan.data.schedule import parse_skip_steps
 from torchtitan.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from torchtitan.faults import fault_tolerance
 from torchtitan.faults.launcher import watch_launcher
@@ -39,6 +40,7 @@ from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.parallel import pipeline, tensor_parallel
 from torchtitan.records.metrics import StepMetrics
 from torchtitan.records.profiling import Profiler
+from torchtitan.spikes import SpikeGuard, TrainingError
 from torchtitan.step import PipelineStep, TrainStep
 from torchtitan.validate import Validator
 
@@ -46,7 +48,7 @@ logger = logging.getLogger("torchtitan")
 
 # The project's own errors: the inputs are wrong. Reported as one line, not a traceback;
 # anything else is a bug and keeps its traceback.
-USER_ERRORS = (CheckpointError, ConfigError, DataError, TokenizerError,
+USER_ERRORS = (CheckpointError, ConfigError, DataError, TokenizerError, TrainingError,
                fault_tolerance.FaultToleranceError)  # fmt: skip
 
 
@@ -149,6 +151,7 @@ class Run:
     pipeline: pipeline.Pipeline | None = None
     held_out: ParallelDataLoader | None = None  # validation's loader (validation.enable)
     replicas: fault_tolerance.ReplicaGroup | None = None  # fault_tolerance.enable
+    guard: SpikeGuard | None = None  # broken steps and spikes (spikes.py)
 
     @property
     def last_step(self) -> int:
@@ -166,19 +169,21 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     plan = resolve_plan(cfg.training, tokenizer, ranks)
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
+    dataloader.add_skips(parse_skip_steps(cfg.training.skip_steps))
     held_out = None
     if cfg.validation.enable:  # its own plan, resolved once for the job as the training data's
         held_out = build_validation_loader(cfg, tokenizer, dims.dp_rank, dims.dp_world, ranks)
     if stages is not None:
         pipeline.check_batches(dataloader.schedule, stages, dims.dp_world)
     train_state = TrainState()
+    guard = SpikeGuard(cfg, dims, train_state)
     # Dropout streams differ between data-parallel ranks and pipeline stages and are
     # shared by TP peers, which hold the same activations (tensor_parallel.py); the
     # checkpoint restores them.
     torch.manual_seed(cfg.training.seed + dims.dp_rank + dims.pp_rank * dims.dp_world)
     components = training_components(
         cfg, dims, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        dataloader=dataloader, train_state=train_state, fingerprint=plan.fingerprint,
+        dataloader=dataloader, train_state=train_state, fingerprint=plan.fingerprint, guard=guard,
     )  # fmt: skip
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
     replicas = None
@@ -187,7 +192,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
                                                 train_state)  # fmt: skip
         checkpoint = fault_tolerance.LowestGroupSaves(checkpoint, replicas)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
-               checkpoint, stages, held_out, replicas)  # fmt: skip
+               checkpoint, stages, held_out, replicas, guard)  # fmt: skip
 
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
@@ -228,7 +233,8 @@ def train_loop(run: Run, preemption: Preemption):
     validator = (
         None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
     )
-    metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step)
+    metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step,
+                          run.guard)  # fmt: skip
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
     first_step = state.step + 1
@@ -250,6 +256,10 @@ def train_loop(run: Run, preemption: Preemption):
                 validation_loss = validator.run(run.model)
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
                            data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
+            if run.guard.verdict == "rewind":  # the spike's data and the steps since go
+                rewind(run, metrics, state.step)
+                continue
+            run.guard.check_bad_steps()
             saved = save_if_due(run, state.step, last_step)
             # Asked after every step, save steps included: a signal that lands during a
             # save is acted on right after it, and that save is the preemption's.
@@ -263,6 +273,48 @@ def train_loop(run: Run, preemption: Preemption):
     run.checkpoint.close()
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def rewind(run: Run, metrics: StepMetrics, spike: int):
+    """A spike at step ``spike`` under ``training.on_spike rewind``: reload, in this
+    process, the newest checkpoint at least ``rewind_steps`` before it (and not before
+    the last skip's first step, whose data it would bring back), and pass over the data
+    of the steps from there to the spike plus ``skip_after``: a run started with the
+    same ``training.skip_steps`` trains the same from there, bit for bit. The skip list
+    and the guard's counters outlive the load; ``max_rewinds`` of them stop the job."""
+    t, guard, loader = run.cfg.training, run.guard, run.dataloader
+    if guard.counts["rewinds"] >= t.max_rewinds:
+        raise TrainingError(
+            f"step {spike}: a loss spike after {guard.counts['rewinds']} rewinds "
+            f"(training.max_rewinds {t.max_rewinds}); the data is not the cause or the skips "
+            "are too short: resume from an earlier checkpoint with a lower --optimizer.lr, or "
+            "raise --training.skip_after"
+        )
+    skips, counts = list(loader.skips), dict(guard.counts)
+    earliest = max([a - 1 for a, _ in skips], default=0)
+    to = run.checkpoint.rewind(spike - t.rewind_steps, earliest)
+    if to is None:
+        raise TrainingError(
+            f"step {spike}: a loss spike, and no checkpoint of a step in {earliest}.."
+            f"{spike - t.rewind_steps} to rewind to (training.rewind_steps {t.rewind_steps}); "
+            "save more often (--checkpoint.interval or --checkpoint.local_interval)"
+        )
+    guard.counts = {**counts, "rewinds": counts["rewinds"] + 1}
+    skip = (to + 1, spike + t.skip_after - to)
+    lo = loader.position.windows
+    loader.add_skips([*skips, skip])
+    loader.set_step(run.train_state.step)
+    metrics.rewind(to, guard.counts["rewinds"])
+    if run.dims.is_main:
+        hi = lo + loader.windows_of_steps(*skip)
+        metrics.event({"step": spike, "kind": "rewind", "to": to, "skip_steps": list(skip),
+                       "windows": [lo, hi], "rewind": guard.counts["rewinds"]})  # fmt: skip
+        logger.warning(
+            "step %d: rewound to checkpoint step-%d (rewind %d of at most %d); the data of steps "
+            "%d-%d (windows %d-%d) is skipped: the same as --training.skip_steps %d-%d",
+            spike, to, guard.counts["rewinds"], t.max_rewinds, skip[0], skip[0] + skip[1] - 1,
+            lo, hi - 1, skip[0], skip[0] + skip[1] - 1,
+        )  # fmt: skip
 
 
 def save_if_due(run: Run, step: int, last_step: int) -> bool:
@@ -284,10 +336,10 @@ def feed_and_step(run: Run, batch_loss: BatchLoss):
         feed = run.replicas or run.dataloader  # fault tolerance: a quorum before each step
         commit = run.replicas.commit if run.replicas else None
         return feed, TrainStep(run.cfg, run.model, run.optimizer, run.scheduler, batch_loss,
-                               wait, commit)  # fmt: skip
+                               wait, commit, run.guard)  # fmt: skip
     feed = run.dataloader if run.pipeline.first else pipeline.StageFeed(run.dataloader)
     return feed, PipelineStep(run.cfg, run.model, run.optimizer, run.scheduler, batch_loss,
-                              wait, run.pipeline, run.dims, feed)  # fmt: skip
+                              wait, run.pipeline, run.dims, feed, run.guard)  # fmt: skip
 
 
 def next_batches(dataloader) -> tuple[list[dict], float]:

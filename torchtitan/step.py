@@ -2,8 +2,8 @@
 
 Owns: gradient accumulation with the loss (loss.py) scaled so that the gradient is the
 one big batch's (normalized by the labels that count over all micro-batches and ranks
-when boundaries are masked), clipping and the optimizer and schedule step
-(`TrainStep`), and the same under pipeline parallelism (`PipelineStep`).
+when boundaries are masked), clipping, the guard's verdict on the update (spikes.py: a broken step or a spike
+is not applied) and the optimizer and schedule step (`TrainStep`), and the same under pipeline parallelism (`PipelineStep`).
 
 Never: pull training batches (the loop hands them over, so what a step consumed is
 what the checkpoint records), save checkpoints, or write logs.
@@ -26,8 +26,10 @@ class TrainStep:
     """Forward and backward over a step's micro-batches, then one optimizer update."""
 
     def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable,
-                 commit: Callable | None = None):  # fmt: skip
+                 commit: Callable | None = None, guard=None):  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # spikes.SpikeGuard: whether the update is applied (a broken step or a spike is not).
+        self.guard = guard
         self.loss = loss
         self.max_norm = cfg.training.max_norm
         self.before_update = before_update  # e.g. wait for an async save's staging copy
@@ -54,28 +56,40 @@ class TrainStep:
             counted = parallel.sum_over_ranks(sum(self.loss.counted(b) for b in batches))
             normalizer = max(1, counted) / self.loss.world_size
         total = torch.zeros((), device=self.loss.device)
+        guard = self.guard
         for i, batch in enumerate(batches):
-            with parallel.gradient_sync(self.model, enabled=i == len(batches) - 1):
+            last = i == len(batches) - 1
+            with parallel.gradient_sync(self.model, enabled=last):
                 with self.loss.context():
                     if normalizer is None:
                         loss = self.loss(batch) * batch.get("loss_weight", 1 / len(batches))
                     else:
                         loss = self.loss(batch, normalizer)
+                    if guard is not None:
+                        loss = guard.faulted_loss(loss)
+                        if last:  # a rank's non-finite loss reaches every rank (spikes.py)
+                            so_far = total + tensor_parallel.local_value(loss.detach())
+                            loss = guard.poisoned(loss, so_far)
                     loss.backward()
             total += tensor_parallel.local_value(loss.detach())
         if self.commit is not None and not self.commit(total):
             self.optimizer.zero_grad(set_to_none=True)  # not committed: nothing was updated
             return None, None, None
+        if guard is not None:
+            guard.faulted_gradients(self.model)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.max_norm, foreach=True
         )
-        self.before_update()
-        self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        if guard is None or guard.decide(total, grad_norm, batches):
+            self.before_update()
+            self.optimizer.step()
+        # A dropped step still counts: the schedule moves on with the step counter and the
+        # data (spikes.py).
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm, lr
 
 
@@ -94,8 +108,9 @@ class PipelineStep:
     """
 
     def __init__(self, cfg, model, optimizer, scheduler, loss: BatchLoss, before_update: Callable,
-                 pipeline, dims: parallel.ParallelDims, feed):  # fmt: skip
+                 pipeline, dims: parallel.ParallelDims, feed, guard=None):  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.guard = guard
         self.loss, self.pipeline, self.feed = loss, pipeline, feed
         self.max_norm = cfg.training.max_norm
         self.before_update = before_update
@@ -143,9 +158,11 @@ class PipelineStep:
         )
         loss = pp.from_last(pl, total)
         grad_norm = pp.clip_grad_norm(list(self.model.parameters()), self.max_norm, pl)
-        self.before_update()
-        self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
+        # Every stage holds the last stage's loss and the norm over all stages: they agree.
+        if self.guard is None or self.guard.decide(loss, grad_norm, batches):
+            self.before_update()
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, lr

@@ -65,7 +65,7 @@ def test_exclude_from_loading_restarts_the_data(trained, tmp_path):
     _, log = train_here(dump, "--training.steps", 9, *CK, "--checkpoint.interval", 3,
                         "--checkpoint.exclude_from_loading", "dataloader")  # fmt: skip
     assert "not loading dataloader" in log
-    assert "(model, optimizer, lr_scheduler, train_state, rng)" in log
+    assert "(model, optimizer, lr_scheduler, train_state, spikes, rng)" in log
 
 
 def test_seed_checkpoint_gives_the_same_start(tmp_path):
@@ -401,7 +401,7 @@ def test_a_requeued_data_restart_restarts_the_data_once(trained, tmp_path):
     train_here(dump, "--training.steps", 10, *restart, "--training.stop_at_step", 8)
     _, log = train_here(dump, "--training.steps", 10, *restart)
     assert "continuing the timeline" in log and "not loading" not in log
-    assert "(model, optimizer, lr_scheduler, dataloader, train_state, rng)" in log
+    assert "(model, optimizer, lr_scheduler, dataloader, train_state, spikes, rng)" in log
     assert losses(dump) == losses(whole)
 
 

@@ -17,6 +17,7 @@ import pytest
 from helpers import bundled_documents, doc_tokens, global_steps, loaders, write_jsonl
 
 from torchtitan.config import ConfigError
+from torchtitan.data.loader import plan_steps
 from torchtitan.data.order import MixByStep, MixSchedule
 from torchtitan.data.state import from_tensor, to_tensor
 
@@ -384,3 +385,44 @@ def test_the_metrics_and_the_plot_show_the_weights_shares_and_passes(tmp_path, t
     assert series["sources"]["a"]["passes"][8] == 2.5
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot_mix(tmp_path).stat().st_size > 0
+
+
+def test_a_skip_passes_over_exactly_what_its_steps_would_read_at_their_own_weights(
+    tiny_corpus, second_corpus, tokenizer
+):
+    """Skipping training steps 4-6 (a rewind's or --training.skip_steps) under a ramp
+    that moves the weights through those steps: the position after the skip is the
+    position a run that trained them reached (cursors ==), its windows range is theirs,
+    and step 4 then reads from there at its own weights. Negative control: the same
+    number of windows passed at step 4's weights alone leaves other cursors."""
+    mix = f"{tiny_corpus}:0.9,{second_corpus}:0.1"
+    points = schedule((3, {"shakespeare": 0.1, "kjv": 0.9}, 3))
+
+    def build():
+        (loader,) = loaders(None, tokenizer, 1, datasets=mix, global_batch_size=8,
+                            mix_schedule=points)  # fmt: skip
+        return loader
+
+    trained = build()
+    positions = [trained.position.copy()]
+    for _ in range(6):
+        trained.next_step()
+        positions.append(trained.position.copy())
+    skipping = build()
+    skipping.add_skips([(4, 3)])
+    global_steps([skipping], 3)
+    stream, schedule_ = skipping.stream, skipping.schedule
+    plan = next(plan_steps(stream, schedule_, 0, 3, skipping.position, skipping.skips))
+    assert plan.skipped == [[4, 3, positions[3].windows, positions[6].windows]]
+    expected, after = stream.advance(positions[6], schedule_.global_batch(3), 3)
+    assert [w for m in plan.micro for w in m] == expected
+    assert cursors(plan.after) == cursors(after)
+    skipping.next_step()
+    assert skipping.skipped_windows == {(4, 3): (positions[3].windows, positions[6].windows)}
+    assert cursors(skipping.position) == cursors(after)
+    _, at_one_weight = stream.advance(positions[3], positions[6].windows - positions[3].windows, 3)
+    assert cursors(at_one_weight) != cursors(positions[6])
+
+
+def cursors(position) -> list:
+    return [c.to_list() for c in position.cursors]

@@ -210,6 +210,51 @@ class CheckpointManager:
         )
         return loaded
 
+    def rewind(self, latest: int, earliest: int = 0) -> int | None:
+        """Load, in this process, the newest complete checkpoint of a step in
+        ``[earliest, latest]`` into every component (a loss spike's rewind); its step, or
+        None where there is none (nothing is loaded then). Both tiers are looked at, a tie
+        going to the local one where every rank holds its files; checkpoints after it, in
+        either tier, belong to the abandoned stretch and are set aside (``.abandoned``),
+        so a requeue resumes on the rewound timeline. Collective.
+
+        Cost: a pending async save waited for; rank 0 reads O(checkpoints) manifests; every
+        rank verifies a share of the chosen checkpoint (O(total / ranks)) and loads its
+        own shard, as a start does."""
+        self.wait()
+        found = None
+        if self.dims.is_main:
+            found = []
+            for i, (folder, _) in enumerate(self.tiers):
+                survey = timeline.survey(folder)
+                steps = [e.step for e in survey if e.full and earliest <= e.step <= latest]
+                if steps:  # (step, tier): the newest, a tie to the local tier (listed last)
+                    found.append((max(steps), i, folder))
+        found = parallel.broadcast_from_main(self.dims, found)
+        found = sorted(found, reverse=True)
+        if found and found[0][1] == 1:  # the local tier: only where every rank holds it
+            path = step_folder(found[0][2], found[0][0])
+            holds = store_for(path).isfile(join(path, MANIFEST))
+            if parallel.any_rank(self.dims, not (holds and integrity.dcp_data_complete(path))):
+                found = [f for f in found if f[1] != 1]
+        if not found:
+            return None
+        step, _, folder = found[0]
+        path = step_folder(folder, step)
+        problem = self._verify(path)
+        if problem is not None:
+            raise CheckpointError(f"rewinding: checkpoint {path} is damaged: {problem}")
+        if self.dims.is_main:
+            for tier, _ in self.tiers:
+                entries = timeline.survey(tier)
+                later = [e for e in entries if e.step > step]
+                if later:
+                    timeline.set_aside_after(tier, [*later, timeline.Entry(step, -1)], step)
+        parallel.barrier(self.dims)
+        self._load_from(path, [])
+        self.loaded_from = path
+        return step
+
     def _plan(self, folder: str) -> tuple[list, timeline.Plan]:
         """Rank 0: a tier's checkpoints and what to resume from among them."""
         survey = timeline.survey(folder)

@@ -269,10 +269,13 @@ class RNGState(Adapter):
 
 
 def training_components(cfg, dims, *, model, optimizer, lr_scheduler=None, dataloader=None,
-                        train_state: TrainState, fingerprint: dict) -> dict[str, Adapter]:  # fmt: skip
+                        train_state: TrainState, fingerprint: dict,
+                        guard: Adapter | None = None) -> dict[str, Adapter]:  # fmt: skip
     """What a training checkpoint holds, in load order (the model is checked against
     the checkpoint before the optimizer's state is built), each under its adapter.
-    ``lr_scheduler`` and ``dataloader`` may be None (a seed checkpoint, a benchmark)."""
+    ``lr_scheduler`` and ``dataloader`` may be None (a seed checkpoint, a benchmark);
+    ``guard``: the spike check's window and counters (spikes.SpikeGuard), saved as
+    ``spikes`` (a checkpoint without it leaves the guard empty)."""
     components: dict[str, Adapter] = {
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
@@ -284,5 +287,7 @@ def training_components(cfg, dims, *, model, optimizer, lr_scheduler=None, datal
             dataloader.checkpoint_state(dims, fingerprint, cfg.checkpoint.accept_data_change)
         )
     components["train_state"] = train_state
+    if guard is not None:
+        components["spikes"] = guard
     components["rng"] = RNGState(dims.rank, dims.dp_rank, dims.tp_rank, dims.pp_rank)
     return components

@@ -207,6 +207,49 @@ class Training:
         "policy for empty, non-string or undecodable documents",
         choices=["skip", "error"],
     )
+    max_bad_steps: int = _opt(
+        3,
+        "stop the job after this many steps in a row with a non-finite loss or gradient "
+        "norm (each one's update is dropped on every rank)",
+        ge=1,
+    )
+    spike_window: int = _opt(
+        128,
+        "steps of loss and gradient norm the spike check compares a step with (checks begin "
+        "once it is full; 0: no z-score check)",
+        ge=0,
+    )
+    spike_sigma: float = _opt(
+        6.0, "a loss or gradient norm this many standard deviations above the window's mean "
+        "is a spike", gt=0.0,
+    )  # fmt: skip
+    spike_max_loss: float = _opt(
+        0.0, "a loss above this is a spike from step 1 on (0: no bound)", ge=0.0
+    )
+    spike_max_grad_norm: float = _opt(
+        0.0, "a gradient norm (before clipping) above this is a spike (0: no bound)", ge=0.0
+    )
+    on_spike: str = _opt(
+        "log",
+        "what a detected spike does: log it; skip_step (drop its update); rewind (reload the "
+        "newest checkpoint at least rewind_steps before it and skip the data from there)",
+        choices=["log", "skip_step", "rewind"],
+    )
+    rewind_steps: int = _opt(
+        1, "on_spike rewind: the checkpoint reloaded is at least this many steps before the "
+        "spike", ge=1,
+    )  # fmt: skip
+    skip_after: int = _opt(
+        0, "on_spike rewind: steps of data after the spike skipped as well", ge=0
+    )
+    max_rewinds: int = _opt(
+        3, "on_spike rewind: stop the job at the spike after this many rewinds", ge=0
+    )
+    skip_steps: str = _opt(
+        "",
+        "the data of these training steps is passed over, as a rewind does: first-last,... "
+        "(e.g. 101-300); kept with the ones the checkpoint holds",
+    )
 
 
 @dataclass
@@ -316,7 +359,15 @@ class Checkpoint:
     exclude_from_loading: list[str] = _opt(
         [],
         "state to skip when resuming",
-        choices=["model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"],
+        choices=[
+            "model",
+            "optimizer",
+            "lr_scheduler",
+            "dataloader",
+            "train_state",
+            "rng",
+            "spikes",
+        ],
     )
     model_weights_only: bool = _opt(False, "save only model weights at the final step")
     create_seed_checkpoint: bool = _opt(False, "write the step-0 checkpoint and exit")

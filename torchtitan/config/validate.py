@@ -31,6 +31,7 @@ COMPONENTS = (
     "torchtitan.parallel",
     "torchtitan.models",
     "torchtitan.faults.fault_tolerance",
+    "torchtitan.spikes",
 )
 
 

@@ -2,7 +2,7 @@
 
 Owns: that each dataset named (``training.dataset``, a mix's names,
 ``validation.dataset``) is a registered one or a Hub id, that
-``training.batch_size_schedule`` parses, and that ``training.mix_schedule`` is a
+``training.batch_size_schedule`` and ``training.skip_steps`` parse, and that ``training.mix_schedule`` is a
 schedule (steps increasing, each ramp ending by the next point, weights >= 0 and not
 all 0; whether its names are the sources' is known when the sources are resolved:
 ``order.MixByStep``).
@@ -15,7 +15,7 @@ import math
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.schema import JobConfig
-from torchtitan.data.schedule import parse_schedule
+from torchtitan.data.schedule import parse_schedule, parse_skip_steps
 from torchtitan.data.sources import DATASET_REGISTRY
 
 
@@ -38,6 +38,13 @@ def check_config(cfg: JobConfig) -> None:
                 f"training.batch_size_schedule {t.batch_size_schedule!r}: {e}; write it as "
                 "step:sequences,... from step 0, e.g. 0:256,2000:512"
             ) from None
+    try:
+        parse_skip_steps(t.skip_steps)
+    except ValueError as e:
+        raise ConfigError(
+            f"training.skip_steps {t.skip_steps!r}: {e}; write it as first-last,... in "
+            "training steps, e.g. 101-300,451-460"
+        ) from None
     check_mix_schedule(t.mix_schedule)
 
 

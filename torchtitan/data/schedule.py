@@ -1,7 +1,8 @@
 """The batch-size schedule: the global batch of every step and its split over the
 data-parallel ranks and their micro-batches.
 
-Owns: parsing ``training.batch_size_schedule`` (``parse_schedule``), the global batch at
+Owns: parsing ``training.batch_size_schedule`` (``parse_schedule``) and
+``training.skip_steps`` (``parse_skip_steps``), the global batch at
 a step, the micro-batches a rank accumulates, each rank's slice of a step's windows, and
 the warning for a split that leaves one rank much busier than the mean
 (``BatchSchedule``). A function of the step and the layout only: every rank computes
@@ -38,6 +39,22 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
     if any(size < 1 for _, size in points):
         raise ValueError("every global batch must be at least 1 sequence")
     return points
+
+
+def parse_skip_steps(text: str) -> list[tuple[int, int]]:
+    """``"101-300,451-460"`` (training steps, first-last, inclusive; a single step alone)
+    -> [(101, 200), (451, 10)]: (first step, steps). Raises ValueError naming the part."""
+    skips = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        last = last or first
+        if not first.strip().isdigit() or not last.strip().isdigit():
+            raise ValueError(f"{part!r} is not first-last")
+        a, b = int(first), int(last)
+        if a < 1 or b < a:
+            raise ValueError(f"{part!r}: steps count from 1 and last >= first")
+        skips.append((a, b - a + 1))
+    return skips
 
 
 class BatchSchedule:

@@ -45,6 +45,7 @@ from torchtitan.parallel.collectives import (  # noqa: F401
     broadcast_from_main,
     gather_objects,
     gather_to_main,
+    mean_on_control,
     mean_over_ranks,
     on_main,
     sum_over_ranks,

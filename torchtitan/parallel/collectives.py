@@ -33,6 +33,16 @@ def sum_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def mean_on_control(dims: ParallelDims, value: float) -> float:
+    """The mean of a host float over all ranks, on the control group (gloo: no device
+    tensor, whatever device the value came from; one 8-byte all-reduce)."""
+    if dims.control_group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=dims.control_group)
+    return float(t.item()) / dims.world_size
+
+
 def any_rank(dims: ParallelDims, flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small gloo all-reduce)."""
     if dims.control_group is None:

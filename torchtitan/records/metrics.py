@@ -96,6 +96,39 @@ def truncate_jsonl_after(path: str, step: int):
         os.replace(tmp, path)
 
 
+def move_jsonl_after(path: str, step: int, to: str, **tag):
+    """The lines of ``path`` after ``step`` move to the end of ``to``, each with ``tag``
+    (a rewind: the steps it undid); lines of ``to`` with the same tag values go first, so
+    the same rewind run again (a requeue) leaves each line once. Written whole (a
+    temporary file, then a rename): a kill leaves the old file or the new one."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.endswith("\n")]
+    moved = []
+    for line in lines:
+        step_of = _step_of(line)
+        if step_of is not None and step_of > step:
+            moved.append(json.dumps({**json.loads(line), **tag}) + "\n")
+    if not moved:
+        return
+    kept_before = []
+    if os.path.exists(to):
+        with open(to) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if any(record.get(k) != v for k, v in tag.items()):
+                    kept_before.append(line)
+    tmp = to + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept_before + moved)
+    os.replace(tmp, to)
+    truncate_jsonl_after(path, step)
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -275,6 +308,14 @@ class ProvenanceWriter:
                     truncate_jsonl_after(os.path.join(folder, name), start_step)
         self._file = None
 
+    def rewind(self, step: int, number: int):
+        """Rewind ``number`` went back to ``step``: the lines after it move to
+        ``rewound_rank<r>.jsonl`` (each with ``"rewind": number``): the documents it skipped."""
+        self.close()
+        self._file = None
+        folder, name = os.path.split(self.path)
+        move_jsonl_after(self.path, step, os.path.join(folder, "rewound_" + name), rewind=number)
+
     def write(self, step: int, spans: list):
         if self._file is None:
             self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
@@ -292,9 +333,12 @@ class StepMetrics:
     step, the provenance line. The loop owns the step, its bound, the token count and
     validation; this only reports them."""
 
-    def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int):
+    def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int,
+                 guard=None):  # fmt: skip
         t = cfg.training
         self.dims = dims
+        self.guard = guard  # spikes.SpikeGuard: its counters, and the events it saw
+        self.events_path = os.path.join(cfg.job.dump_folder, "spikes.jsonl")
         self.preemption = preemption
         self.loader = loader
         self.last_step = last_step
@@ -326,6 +370,9 @@ class StepMetrics:
         validation excluded), ``data_wait_s`` of them waiting for ``batches``."""
         if self.provenance is not None:
             self.provenance.write(step, [s for b in batches for s in b["spans"]])
+        event = None if self.guard is None else self.guard.last_event
+        if event is not None and self.dims.is_main:
+            self.event(event)
         self.epoch_starts += [[step, *e] for e in self.loader.take_epoch_starts()]
         validation = {} if validation_loss is None else {"validation_loss": validation_loss}
         if not validation and not self.logger.should_log(step, self.last_step):
@@ -352,11 +399,28 @@ class StepMetrics:
             "tokens_seen": tokens_seen,
             **{k: v for k, v in ranks.items() if k != "loss"},
             "skipped_documents": self.loader.skipped_documents(),
+            **({} if self.guard is None else self.guard.metrics()),
             **sources,
             **validation,
         }
         self.logger.log(step, values, epoch_starts=self.epoch_starts)
         self.epoch_starts = []
+
+    def event(self, record: dict):
+        """Rank 0: a broken step, a spike or a rewind, one line of ``spikes.jsonl`` (a
+        record of what happened: never trimmed, a rewind's events included)."""
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def rewind(self, step: int, number: int):
+        """Rewind ``number`` went back to ``step``: the records of the steps after it move
+        aside (``metrics.jsonl`` to ``metrics_rewound.jsonl`` on rank 0, each provenance
+        file to ``rewound_rank<r>.jsonl``), so the run's files hold each step once."""
+        if self.dims.is_main:
+            path = self.logger.jsonl_path
+            move_jsonl_after(path, step, path[: -len(".jsonl")] + "_rewound.jsonl", rewind=number)
+        if self.provenance is not None:
+            self.provenance.rewind(step, number)
 
     def close(self):
         self.logger.close()

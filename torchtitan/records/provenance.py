@@ -16,6 +16,7 @@ Never: write provenance, or read the data itself (callers pass document lengths)
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -47,6 +48,38 @@ def spans_of(provenance: dict[int, dict[int, list]]):
         for sequences in steps.values():
             for spans in sequences:
                 yield from spans
+
+
+def read_rewound(folder: str) -> dict[int, dict[tuple[int, int], list]]:
+    """{rank: {(rewind, step): sequences}} of the steps rewinds undid
+    (``rewound_rank*.jsonl``, written when a loss spike's rewind moved them aside): the
+    documents the run trained on and then skipped. Empty when there was no rewind."""
+    out: dict[int, dict] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "rewound_rank*.jsonl"))):
+        rank = int(os.path.basename(path)[len("rewound_rank") : -len(".jsonl")])
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.endswith("\n")]
+        out[rank] = {(r["rewind"], r["step"]): r["sequences"] for r in records}
+    return out
+
+
+def documents_of_steps(folder: str, first: int, last: int) -> list[tuple]:
+    """``(step, rewind, source, doc_id, start, end)`` of every span that steps
+    ``first..last`` read, ranks in order: those the run kept (``rewind`` None) and those
+    a rewind undid (``rewind`` its number), so a person can look at what a spike trained
+    on. Cost: one pass over the provenance files."""
+    rows = []
+    kept = read_provenance(folder)
+    for rank in sorted(kept):
+        for step, sequences in sorted(kept[rank].items()):
+            if first <= step <= last:
+                rows += [(step, None, *span[:4]) for spans in sequences for span in spans]
+    undone = read_rewound(folder)
+    for rank in sorted(undone):
+        for (rewind, step), sequences in sorted(undone[rank].items()):
+            if first <= step <= last:
+                rows += [(step, rewind, *span[:4]) for spans in sequences for span in spans]
+    return sorted(rows, key=lambda r: (r[0], r[1] or 0))
 
 
 @dataclass

@@ -1,6 +1,11 @@
 """Check a run's data provenance: every token at most once, no holes, nothing skipped.
 
     python scripts/check_provenance.py <dump_folder>/provenance [--job.config_file X.toml --section.key value ...]
+    python scripts/check_provenance.py <dump_folder>/provenance --steps 120-140
+
+With ``--steps first-last``: the documents those steps read, with their token ranges,
+including steps a loss spike's rewind undid (marked ``rewound #n``): what a spike
+trained on, to look at. Nothing is checked then.
 
 Per source: tokens consumed, tokens consumed twice within one epoch, gaps inside
 documents. Given the run's config (the same ``--section.key`` arguments as training),
@@ -14,7 +19,12 @@ from __future__ import annotations
 
 import argparse
 
-from torchtitan.records.provenance import check_complete, check_exactly_once, read_provenance
+from torchtitan.records.provenance import (
+    check_complete,
+    check_exactly_once,
+    documents_of_steps,
+    read_provenance,
+)
 
 
 def main(argv=None) -> int:
@@ -24,7 +34,10 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("folder", help="provenance folder (<dump_folder>/provenance)")
+    parser.add_argument("--steps", help="list the documents of these steps (first-last)")
     args, config_args = parser.parse_known_args(argv)
+    if args.steps:
+        return list_documents(args.folder, args.steps)
     provenance = read_provenance(args.folder)
     steps = {s for per_rank in provenance.values() for s in per_rank}
     print(f"{len(provenance)} rank files, steps {min(steps)}..{max(steps)}")
@@ -41,6 +54,18 @@ def main(argv=None) -> int:
         print("completeness not checked: pass the run's config (--job.config_file ...)")
     print("FAIL" if bad else "OK: every token consumed exactly once, no gaps, nothing skipped")
     return 1 if bad else 0
+
+
+def list_documents(folder: str, steps: str) -> int:
+    first, _, last = steps.partition("-")
+    rows = documents_of_steps(folder, int(first), int(last or first))
+    if not rows:
+        print(f"no provenance of steps {steps} in {folder}")
+        return 1
+    for step, rewind, source, doc_id, start, end in rows:
+        undone = f"  (rewound #{rewind})" if rewind is not None else ""
+        print(f"step {step:>6}  {source}:{doc_id}  tokens {start}-{end}{undone}")
+    return 0
 
 
 def _completeness(provenance, config_args: list[str]) -> bool:

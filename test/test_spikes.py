@@ -1,0 +1,359 @@
+"""Broken steps and loss spikes (torchtitan/spikes.py and the loop's rewind): a broken
+step is never applied, repeated ones stop the job in one line, spikes are detected
+alike after a resume, and a rewind that skips data trains as a run started with the
+same skip list, bit for bit. Faults come from the test-only hook (spikes.FAULT_ENV).
+
+Every run is the debug model in this process (train.main) for a few steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from helpers import CONFIG, REPO, error_lines, read_jsonl, train, train_here
+
+import train as train_script
+from torchtitan import parallel
+from torchtitan.checkpoint import TrainState
+from torchtitan.config import ConfigError, parse_args
+from torchtitan.records.provenance import read_provenance, sequences_by_step
+from torchtitan.records.runs import losses
+from torchtitan.spikes import FAULT_ENV, SpikeGuard
+from torchtitan.tools.check_provenance import main as check_provenance
+from torchtitan.tools.launch import run_env, torchrun_command
+from torchtitan.tools.plot_spikes import plot_spikes, spike_series
+
+SMALL = ["--training.seq_len", 32, "--training.batch_size", 2, "--metrics.log_freq", 1]
+
+
+@pytest.fixture
+def snapshots(monkeypatch) -> list:
+    """The weights and Adam's moments after every step call of the next run, in order."""
+    taken = []
+    real = train_script.feed_and_step
+
+    def feed_and_step(run, batch_loss):
+        feed, step = real(run, batch_loss)
+
+        def stepped(batches):
+            out = step(batches)
+            local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                     for p in run.model.parameters()]  # fmt: skip
+            moments = [
+                s["exp_avg"].to_local() if hasattr(s["exp_avg"], "to_local") else s["exp_avg"]
+                for s in run.optimizer.state.values()
+            ]
+            taken.append(([t.clone() for t in local], [m.clone() for m in moments]))
+            return out
+
+        return feed, stepped
+
+    monkeypatch.setattr(train_script, "feed_and_step", feed_and_step)
+    return taken
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def records(dump) -> dict[int, dict]:
+    return {r["step"]: r for r in read_jsonl(dump / "metrics.jsonl")}
+
+
+# ---- a broken step is never applied ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "nan_value", "nan_grad"])
+def test_a_broken_step_is_never_applied_and_the_norm_carries_it(tmp_path, monkeypatch, snapshots,
+                                                                kind):  # fmt: skip
+    """A NaN or inf loss, a NaN loss value whose gradient is finite (the rank that saw it
+    must reach the others: its gradient is poisoned, so the norm every rank computes is
+    NaN), or a NaN gradient with a finite loss (a peer's NaN after the reduction): the
+    weights and moments after step 3 equal those after step 2; step 4 trains again.
+    Negative control: with the verdict ignored, step 3 changes the weights."""
+    monkeypatch.setenv(FAULT_ENV, f"3:{kind}")
+    _, log = train_here(tmp_path / "a", "--training.steps", 4, *SMALL)
+    assert same(snapshots[2][0], snapshots[1][0]) and same(snapshots[2][1], snapshots[1][1])
+    assert not same(snapshots[3][0], snapshots[2][0])
+    assert all(torch.isfinite(t).all() for t in snapshots[3][0])
+    steps = records(tmp_path / "a")
+    assert math.isnan(steps[3]["grad_norm"])  # the reduced norm: what every rank decides on
+    assert steps[3]["bad_steps"] == 1 and steps[4]["bad_steps"] == 1
+    said = [line for line in log.splitlines() if "step 3: loss" in line]
+    assert len(said) == 1 and "dropped on every rank" in said[0] and "bundled:" in said[0]
+    snapshots.clear()
+    monkeypatch.setattr(SpikeGuard, "decide", lambda self, *a: True)
+    train_here(tmp_path / "b", "--training.steps", 3, *SMALL)
+    assert not same(snapshots[2][0], snapshots[1][0])
+
+
+def test_the_step_after_a_dropped_one_moves_the_schedule_on(tmp_path, monkeypatch):
+    """A dropped step counts: the LR schedule and the data move on. The run with step 3
+    dropped logs the same LR at step 4 as a clean run, and reads the same batches."""
+    monkeypatch.setenv(FAULT_ENV, "3:nan")
+    common = ["--training.steps", 4, "--metrics.data_provenance", *SMALL]
+    train_here(tmp_path / "a", *common)
+    monkeypatch.delenv(FAULT_ENV)
+    train_here(tmp_path / "b", *common)
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [a[s]["lr"] for s in a] == [b[s]["lr"] for s in b]
+    pa = sequences_by_step(read_provenance(tmp_path / "a" / "provenance"))
+    pb = sequences_by_step(read_provenance(tmp_path / "b" / "provenance"))
+    assert pa == pb
+    assert a[4]["loss"] != b[4]["loss"]  # control: step 4 trains on step 2's weights
+
+
+def test_a_diverged_run_stops_with_one_line(tmp_path, monkeypatch):
+    """The issue's repro: --optimizer.lr 1e12 goes NaN from step 2; max_bad_steps (3) in a
+    row stop it with one error line naming them. Negative control: broken steps that are
+    not in a row (2, 3, 5) do not stop a run."""
+    status, log = train_here(tmp_path / "a", "--training.steps", 8, "--optimizer.lr", 1e12,
+                             *SMALL, expect_ok=False)  # fmt: skip
+    assert status == 1
+    (line,) = error_lines(log)
+    assert "steps 2-4 had a non-finite loss" in line and "max_bad_steps 3" in line
+    assert "Traceback" not in log
+    monkeypatch.setenv(FAULT_ENV, "2:nan,3:nan,5:inf")
+    train_here(tmp_path / "b", "--training.steps", 6, *SMALL)
+    assert records(tmp_path / "b")[6]["bad_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--training.on_spike", "rewind"], "checkpoint.enable_checkpoint is false"),
+        (["--training.on_spike", "skip_step", "--training.spike_window", 0], "no spike check"),
+        (["--training.on_spike", "rewind", "--checkpoint.enable_checkpoint",
+          "--fault_tolerance.enable", "--fault_tolerance.lighthouse", "http://h:1"],
+         "not available with fault_tolerance.enable"),
+        (["--training.skip_steps", "8-6"], "training.skip_steps '8-6'"),
+        (["--training.skip_steps", "a-b"], "write it as first-last"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_work_are_one_line(argv, fragment):
+    """Each impossible setting is one ConfigError line naming it. Negative control: the
+    same policies with what they need are accepted."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+        parse_args(list(map(str, argv)))
+    assert "\n" not in str(info.value)
+    parse_args(["--training.on_spike", "rewind", "--checkpoint.enable_checkpoint",
+                "--training.skip_steps", "3,6-8"])  # fmt: skip
+
+
+# ---- spike detection ------------------------------------------------------------------
+
+
+def guard(*argv) -> SpikeGuard:
+    cfg = parse_args(list(map(str, ["--training.spike_window", 8, *argv])))
+    dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    return SpikeGuard(cfg, dims, TrainState())
+
+
+def feed(g: SpikeGuard, values: list[tuple[float, float]]) -> list[str]:
+    verdicts = []
+    for loss, norm in values:
+        g.decide(torch.tensor(loss), torch.tensor(norm), [])
+        verdicts.append(g.verdict if g.last_event is None else g.last_event["action"] + "!")
+        g.train_state.step += 1
+    return verdicts
+
+
+NOISE = [(3.0 + 0.01 * math.sin(i), 1.0 + 0.02 * math.cos(i)) for i in range(8)]
+
+
+@pytest.mark.parametrize("policy,verdict", [("log", "apply!"), ("skip_step", "skip!")])
+def test_a_spike_is_seen_after_the_window_fills(policy, verdict):
+    """Nothing is checked while the window fills; then a loss or a norm far above it is a
+    spike, and the policy says what it does. Negative controls: the same jump inside the
+    warm-up, and a value inside the noise, are not spikes."""
+    g = guard("--training.on_spike", policy)
+    assert feed(g, [(30.0, 1.0)] + NOISE[1:]) == ["apply"] * 8  # warm-up: not checked
+    g = guard("--training.on_spike", policy)
+    assert feed(g, NOISE) == ["apply"] * 8
+    assert feed(g, [(3.005, 1.0), (3.5, 1.0), (3.0, 9.0)]) == ["apply", verdict, verdict]
+    assert g.counts["spikes"] == 2
+    g = guard("--training.spike_max_loss", 10)
+    assert feed(g, [(3.0, 1.0), (11.0, 1.0)]) == ["apply", "apply!"]  # a bound from step 1
+
+
+def test_the_guards_state_resumes_its_checks_exactly():
+    """A guard loaded from another's state decides as the other does on what follows
+    (the window, the counters). Negative control: a fresh guard misses the spike."""
+    a = guard("--training.on_spike", "skip_step")
+    feed(a, NOISE + [(3.4, 1.0)])
+    b = guard("--training.on_spike", "skip_step")
+    b.load_state_dict(a.state_dict())
+    b.train_state.step = a.train_state.step
+    after = [(3.0, 1.0), (3.3, 1.0)]
+    assert feed(b, list(after)) == feed(a, list(after)) == ["apply", "skip!"]
+    assert b.counts == a.counts and b.losses == a.losses
+    assert feed(guard("--training.on_spike", "skip_step"), list(after)) == ["apply", "apply"]
+
+
+def test_a_resumed_run_detects_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """The guard's state is in the checkpoint: a run stopped at step 4 and resumed detects
+    the spike at step 6 (a window of 3, full before the stop) as the uninterrupted run
+    does. Negative control: the guard left out of the load misses it."""
+    monkeypatch.setenv(FAULT_ENV, "6:x1000")
+    common = ["--training.steps", 7, "--training.spike_window", 3, "--checkpoint.enable_checkpoint",
+              "--checkpoint.interval", 4, "--training.on_spike", "skip_step", *SMALL]  # fmt: skip
+    train_here(tmp_path / "ref", *common)
+    train_here(tmp_path / "a", *common, "--training.stop_at_step", 4)
+    train_here(tmp_path / "a", *common)
+    ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
+    assert ref[6]["spikes"] == 1 and [a[s]["loss"] for s in a] == [ref[s]["loss"] for s in ref]
+    assert a[7]["spikes"] == 1
+    train_here(tmp_path / "b", *common, "--training.stop_at_step", 4)
+    train_here(tmp_path / "b", *common, "--checkpoint.exclude_from_loading", "spikes")
+    assert records(tmp_path / "b")[7]["spikes"] == 0
+
+
+# ---- rewind and skip ------------------------------------------------------------------
+
+REWIND = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 1,
+          "--training.spike_window", 0, "--training.spike_max_loss", 100,
+          "--training.on_spike", "rewind",
+          "--training.rewind_steps", 2, "--training.skip_after", 1,
+          "--metrics.data_provenance", *SMALL]  # fmt: skip
+
+
+def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots,
+                                                              capsys):  # fmt: skip
+    """A spike at step 7 rewinds to step-5 (the newest at least rewind_steps 2 before it,
+    not step-6) and skips the data of steps 6-8 (to the spike, plus skip_after 1). A
+    run started with --training.skip_steps 6-8 logs the same losses (==) and reads the
+    same documents from step 6 on, and ends on the same weights (torch.equal).
+    Negative control: the skip list one step off (6-7) differs from step 6 on."""
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    _, log = train_here(tmp_path / "rewound", *REWIND)
+    rewound = [t.clone() for t in snapshots[-1][0]]
+    assert "rewound to checkpoint step-5" in log and "--training.skip_steps 6-8" in log
+    monkeypatch.delenv(FAULT_ENV)
+    snapshots.clear()
+    train_here(tmp_path / "listed", *REWIND, "--training.skip_steps", "6-8")
+    assert same(snapshots[-1][0], rewound)
+    r, s = records(tmp_path / "rewound"), records(tmp_path / "listed")
+    assert sorted(r) == list(range(1, 10)) and r[9]["rewinds"] == 1
+    assert [r[k]["loss"] for k in r] == [s[k]["loss"] for k in s]
+    pr = sequences_by_step(read_provenance(tmp_path / "rewound" / "provenance"))
+    ps = sequences_by_step(read_provenance(tmp_path / "listed" / "provenance"))
+    assert pr == ps
+    undone = read_jsonl(tmp_path / "rewound" / "provenance" / "rewound_rank0.jsonl")
+    assert [u["step"] for u in undone] == [6, 7] and {u["rewind"] for u in undone} == {1}
+    assert check_provenance([str(tmp_path / "rewound" / "provenance"), "--steps", "7-7"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    spans = [s for seq in undone[1]["sequences"] for s in seq]
+    assert [x for x in listed if "rewound #1" in x] == [
+        f"step      7  {s[0]}:{s[1]}  tokens {s[2]}-{s[3]}  (rewound #1)" for s in spans
+    ]
+    assert any("rewound" not in x for x in listed)  # step 7 as the run kept it, too
+    entry = json.loads((tmp_path / "rewound" / "spikes.jsonl").read_text().splitlines()[-1])
+    assert entry["kind"] == "rewind" and entry["skip_steps"] == [6, 3]
+    series = spike_series(tmp_path / "rewound")
+    assert series["skipped"] == [[6, 8]] and series["spikes"] == [7]
+    assert series["undone"][1][0] == [6, 7] and series["kept"][0] == list(range(1, 10))
+    assert plot_spikes(tmp_path / "rewound").stat().st_size > 0
+    train_here(tmp_path / "off", *REWIND, "--training.skip_steps", "6-7")
+    off = records(tmp_path / "off")
+    assert off[5]["loss"] == s[5]["loss"] and off[6]["loss"] != s[6]["loss"]
+
+
+def test_a_requeue_after_a_rewind_keeps_its_skip(tmp_path, monkeypatch):
+    """The rewound run stopped at step 8 (its checkpoint holds the skip) and resumed
+    trains as the uninterrupted one; its checkpoint's loader entry lists the skip with
+    its windows. Negative control: a resume from step-5 (before the skip) without the
+    fault hook (nothing to detect) and without the list trains other data."""
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    train_here(tmp_path / "ref", *REWIND)
+    train_here(tmp_path / "a", *REWIND, "--training.stop_at_step", 8)
+    monkeypatch.delenv(FAULT_ENV)
+    train_here(tmp_path / "a", *REWIND)
+    ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
+    assert [a[k]["loss"] for k in a] == [ref[k]["loss"] for k in ref]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for step in (6, 7, 8, 9):
+        shutil.rmtree(tmp_path / "b" / "checkpoint" / f"step-{step}")
+    train_here(tmp_path / "b", *REWIND)
+    assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+def test_repeated_spikes_stop_after_max_rewinds(tmp_path, monkeypatch):
+    """A spike that follows every rewind (the hook fires at 7 and at 8, past the skip)
+    stops the job at max_rewinds (1) with one line. Negative control: max_rewinds 2
+    rewinds twice and finishes."""
+    monkeypatch.setenv(FAULT_ENV, "7:x1000,8:x1000")
+    status, log = train_here(tmp_path / "a", *REWIND, "--training.max_rewinds", 1,
+                             expect_ok=False)  # fmt: skip
+    assert status == 1
+    (line,) = error_lines(log)
+    assert "after 1 rewinds (training.max_rewinds 1)" in line
+    train_here(tmp_path / "b", *REWIND, "--training.max_rewinds", 2)
+    assert records(tmp_path / "b")[9]["rewinds"] == 2
+
+
+def test_the_checkpoint_keeps_a_skip_list_the_resume_does_not_repeat(tmp_path):
+    """--training.skip_steps 6-8 given at the start only: a run stopped at step 4 and
+    resumed without it still skips them (the loader entry holds the list, first step
+    included) and trains as the run that kept the flag. Negative control: the skip
+    list of a run that never had it (resumed from a plain step-4) differs from step 6."""
+    listed = [*REWIND, "--training.skip_steps", "6-8"]
+    train_here(tmp_path / "ref", *listed)
+    train_here(tmp_path / "a", *listed, "--training.stop_at_step", 4)
+    train_here(tmp_path / "a", *REWIND)
+    ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
+    assert [a[k]["loss"] for k in a] == [ref[k]["loss"] for k in ref]
+    train_here(tmp_path / "b", *REWIND, "--training.stop_at_step", 4)
+    train_here(tmp_path / "b", *REWIND)
+    assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+# ---- two ranks, a loader worker each, killed after the rewind (slow tier) ---------------
+
+
+@pytest.mark.slow
+def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkeypatch):
+    """2 ranks x 1 loader worker: a NaN on rank 1 alone at step 3 is dropped on both (one
+    line each); a spike on rank 0 alone at step 7 (seen through the mean loss) rewinds
+    both to step-5. The run equals one started with --training.skip_steps 6-8 (losses
+    ==, provenance ==); a run killed (SIGKILL to the whole job) just after its rewind
+    and relaunched finishes on the same losses (the skip held: from the checkpoint's
+    entry, or the spike met again). Negative control: the list one step off differs."""
+    args = [*REWIND, "--training.num_workers", 1]
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1,7:x1000@0")
+    out = train(tmp_path / "ref", *args).stderr
+    assert sum("step 3: loss nan" in line for line in out.splitlines()) == 2
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1")
+    train(tmp_path / "listed", *args, "--training.skip_steps", "6-8")
+    ref, listed = losses(tmp_path / "ref"), losses(tmp_path / "listed")
+    assert ref == listed and sorted(ref) == list(range(1, 10))
+    assert sequences_by_step(read_provenance(tmp_path / "ref" / "provenance")) == (
+        sequences_by_step(read_provenance(tmp_path / "listed" / "provenance"))
+    )
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1,7:x1000@0")
+    dump = tmp_path / "killed"
+    proc = subprocess.Popen(torchrun_command(2, [*CONFIG, "--job.dump_folder", dump, *args]),
+                            cwd=REPO, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            if '"kind": "rewind"' in (dump / "spikes.jsonl").read_text():
+                break
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    train(dump, *args)
+    assert losses(dump) == ref
+    monkeypatch.setenv(FAULT_ENV, "3:nan@1")
+    train(tmp_path / "off", *args, "--training.skip_steps", "6-7")
+    assert losses(tmp_path / "off")[6] != ref[6]
