@@ -26,7 +26,7 @@ import train as train_script
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
 from torchtitan.config import ConfigError, parse_args
-from torchtitan.records.provenance import read_provenance, sequences_by_step
+from torchtitan.records.provenance import read_provenance, read_skips, sequences_by_step
 from torchtitan.records.runs import losses
 from torchtitan.spikes import FAULT_ENV, SpikeGuard
 from torchtitan.tools.check_provenance import main as check_provenance
@@ -257,6 +257,10 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
         f"step      7  {s[0]}:{s[1]}  tokens {s[2]}-{s[3]}  (rewound #1)" for s in spans
     ]
     assert any("rewound" not in x for x in listed)  # step 7 as the run kept it, too
+    assert listed[0].startswith("skipped: the data of steps 6-8 (windows ")
+    skips = read_skips(tmp_path / "rewound" / "provenance")
+    assert [k["skip_steps"] for k in skips] == [[6, 3]] and skips[0]["step"] == 6
+    assert skips == read_skips(tmp_path / "listed" / "provenance")
     entry = json.loads((tmp_path / "rewound" / "spikes.jsonl").read_text().splitlines()[-1])
     assert entry["kind"] == "rewind" and entry["skip_steps"] == [6, 3]
     series = spike_series(tmp_path / "rewound")
