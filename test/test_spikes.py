@@ -361,3 +361,21 @@ def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkey
     monkeypatch.setenv(FAULT_ENV, "3:nan@1")
     train(tmp_path / "off", *args, "--training.skip_steps", "6-7")
     assert losses(tmp_path / "off")[6] != ref[6]
+
+
+def test_a_rewind_takes_the_local_tiers_checkpoint(tmp_path, monkeypatch):
+    """With the main folder every 4 steps and the local tier every step, the spike at 7
+    rewinds to the local tier's step-5 (the main folder has only step-4 that early) and
+    trains as the skip list 6-8 from the start; the local tier's step-6 is set aside.
+    Negative control: without the local tier it rewinds to step-4 (skipping 5-8)."""
+    tiers = ["--checkpoint.interval", 4, "--checkpoint.local_interval", 1]
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    _, log = train_here(tmp_path / "rewound", *REWIND, *tiers)
+    assert "rewound to checkpoint step-5 (" in log and "checkpoint_local/step-5;" in log
+    assert (tmp_path / "rewound" / "checkpoint_local" / "step-6.abandoned").is_dir()
+    monkeypatch.delenv(FAULT_ENV)
+    train_here(tmp_path / "listed", *REWIND, *tiers, "--training.skip_steps", "6-8")
+    assert losses(tmp_path / "rewound") == losses(tmp_path / "listed")
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    _, log = train_here(tmp_path / "main", *REWIND, "--checkpoint.interval", 4)
+    assert "rewound to checkpoint step-4" in log and "--training.skip_steps 5-8" in log

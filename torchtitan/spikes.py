@@ -179,7 +179,9 @@ class SpikeGuard(Adapter):
         norm = float(grad_norm)
         value = parallel.mean_on_control(self.dims, float(loss)) if self.detects else float(loss)
         self.last_event = None
-        if not (math.isfinite(norm) and math.isfinite(value)):
+        # The norm is the same on every rank, and so is the loss where it is the mean over
+        # the ranks (with a spike check); a rank's own loss alone would not be.
+        if not math.isfinite(norm) or (self.detects and not math.isfinite(value)):
             self.bad_in_row += 1
             self.counts["bad_steps"] += 1
             self.verdict = "skip"
