@@ -224,7 +224,7 @@ REWIND = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint
           "--training.spike_window", 0, "--training.spike_max_loss", 100,
           "--training.on_spike", "rewind",
           "--training.rewind_steps", 2, "--training.skip_after", 1,
-          "--metrics.data_provenance", *SMALL]  # fmt: skip
+          "--model.dropout", 0.1, "--metrics.data_provenance", *SMALL]  # fmt: skip
 
 
 def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots,
