@@ -28,7 +28,7 @@ from torchtitan.checkpoint import TrainState
 from torchtitan.config import ConfigError, parse_args
 from torchtitan.records.provenance import read_provenance, read_skips, sequences_by_step
 from torchtitan.records.runs import losses
-from torchtitan.spikes import FAULT_ENV, SpikeGuard
+from torchtitan.spikes import FAULT_ENV, SpikeGuard, TrainingError
 from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.tools.launch import run_env, torchrun_command
 from torchtitan.tools.plot_spikes import plot_spikes, spike_series
@@ -184,6 +184,20 @@ def test_a_spike_is_seen_after_the_window_fills(policy, verdict):
     assert g.counts["spikes"] == 2
     g = guard("--training.spike_max_loss", 10)
     assert feed(g, [(3.0, 1.0), (11.0, 1.0)]) == ["apply", "apply!"]  # a bound from step 1
+
+
+def test_spikes_skipped_for_ever_stop_the_job():
+    """A loss that moved for good is a spike at every step under skip_step (it never
+    enters the window): max_bad_steps of them in a row stop the job in one line, as
+    broken steps do. Negative control: under log the run trains on."""
+    for policy, stops in (("skip_step", True), ("log", False)):
+        g = guard("--training.on_spike", policy)
+        feed(g, NOISE + [(9.0, 1.0)] * 3)
+        if stops:
+            with pytest.raises(TrainingError, match="steps 9-11 were dropped, broken or spikes"):
+                g.check_bad_steps()
+        else:
+            g.check_bad_steps()
 
 
 def test_the_guards_state_resumes_its_checks_exactly():
