@@ -310,9 +310,9 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
         metrics.event({"step": spike, "kind": "rewind", "to": to, "skip_steps": list(skip),
                        "windows": [lo, hi], "rewind": guard.counts["rewinds"]})  # fmt: skip
         logger.warning(
-            "step %d: rewound to checkpoint step-%d (rewind %d of at most %d); the data of steps "
-            "%d-%d (windows %d-%d) is skipped: the same as --training.skip_steps %d-%d",
-            spike, to, guard.counts["rewinds"], t.max_rewinds, skip[0], skip[0] + skip[1] - 1,
+            "step %d: rewound to checkpoint step-%d (%s; rewind %d of at most %d); the data of "
+            "steps %d-%d (windows %d-%d) is skipped: the same as --training.skip_steps %d-%d",
+            spike, to, run.checkpoint.loaded_from, guard.counts["rewinds"], t.max_rewinds, skip[0], skip[0] + skip[1] - 1,
             lo, hi - 1, skip[0], skip[0] + skip[1] - 1,
         )  # fmt: skip
 

@@ -26,9 +26,9 @@ import train as train_script
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
 from torchtitan.config import ConfigError, parse_args
-from torchtitan.records.provenance import read_provenance, sequences_by_step
+from torchtitan.records.provenance import read_provenance, read_skips, sequences_by_step
 from torchtitan.records.runs import losses
-from torchtitan.spikes import FAULT_ENV, SpikeGuard
+from torchtitan.spikes import FAULT_ENV, SpikeGuard, TrainingError
 from torchtitan.tools.check_provenance import main as check_provenance
 from torchtitan.tools.launch import run_env, torchrun_command
 from torchtitan.tools.plot_spikes import plot_spikes, spike_series
@@ -186,6 +186,20 @@ def test_a_spike_is_seen_after_the_window_fills(policy, verdict):
     assert feed(g, [(3.0, 1.0), (11.0, 1.0)]) == ["apply", "apply!"]  # a bound from step 1
 
 
+def test_spikes_skipped_for_ever_stop_the_job():
+    """A loss that moved for good is a spike at every step under skip_step (it never
+    enters the window): max_bad_steps of them in a row stop the job in one line, as
+    broken steps do. Negative control: under log the run trains on."""
+    for policy, stops in (("skip_step", True), ("log", False)):
+        g = guard("--training.on_spike", policy)
+        feed(g, NOISE + [(9.0, 1.0)] * 3)
+        if stops:
+            with pytest.raises(TrainingError, match="steps 9-11 were dropped, broken or spikes"):
+                g.check_bad_steps()
+        else:
+            g.check_bad_steps()
+
+
 def test_the_guards_state_resumes_its_checks_exactly():
     """A guard loaded from another's state decides as the other does on what follows
     (the window, the counters). Negative control: a fresh guard misses the spike."""
@@ -224,7 +238,7 @@ REWIND = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint
           "--training.spike_window", 0, "--training.spike_max_loss", 100,
           "--training.on_spike", "rewind",
           "--training.rewind_steps", 2, "--training.skip_after", 1,
-          "--metrics.data_provenance", *SMALL]  # fmt: skip
+          "--model.dropout", 0.1, "--metrics.data_provenance", *SMALL]  # fmt: skip
 
 
 def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots,
@@ -257,6 +271,10 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
         f"step      7  {s[0]}:{s[1]}  tokens {s[2]}-{s[3]}  (rewound #1)" for s in spans
     ]
     assert any("rewound" not in x for x in listed)  # step 7 as the run kept it, too
+    assert listed[0].startswith("skipped: the data of steps 6-8 (windows ")
+    skips = read_skips(tmp_path / "rewound" / "provenance")
+    assert [k["skip_steps"] for k in skips] == [[6, 3]] and skips[0]["step"] == 6
+    assert skips == read_skips(tmp_path / "listed" / "provenance")
     entry = json.loads((tmp_path / "rewound" / "spikes.jsonl").read_text().splitlines()[-1])
     assert entry["kind"] == "rewind" and entry["skip_steps"] == [6, 3]
     series = spike_series(tmp_path / "rewound")
@@ -357,3 +375,21 @@ def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkey
     monkeypatch.setenv(FAULT_ENV, "3:nan@1")
     train(tmp_path / "off", *args, "--training.skip_steps", "6-7")
     assert losses(tmp_path / "off")[6] != ref[6]
+
+
+def test_a_rewind_takes_the_local_tiers_checkpoint(tmp_path, monkeypatch):
+    """With the main folder every 4 steps and the local tier every step, the spike at 7
+    rewinds to the local tier's step-5 (the main folder has only step-4 that early) and
+    trains as the skip list 6-8 from the start; the local tier's step-6 is set aside.
+    Negative control: without the local tier it rewinds to step-4 (skipping 5-8)."""
+    tiers = ["--checkpoint.interval", 4, "--checkpoint.local_interval", 1]
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    _, log = train_here(tmp_path / "rewound", *REWIND, *tiers)
+    assert "rewound to checkpoint step-5 (" in log and "checkpoint_local/step-5;" in log
+    assert (tmp_path / "rewound" / "checkpoint_local" / "step-6.abandoned").is_dir()
+    monkeypatch.delenv(FAULT_ENV)
+    train_here(tmp_path / "listed", *REWIND, *tiers, "--training.skip_steps", "6-8")
+    assert losses(tmp_path / "rewound") == losses(tmp_path / "listed")
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    _, log = train_here(tmp_path / "main", *REWIND, "--checkpoint.interval", 4)
+    assert "rewound to checkpoint step-4" in log and "--training.skip_steps 5-8" in log

@@ -2,8 +2,9 @@
 
 Owns: the verdict on each step (``SpikeGuard.decide``, called by the step between the
 gradient norm and the optimizer's update): a non-finite loss or gradient norm drops the
-update on every rank, and ``training.max_bad_steps`` of them in a row stop the job in
-one line; the spike check (a trailing window of ``training.spike_window`` applied
+update on every rank, and ``training.max_bad_steps`` dropped steps in a row (broken, or
+spikes under ``on_spike skip_step``: a loss that moved for good would be skipped for
+ever) stop the job in one line; the spike check (a trailing window of ``training.spike_window`` applied
 steps, a z-score of ``training.spike_sigma`` once the window is full, and optional
 absolute bounds), and what a spike does (``training.on_spike``: log, skip the step,
 or have the loop rewind); the guard's checkpointed state (the window and the counters),
@@ -131,7 +132,8 @@ class SpikeGuard(Adapter):
         self.detects = t.spike_window > 0 or t.spike_max_loss > 0 or t.spike_max_grad_norm > 0
         self.losses: list[float] = []  # the window: the last applied steps' values
         self.grad_norms: list[float] = []
-        self.bad_in_row = 0
+        self.bad_in_row = 0  # steps dropped in a row (broken, or skip_step spikes)
+        self.spikes_in_row = False  # some of them were spikes
         # Events since the run began (kept across a rewind; saved with each checkpoint).
         self.counts = {"bad_steps": 0, "spikes": 0, "rewinds": 0}
         self.verdict = "apply"  # the last step's: apply | skip | rewind
@@ -179,7 +181,9 @@ class SpikeGuard(Adapter):
         norm = float(grad_norm)
         value = parallel.mean_on_control(self.dims, float(loss)) if self.detects else float(loss)
         self.last_event = None
-        if not (math.isfinite(norm) and math.isfinite(value)):
+        # The norm is the same on every rank, and so is the loss where it is the mean over
+        # the ranks (with a spike check); a rank's own loss alone would not be.
+        if not math.isfinite(norm) or (self.detects and not math.isfinite(value)):
             self.bad_in_row += 1
             self.counts["bad_steps"] += 1
             self.verdict = "skip"
@@ -191,14 +195,18 @@ class SpikeGuard(Adapter):
                 step, value, norm, self.bad_in_row, self.max_bad_steps, documents_of(batches),
             )  # fmt: skip
             return False
-        self.bad_in_row = 0
         why = self._spike(value, norm)
+        self.verdict = "apply" if why is None else {"log": "apply", "skip_step": "skip",
+                                                    "rewind": "rewind"}[self.on_spike]  # fmt: skip
+        if self.verdict == "skip":
+            self.bad_in_row += 1
+            self.spikes_in_row = True
+        elif self.verdict == "apply":
+            self.bad_in_row, self.spikes_in_row = 0, False
         if why is None:
             self._remember(value, norm)
-            self.verdict = "apply"
             return True
         self.counts["spikes"] += 1
-        self.verdict = {"log": "apply", "skip_step": "skip", "rewind": "rewind"}[self.on_spike]
         if self.verdict == "apply":  # the run trains on it: the window holds it too
             self._remember(value, norm)
         said = {"apply": "logged (training.on_spike log)", "skip": "its update is dropped",
@@ -233,9 +241,11 @@ class SpikeGuard(Adapter):
         """Stop the job (every rank alike: the verdicts agree) after max_bad_steps in a row."""
         if self.bad_in_row >= self.max_bad_steps:
             step = self.train_state.step
+            what = ("were dropped, broken or spikes under training.on_spike skip_step"
+                    if self.spikes_in_row else "had a non-finite loss or gradient norm")  # fmt: skip
             raise TrainingError(
-                f"steps {step - self.bad_in_row + 1}-{step} had a non-finite loss or gradient "
-                f"norm ({self.bad_in_row} in a row, training.max_bad_steps "
+                f"steps {step - self.bad_in_row + 1}-{step} {what} ({self.bad_in_row} in a "
+                f"row, training.max_bad_steps "
                 f"{self.max_bad_steps}); none was applied, the weights are step "
                 f"{step - self.bad_in_row}'s: lower --optimizer.lr or raise warmup, or resume "
                 "from an earlier checkpoint with --training.skip_steps"
@@ -249,7 +259,8 @@ class SpikeGuard(Adapter):
     def state_dict(self) -> dict:
         # The same on every rank (DCP keeps one copy); JSON floats read back bit-exact.
         return {"state": to_tensor({"losses": self.losses, "grad_norms": self.grad_norms,
-                                    "bad_in_row": self.bad_in_row, "counts": self.counts})}  # fmt: skip
+                                    "bad_in_row": self.bad_in_row, "counts": self.counts,
+                                    "spikes_in_row": self.spikes_in_row})}  # fmt: skip
 
     def load_targets(self, saved: Saved) -> dict | None:
         if "state" not in saved.entries:
@@ -265,4 +276,5 @@ class SpikeGuard(Adapter):
             [float(v) for v in saved["grad_norms"]][-self.window_size :] if self.window_size else []
         )
         self.bad_in_row = int(saved["bad_in_row"])
+        self.spikes_in_row = bool(saved.get("spikes_in_row", False))
         self.counts = {k: int(v) for k, v in saved["counts"].items()}

@@ -271,6 +271,7 @@ class ParallelDataLoader:
         # and the windows [lo, hi) of those already passed over, by (first, steps).
         self.skips: list[tuple[int, int]] = []
         self.skipped_windows: dict[tuple[int, int], tuple[int, int]] = {}
+        self._passed_over: list[list[int]] = []  # [first, steps, lo, hi] since the last call
 
     # ---- iteration ----------------------------------------------------------------------
     def _start(self):
@@ -365,6 +366,7 @@ class ParallelDataLoader:
         if self._i == len(plan.micro):  # the step is handed out whole: it is the position
             for first, count, lo, hi in plan.skipped:
                 self.skipped_windows[(first, count)] = (lo, hi)
+                self._passed_over.append([first, count, lo, hi])
                 logger.info("step %d: the data of steps %d-%d (windows %d-%d) is passed over",
                             first, first, first + count - 1, lo, hi - 1)  # fmt: skip
             self._epoch_starts += self.stream.epoch_starts(self.position, plan.after)
@@ -433,6 +435,12 @@ class ParallelDataLoader:
             order.name: (cursor.pass_, order.pass_read(cursor))
             for order, cursor in zip(self.stream.orders, self.position.cursors)
         }
+
+    def take_passed_over(self) -> list[list[int]]:
+        """``[first step, steps, first window, end window]`` of every skip passed over
+        since the last call."""
+        out, self._passed_over = self._passed_over, []
+        return out
 
     def take_epoch_starts(self) -> list[list]:
         """``[source, pass]`` of every pass begun since the last call."""

@@ -295,6 +295,10 @@ def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
     }
 
 
+# The skips passed over (training.skip_steps, a rewind's), beside the rank files.
+SKIPS = "skips.jsonl"
+
+
 class ProvenanceWriter:
     """Per rank, one JSON line per step: for each sequence, its spans ``[source, doc_id, start, end, epoch, unit]`` (provenance.py reads them)."""
 
@@ -306,6 +310,7 @@ class ProvenanceWriter:
             for name in sorted(os.listdir(folder)):
                 if name.startswith("rank") and name.endswith(".jsonl"):
                     truncate_jsonl_after(os.path.join(folder, name), start_step)
+            truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
         self._file = None
 
     def rewind(self, step: int, number: int):
@@ -315,6 +320,15 @@ class ProvenanceWriter:
         self._file = None
         folder, name = os.path.split(self.path)
         move_jsonl_after(self.path, step, os.path.join(folder, "rewound_" + name), rewind=number)
+        truncate_jsonl_after(os.path.join(folder, SKIPS), step)  # passed over again, if still
+
+    def write_skip(self, step: int, first: int, count: int, lo: int, hi: int):
+        """The data of steps ``first..first+count-1``, windows ``lo..hi-1``, was passed
+        over before ``step`` (one line of ``skips.jsonl``, written by one rank)."""
+        folder = os.path.dirname(self.path)
+        with open(os.path.join(folder, SKIPS), "a") as f:
+            f.write(json.dumps({"step": step, "skip_steps": [first, count],
+                                "windows": [lo, hi]}) + "\n")  # fmt: skip
 
     def write(self, step: int, spans: list):
         if self._file is None:
@@ -370,6 +384,10 @@ class StepMetrics:
         validation excluded), ``data_wait_s`` of them waiting for ``batches``."""
         if self.provenance is not None:
             self.provenance.write(step, [s for b in batches for s in b["spans"]])
+        passed_over = getattr(self.loader, "take_passed_over", list)()
+        if self.provenance is not None and self.dims.is_main:
+            for first, count, lo, hi in passed_over:
+                self.provenance.write_skip(step, first, count, lo, hi)
         event = None if self.guard is None else self.guard.last_event
         if event is not None and self.dims.is_main:
             self.event(event)

@@ -63,6 +63,16 @@ def read_rewound(folder: str) -> dict[int, dict[tuple[int, int], list]]:
     return out
 
 
+def read_skips(folder: str) -> list[dict]:
+    """The skips a run passed over (``skips.jsonl``): ``{"step", "skip_steps": [first,
+    steps], "windows": [lo, hi]}`` each, the data of those steps dropped for the pass."""
+    path = os.path.join(folder, "skips.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
 def documents_of_steps(folder: str, first: int, last: int) -> list[tuple]:
     """``(step, rewind, source, doc_id, start, end)`` of every span that steps
     ``first..last`` read, ranks in order: those the run kept (``rewind`` None) and those

@@ -24,6 +24,7 @@ from torchtitan.records.provenance import (
     check_exactly_once,
     documents_of_steps,
     read_provenance,
+    read_skips,
 )
 
 
@@ -58,7 +59,14 @@ def main(argv=None) -> int:
 
 def list_documents(folder: str, steps: str) -> int:
     first, _, last = steps.partition("-")
-    rows = documents_of_steps(folder, int(first), int(last or first))
+    first, last = int(first), int(last or first)
+    rows = documents_of_steps(folder, first, last)
+    for skip in read_skips(folder):
+        a, n = skip["skip_steps"]
+        if a <= last and a + n - 1 >= first:
+            lo, hi = skip["windows"]
+            print(f"skipped: the data of steps {a}-{a + n - 1} (windows {lo}-{hi - 1}), passed "
+                  f"over before step {skip['step']}; never read")  # fmt: skip
     if not rows:
         print(f"no provenance of steps {steps} in {folder}")
         return 1
