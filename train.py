@@ -201,6 +201,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         # Handlers go up before the load: a signal from here on stops the job at a step boundary.
         stop = cfg.checkpoint.save_on_signal if run.checkpoint.enabled else []
         preemption = Preemption(dims, stop)
+        if run.replicas is not None:  # the stop is agreed across the groups, not in one
+            preemption.agree_across(run.replicas)
         try:
             resume(run)
             train_loop(run, preemption)
@@ -254,10 +256,9 @@ def train_loop(run: Run, preemption: Preemption):
             # Asked after every step, save steps included: a signal that lands during a
             # save is acted on right after it, and that save is the preemption's.
             if preemption.requested():
-                if not saved:
-                    run.checkpoint.save(state.step)
+                written = saved or run.checkpoint.save(state.step) is not False
                 run.checkpoint.close()
-                preemption.said_stop(state.step)
+                preemption.said_stop(state.step, written)
                 break
             profiler.step(state.step)
     run.checkpoint.close()
@@ -268,11 +269,11 @@ def train_loop(run: Run, preemption: Preemption):
 def save_if_due(run: Run, step: int, last_step: int) -> bool:
     """Save ``step`` every checkpoint.interval steps and where the job stops (weights
     only at the training's last step under checkpoint.model_weights_only); whether it
-    saved."""
+    saved (fault tolerance: False in a group that does not write the job's)."""
     due = run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
-    if due:
-        run.checkpoint.save(step, final=step == run.cfg.training.steps)
-    return due
+    if due:  # LowestGroupSaves.save says False where it skipped; a plain manager None
+        return run.checkpoint.save(step, final=step == run.cfg.training.steps) is not False
+    return False
 
 
 def feed_and_step(run: Run, batch_loss: BatchLoss):

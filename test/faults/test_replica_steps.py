@@ -1,0 +1,204 @@
+"""The decisions of a fault-tolerant step, fast (torchtitan/faults/replica_steps.py, and
+the real ``ReplicaGroup`` of fault_tolerance.py driven by an in-process quorum,
+harness/ft_quorum.py): a try that is not committed rewinds the loader's position and
+step number; a heal carries the loader's position and the train state; the lowest
+participant saves; the default global batch counts the replica groups; a stop asked in
+one group is agreed by every group after the same step. Each test names the one-line
+bug it catches (issue #49's mutants among them)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import CONFIG
+
+from harness.ft_quorum import Quorum
+from torchtitan import parallel
+from torchtitan.checkpoint import TrainState
+from torchtitan.checkpoint.stateful import training_components
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader
+from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.faults import replica_steps
+from torchtitan.faults.fault_tolerance import LowestGroupSaves, ReplicaGroup
+from torchtitan.faults.preemption import Preemption
+
+ONE_RANK = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+# Global batch 4, 8 from step 3, 6 from step 6: a step number one off reads another size.
+SCHEDULE = ["--training.seq_len", "15", "--training.batch_size", "2",
+            "--training.batch_size_schedule", "0:4,3:8,6:6"]  # fmt: skip
+
+
+def _cfg(tmp_path, *extra):
+    return parse_args([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                       "http://127.0.0.1:1", "--job.dump_folder", str(tmp_path), *extra])  # fmt: skip
+
+
+class Group:
+    """One replica group of one rank: a real loader, a tiny model, the real
+    ``ReplicaGroup`` on the in-process quorum's manager."""
+
+    def __init__(self, quorum: Quorum, gid: int, cfg, tokenizer):
+        self.gid = gid
+        self.loader = build_dataloader(cfg, tokenizer, 0, 1)
+        self.model = torch.nn.Linear(4, 1, bias=False)
+        self.state = TrainState()
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        components = training_components(cfg, ONE_RANK, model=self.model, optimizer=optimizer,
+                                         dataloader=self.loader, train_state=self.state,
+                                         fingerprint={})  # fmt: skip
+        manager = quorum.manager(gid)
+        self.replicas = ReplicaGroup(cfg, ONE_RANK, self.loader, components, self.model,
+                                     self.state, manager=manager)  # fmt: skip
+        manager.replica = self.replicas
+        self.read: dict[int, list] = {}  # committed step -> this group's windows
+        self.tries = []  # (step tried, committed, loader (position, step) after)
+
+    def try_step(self, dies: bool = False):
+        batches = self.replicas.next_step()
+        windows = [row.tolist() for b in batches for row in b["input"]]
+        if dies:  # killed before the all-reduce
+            return
+        self.model.zero_grad()
+        loss = (self.model.weight.sum() * float(len(windows))).reshape(())
+        loss.backward()
+        ok = self.replicas.commit(loss.detach().clone())
+        if ok:  # what the loop does after a committed step
+            self.state.step += 1
+            self.read[self.state.step] = windows
+        self.tries.append((self.state.step + (not ok), ok, self.loader.position.windows,
+                           self.loader.step))  # fmt: skip
+
+
+def _plain_steps(cfg, tokenizer, steps: int) -> list[list]:
+    loader = build_dataloader(cfg, tokenizer, 0, 1)
+    return [[row.tolist() for b in loader.next_step() for row in b["input"]] for _ in range(steps)]
+
+
+def _round(quorum, groups, dies=(), fails=False):
+    quorum.round([g.gid for g in groups], dies=dies, fails=fails)
+    quorum.run({g.gid: (lambda g=g: g.try_step(g.gid in dies)) for g in groups})
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    """Two groups: a vote that fails (both rewind), group 1 dies during step 3 (group 0
+    tries it again alone), group 0 trains alone, group 1 starts afresh and heals at step 5,
+    and a stop asked by group 1 alone at step 6."""
+    tmp = tmp_path_factory.mktemp("ft")
+    cfg = _cfg(tmp, *SCHEDULE)
+    tokenizer = build_tokenizer(cfg.model)
+    quorum = Quorum()
+    g0, g1 = Group(quorum, 0, cfg, tokenizer), Group(quorum, 1, cfg, tokenizer)
+    rounds = {"lowest": [], "stop": []}
+    _round(quorum, [g0, g1])  # step 1
+    _round(quorum, [g0, g1], fails=True)  # step 2, not committed: both rewind
+    _round(quorum, [g0, g1])  # step 2
+    rounds["lowest"].append((g0.replicas.lowest, g1.replicas.lowest))
+    _round(quorum, [g0, g1], dies=(1,))  # step 3: group 1 dies, nobody commits
+    _round(quorum, [g0])  # step 3, alone
+    _round(quorum, [g0])  # step 4
+    again = Group(quorum, 1, cfg, tokenizer)  # started afresh: step 0, position 0
+    _round(quorum, [g0, again])  # heals at step 4, step 5 together
+    again.replicas.asked_to_stop = lambda: True  # a signal to group 1 only
+    for _ in range(2):  # steps 6, 7
+        _round(quorum, [g0, again])
+        rounds["stop"].append((g0.replicas.stop_agreed, again.replicas.stop_agreed))
+    return {"g0": g0, "g1": g1, "again": again, "rounds": rounds,
+            "plain": _plain_steps(cfg, tokenizer, 7)}  # fmt: skip
+
+
+def test_every_committed_step_reads_the_uninterrupted_runs_windows(faulted):
+    """Catches: the rewind forgetting the position (the retry reads the next step's
+    windows), the rewind's step number one off (the retry reads another global batch),
+    a heal without the loader's position (the healed group reads from the start)."""
+    g0, g1, again, plain = faulted["g0"], faulted["g1"], faulted["again"], faulted["plain"]
+    for step in range(1, 8):
+        readers = [g for g in (g0, g1, again) if step in g.read]
+        got = [w for g in sorted(readers, key=lambda g: g.gid) for w in g.read[step]]
+        assert got == plain[step - 1], f"step {step}: {[g.gid for g in readers]}"
+    assert sorted(g0.read) == list(range(1, 8)) and sorted(again.read) == [5, 6, 7]
+
+
+def test_a_try_that_is_not_committed_puts_position_and_step_back(faulted):
+    """Catches: the rewind setting the step one off, or only the step (no seek)."""
+    g0, g1 = faulted["g0"], faulted["g1"]
+    failed = [t for t in g0.tries if not t[1]]
+    assert [t[0] for t in failed] == [2, 3]
+    committed_after = {t[0]: t for t in g0.tries if t[1]}
+    for step, _, windows, loader_step in failed:
+        before = committed_after[step - 1]
+        assert (windows, loader_step) == (before[2], before[3]) == (before[2], step - 1)
+    assert [t[1] for t in g1.tries] == [True, False, True]  # it died before its 4th
+
+
+def test_a_heal_carries_the_loaders_position_and_the_train_state(faulted):
+    """Catches: a heal that leaves out the loader (or the train state)."""
+    g0, again = faulted["g0"], faulted["again"]
+    assert again.replicas.healed_at == 4
+    assert again.loader.position.windows == g0.loader.position.windows
+    assert again.loader.step == g0.loader.step == again.state.step == g0.state.step == 7
+
+
+def test_the_lowest_participant_saves_and_says_so(faulted, tmp_path):
+    """Catches: LowestGroupSaves letting another participant save, and a log line that
+    says a checkpoint exists where the group skipped the save."""
+    assert faulted["rounds"]["lowest"] == [(True, False)]
+    assert [replica_steps.saves(r) for r in (0, 1, 2, None)] == [True, False, False, False]
+
+    class Recorder:  # the CheckpointManager's calls as LowestGroupSaves makes them
+        def __init__(self):
+            self.saved = []
+
+        def should_save(self, step):
+            return True
+
+        def save(self, step, **kw):
+            self.saved.append(step)
+
+    g0, g1 = faulted["g0"], faulted["g1"]
+    records = []
+    for group in (g0, g1):  # the last quorum: group 1's last round, both took part
+        saver = LowestGroupSaves(Recorder(), group.replicas)
+        records.append((saver.should_save(2), saver.save(2), saver._checkpoint.saved))
+    assert records == [(True, True, [2]), (False, False, [])]
+
+
+def test_a_stop_asked_in_one_group_is_agreed_after_the_same_step(faulted):
+    """Catches: the stop read from this group's own flag instead of the all-reduced one
+    (group 0, never signalled, would train on while group 1 leaves)."""
+    assert faulted["rounds"]["stop"] == [(True, True), (True, True)]
+    assert faulted["g0"].replicas.asked_to_stop() is False
+
+
+def test_the_stop_log_never_claims_a_checkpoint_it_did_not_write(caplog):
+    preemption = Preemption(ONE_RANK, [])
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        logging.getLogger("torchtitan").propagate = True
+        try:
+            preemption.said_stop(5, written=False)
+            preemption.said_stop(6)
+        finally:
+            logging.getLogger("torchtitan").propagate = False
+    lines = [r.getMessage() for r in caplog.records]
+    assert "written" not in lines[0] and "not this one" in lines[0], lines
+    assert "checkpoint step-6 written" in lines[1], lines  # negative control
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_the_default_global_batch_counts_the_replica_groups(tmp_path, groups):
+    """Catches: the default global batch forgetting the replica groups (a job of N
+    groups training on one group's batch)."""
+    cfg = _cfg(tmp_path, "--training.batch_size", "2", "--fault_tolerance.replica_groups",
+               str(groups))  # fmt: skip
+    loader = build_dataloader(cfg, build_tokenizer(cfg.model), 0, 1)
+    ReplicaGroup(cfg, ONE_RANK, loader, {}, torch.nn.Linear(1, 1), TrainState(),
+                 manager=Quorum().manager(0))  # fmt: skip
+    assert loader.schedule.global_batch(0) == 2 * groups
+    # negative control: a global batch the config sets holds as it is
+    set_batch = _cfg(tmp_path, "--training.batch_size", "2", "--training.global_batch_size", "6")
+    assert replica_steps.default_schedule(set_batch.training, 1, 0, groups) is None
+    four = replica_steps.default_schedule(cfg.training, 4, 1, groups)
+    assert (four.global_batch(0), four.dp_world) == (2 * 4 * groups, 4)
