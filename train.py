@@ -256,14 +256,21 @@ def train_loop(run: Run, preemption: Preemption):
             # Asked after every step, save steps included: a signal that lands during a
             # save is acted on right after it, and that save is the preemption's.
             if preemption.requested():
-                written = saved or run.checkpoint.save(state.step) is not False
-                run.checkpoint.close()
-                preemption.said_stop(state.step, written)
+                stop_with_checkpoint(run.checkpoint, preemption, state.step, saved)
                 break
             profiler.step(state.step)
     run.checkpoint.close()
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def stop_with_checkpoint(checkpoint, preemption: Preemption, step: int, saved: bool):
+    """The preemption's stop after ``step``: its checkpoint (unless this step's save
+    already wrote it), the manager closed, and a log line that says whether this
+    process's group wrote it (fault tolerance: only the lowest live group does)."""
+    written = saved or checkpoint.save(step) is not False
+    checkpoint.close()
+    preemption.said_stop(step, written)
 
 
 def save_if_due(run: Run, step: int, last_step: int) -> bool:

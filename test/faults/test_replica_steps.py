@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import CONFIG
 
+import train as train_script
 from harness.ft_quorum import Quorum
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
@@ -54,6 +55,7 @@ class Group:
                                      self.state, manager=manager)  # fmt: skip
         manager.replica = self.replicas
         self.read: dict[int, list] = {}  # committed step -> this group's windows
+        self.losses = {}  # committed step -> (own loss, the participants' mean)
         self.tries = []  # (step tried, committed, loader (position, step) after)
 
     def try_step(self, dies: bool = False):
@@ -64,12 +66,31 @@ class Group:
         self.model.zero_grad()
         loss = (self.model.weight.sum() * float(len(windows))).reshape(())
         loss.backward()
-        ok = self.replicas.commit(loss.detach().clone())
+        averaged = loss.detach().clone()
+        ok = self.replicas.commit(averaged)
         if ok:  # what the loop does after a committed step
             self.state.step += 1
             self.read[self.state.step] = windows
+            self.losses[self.state.step] = (loss.detach(), averaged)
         self.tries.append((self.state.step + (not ok), ok, self.loader.position.windows,
                            self.loader.step))  # fmt: skip
+
+
+class Recorder:
+    """The CheckpointManager's calls as LowestGroupSaves and the stop make them (what is
+    tested is who calls, not what DCP writes)."""
+
+    def __init__(self):
+        self.saved = []
+
+    def should_save(self, step):
+        return True
+
+    def save(self, step, **kw):
+        self.saved.append(step)
+
+    def close(self):
+        return None
 
 
 def _plain_steps(cfg, tokenizer, steps: int) -> list[list]:
@@ -106,8 +127,12 @@ def faulted(tmp_path_factory):
     for _ in range(2):  # steps 6, 7
         _round(quorum, [g0, again])
         rounds["stop"].append((g0.replicas.stop_agreed, again.replicas.stop_agreed))
-    return {"g0": g0, "g1": g1, "again": again, "rounds": rounds,
-            "plain": _plain_steps(cfg, tokenizer, 7)}  # fmt: skip
+    # Group 0 leaves and group 2 joins in the same step: the count stays 2, but group 1
+    # is now the first participant (its split changes at the same count).
+    g2 = Group(quorum, 2, cfg, tokenizer)
+    _round(quorum, [again, g2])  # step 8
+    return {"g0": g0, "g1": g1, "again": again, "g2": g2, "rounds": rounds,
+            "plain": _plain_steps(cfg, tokenizer, 8)}  # fmt: skip
 
 
 def test_every_committed_step_reads_the_uninterrupted_runs_windows(faulted):
@@ -115,11 +140,11 @@ def test_every_committed_step_reads_the_uninterrupted_runs_windows(faulted):
     windows), the rewind's step number one off (the retry reads another global batch),
     a heal without the loader's position (the healed group reads from the start)."""
     g0, g1, again, plain = faulted["g0"], faulted["g1"], faulted["again"], faulted["plain"]
-    for step in range(1, 8):
-        readers = [g for g in (g0, g1, again) if step in g.read]
+    for step in range(1, 9):
+        readers = [g for g in (g0, g1, again, faulted["g2"]) if step in g.read]
         got = [w for g in sorted(readers, key=lambda g: g.gid) for w in g.read[step]]
         assert got == plain[step - 1], f"step {step}: {[g.gid for g in readers]}"
-    assert sorted(g0.read) == list(range(1, 8)) and sorted(again.read) == [5, 6, 7]
+    assert sorted(g0.read) == list(range(1, 8)) and sorted(again.read) == [5, 6, 7, 8]
 
 
 def test_a_try_that_is_not_committed_puts_position_and_step_back(faulted):
@@ -137,9 +162,10 @@ def test_a_try_that_is_not_committed_puts_position_and_step_back(faulted):
 def test_a_heal_carries_the_loaders_position_and_the_train_state(faulted):
     """Catches: a heal that leaves out the loader (or the train state)."""
     g0, again = faulted["g0"], faulted["again"]
-    assert again.replicas.healed_at == 4
-    assert again.loader.position.windows == g0.loader.position.windows
-    assert again.loader.step == g0.loader.step == again.state.step == g0.state.step == 7
+    assert again.loader.position.windows == faulted["g2"].loader.position.windows
+    assert again.replicas.healed_at == 4 and faulted["g2"].replicas.healed_at == 7
+    assert g0.loader.step == g0.state.step == 7
+    assert again.loader.step == again.state.step == faulted["g2"].state.step == 8
 
 
 def test_the_lowest_participant_saves_and_says_so(faulted, tmp_path):
@@ -148,19 +174,8 @@ def test_the_lowest_participant_saves_and_says_so(faulted, tmp_path):
     assert faulted["rounds"]["lowest"] == [(True, False)]
     assert [replica_steps.saves(r) for r in (0, 1, 2, None)] == [True, False, False, False]
 
-    class Recorder:  # the CheckpointManager's calls as LowestGroupSaves makes them
-        def __init__(self):
-            self.saved = []
-
-        def should_save(self, step):
-            return True
-
-        def save(self, step, **kw):
-            self.saved.append(step)
-
-    g0, g1 = faulted["g0"], faulted["g1"]
     records = []
-    for group in (g0, g1):  # the last quorum: group 1's last round, both took part
+    for group in (faulted["again"], faulted["g2"]):  # the last quorum: groups 1 and 2
         saver = LowestGroupSaves(Recorder(), group.replicas)
         records.append((saver.should_save(2), saver.save(2), saver._checkpoint.saved))
     assert records == [(True, True, [2]), (False, False, [])]
@@ -173,18 +188,22 @@ def test_a_stop_asked_in_one_group_is_agreed_after_the_same_step(faulted):
     assert faulted["g0"].replicas.asked_to_stop() is False
 
 
-def test_the_stop_log_never_claims_a_checkpoint_it_did_not_write(caplog):
+def test_the_stop_log_never_claims_a_checkpoint_it_did_not_write(faulted, caplog):
+    """Catches: the stop's log line saying ``checkpoint step-N written`` in a group whose
+    LowestGroupSaves skipped the save."""
     preemption = Preemption(ONE_RANK, [])
+    logger = logging.getLogger("torchtitan")
     with caplog.at_level(logging.WARNING, logger="torchtitan"):
-        logging.getLogger("torchtitan").propagate = True
+        logger.propagate = True
         try:
-            preemption.said_stop(5, written=False)
-            preemption.said_stop(6)
+            for group in (faulted["g2"], faulted["again"]):  # not the lowest, then the lowest
+                saver = LowestGroupSaves(Recorder(), group.replicas)
+                train_script.stop_with_checkpoint(saver, preemption, 5, saved=False)
         finally:
-            logging.getLogger("torchtitan").propagate = False
-    lines = [r.getMessage() for r in caplog.records]
+            logger.propagate = False
+    lines = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
     assert "written" not in lines[0] and "not this one" in lines[0], lines
-    assert "checkpoint step-6 written" in lines[1], lines  # negative control
+    assert "checkpoint step-5 written" in lines[1], lines  # negative control
 
 
 @pytest.mark.parametrize("groups", [1, 3])
@@ -202,3 +221,37 @@ def test_the_default_global_batch_counts_the_replica_groups(tmp_path, groups):
     assert replica_steps.default_schedule(set_batch.training, 1, 0, groups) is None
     four = replica_steps.default_schedule(cfg.training, 4, 1, groups)
     assert (four.global_batch(0), four.dp_world) == (2 * 4 * groups, 4)
+
+
+def test_the_logged_loss_is_the_participants_mean(faulted):
+    """Catches: the loss read from another slot of the all-reduced buffer."""
+    g0, again = faulted["g0"], faulted["again"]
+    for step in (5, 6, 7):
+        own = [g.losses[step][0] for g in (g0, again)]
+        assert g0.losses[step][1] == again.losses[step][1] == (own[0] + own[1]) / 2, step
+    assert g0.losses[4][1] == g0.losses[4][0]  # alone: its own
+
+
+def test_the_loop_stops_on_the_agreed_flag_not_its_own(faulted):
+    """Catches: ``Preemption.requested`` reading this group's own flag under fault
+    tolerance (the group never signalled would train on)."""
+    preemption = Preemption(ONE_RANK, ["SIGUSR2"])
+    try:
+        preemption.agree_across(faulted["g0"].replicas)
+        assert preemption.received is None and preemption.requested()
+    finally:
+        preemption.close()
+    plain = Preemption(ONE_RANK, ["SIGUSR2"])  # negative control: no signal, no stop
+    try:
+        assert not plain.requested()
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("participants, group_world", [(1, 1), (3, 1), (3, 4), (5, 8)])
+def test_each_group_rank_reads_its_own_share_of_the_step(participants, group_world):
+    """Catches: groups and their ranks interleaved another way (ranks of one group not
+    contiguous, or two ranks of the step on one slice)."""
+    ranks = [replica_steps.step_rank(p, participants, r, group_world)
+             for p in range(participants) for r in range(group_world)]  # fmt: skip
+    assert ranks == [(i, participants * group_world) for i in range(participants * group_world)]
