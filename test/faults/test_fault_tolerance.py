@@ -60,6 +60,61 @@ def test_without_torchft_the_section_is_one_line(monkeypatch):
     parse_args([*CONFIG])
 
 
+# ---- the lighthouse ------------------------------------------------------------------------
+
+
+def _port_nobody_listens_on() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_lighthouse_is_one_line_within_the_quorum_timeout(tmp_path):
+    """The group's manager cannot reach the lighthouse: one FaultToleranceError (a user
+    error: one line, no traceback) naming the address and the setting, within
+    fault_tolerance.quorum_timeout_seconds (1 s here), not torchft's own 30 s."""
+    from torchtitan import parallel
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, _torchft_manager
+
+    address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
+    cfg = parse_args([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                      address, "--fault_tolerance.quorum_timeout_seconds", "1",
+                      "--job.dump_folder", str(tmp_path)])  # fmt: skip
+    dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    begin = time.monotonic()
+    with pytest.raises(FaultToleranceError) as e:
+        _torchft_manager(cfg, dims, None, None)
+    took = time.monotonic() - begin
+    line = str(e.value)
+    assert address in line and "fault_tolerance.quorum_timeout_seconds 1" in line, line
+    assert "\n" not in line and took < 5, took
+    import train as train_script
+
+    assert issubclass(FaultToleranceError, train_script.USER_ERRORS)  # said as one line
+    # negative control: a lighthouse that listens is reached
+    from torchtitan.tools.ft_launch import start_lighthouse
+
+    server = start_lighthouse()
+    try:
+        cfg.fault_tolerance.lighthouse = server.address()
+        manager, store = _torchft_manager(cfg, dims, None, None)
+        manager.shutdown(wait=False)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_an_unreachable_lighthouse_stops_the_run_with_one_line():
+    address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
+    status, log = run_main([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                            address, "--fault_tolerance.quorum_timeout_seconds", "2"])  # fmt: skip
+    lines = error_lines(log)
+    assert status == 1 and len(lines) == 1 and address in lines[0], log[-2000:]
+    assert "Traceback" not in log
+
+
 # ---- the split ----------------------------------------------------------------------------
 
 

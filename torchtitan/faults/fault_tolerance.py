@@ -211,12 +211,12 @@ def _torchft_manager(cfg, dims, heal, state_dict):
             init_sync=False,
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - one line: the lighthouse cannot be reached
+        why = (str(e).splitlines() or [""])[0].split("; ")[0][:160]  # torchft's first clause
         raise FaultToleranceError(
             f"replica group {ft.replica_id}: cannot reach the lighthouse {lighthouse} within "
-            f"fault_tolerance.quorum_timeout_seconds {ft.quorum_timeout_seconds} "
-            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); start it "
-            "(torchft_lighthouse, docs/fault_tolerance.md) or fix fault_tolerance.lighthouse "
-            "/ TORCHFT_LIGHTHOUSE"
+            f"fault_tolerance.quorum_timeout_seconds {ft.quorum_timeout_seconds:g} ({why}); "
+            "start it (torchft_lighthouse, docs/fault_tolerance.md), fix "
+            "fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE, or raise the timeout"
         ) from None
     return manager, store
 
