@@ -181,11 +181,45 @@ def test_the_lowest_participant_saves_and_says_so(faulted, tmp_path):
     assert records == [(True, True, [2]), (False, False, [])]
 
 
-def test_a_stop_asked_in_one_group_is_agreed_after_the_same_step(faulted):
-    """Catches: the stop read from this group's own flag instead of the all-reduced one
-    (group 0, never signalled, would train on while group 1 leaves)."""
-    assert faulted["rounds"]["stop"] == [(True, True), (True, True)]
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """Two groups with fault_tolerance.min_replica_groups 2; group 1 alone is signalled
+    (the first of a scheduler's signals, node by node) before step 2's commit."""
+    cfg = _cfg(tmp_path_factory.mktemp("min2"), *SCHEDULE, "--fault_tolerance.min_replica_groups",
+               "2")  # fmt: skip
+    tokenizer = build_tokenizer(cfg.model)
+    quorum = Quorum()
+    g0, g1 = Group(quorum, 0, cfg, tokenizer), Group(quorum, 1, cfg, tokenizer)
+    stops = []
+    for step in (1, 2):
+        g1.replicas.asked_to_stop = lambda step=step: step == 2
+        _round(quorum, [g0, g1])
+        stops.append((g0.replicas.stop_agreed, g1.replicas.stop_agreed))
+    return {"g0": g0, "g1": g1, "stops": stops}
+
+
+def test_a_signalled_group_leaves_and_the_others_train_on(faulted):
+    """min_replica_groups 1: the signalled group stops after the step its vote went in,
+    the other trains on alone. Catches: a stop that takes every group (or none)."""
+    assert faulted["rounds"]["stop"] == [(False, True), (False, True)]
     assert faulted["g0"].replicas.asked_to_stop() is False
+
+
+def test_when_too_few_would_be_left_every_group_stops_after_the_same_step(preempted):
+    """min_replica_groups 2: group 1's signal stops group 0 after the same step, instead
+    of leaving it to wait for a quorum that cannot come (issue #49's 100 ms case).
+    Catches: the stop read from this group's own flag, not the all-reduced votes."""
+    assert preempted["stops"] == [(False, False), (True, True)]
+
+
+@pytest.mark.parametrize(
+    "asked, leaving, participants, least, stops",
+    [(True, 1, 3, 1, True), (False, 1, 3, 2, False), (False, 2, 3, 2, True),
+     (False, 0, 1, 2, False), (False, 1, 2, 2, True), (False, 1, 2, 1, False)],
+)  # fmt: skip
+def test_who_stops_after_a_step(asked, leaving, participants, least, stops):
+    assert replica_steps.stops_after_step(asked, leaving, participants, least) is stops
+    assert replica_steps.leaving_groups(leaving / participants, participants) == leaving
 
 
 def test_the_stop_log_never_claims_a_checkpoint_it_did_not_write(faulted, caplog):
@@ -202,7 +236,7 @@ def test_the_stop_log_never_claims_a_checkpoint_it_did_not_write(faulted, caplog
         finally:
             logger.propagate = False
     lines = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
-    assert "written" not in lines[0] and "not this one" in lines[0], lines
+    assert "written" not in lines[0] and "no checkpoint from this" in lines[0], lines
     assert "checkpoint step-5 written" in lines[1], lines  # negative control
 
 
@@ -232,12 +266,12 @@ def test_the_logged_loss_is_the_participants_mean(faulted):
     assert g0.losses[4][1] == g0.losses[4][0]  # alone: its own
 
 
-def test_the_loop_stops_on_the_agreed_flag_not_its_own(faulted):
+def test_the_loop_stops_on_the_agreed_flag_not_its_own(preempted):
     """Catches: ``Preemption.requested`` reading this group's own flag under fault
-    tolerance (the group never signalled would train on)."""
+    tolerance (the group never signalled would wait for a quorum that cannot come)."""
     preemption = Preemption(ONE_RANK, ["SIGUSR2"])
     try:
-        preemption.agree_across(faulted["g0"].replicas)
+        preemption.agree_across(preempted["g0"].replicas)
         assert preemption.received is None and preemption.requested()
     finally:
         preemption.close()

@@ -47,14 +47,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan import parallel
 from torchtitan.config import ConfigError
 from torchtitan.faults.replica_steps import (
     StepTry,
     default_schedule,
+    leaving_groups,
     saves,
     split_loader,
-    stop_agreed,
     stop_vote,
+    stops_after_step,
 )
 
 logger = logging.getLogger("torchtitan")
@@ -249,7 +251,8 @@ class ReplicaGroup:
         self.quorum_s = 0.0  # what the last quorum cost the loop
         self.healed_at: int | None = None
         # The stop agreement (preemption.py): this rank's flag, asked at each commit, and
-        # whether a participant of the last committed step had one.
+        # whether this group stops after the last committed step (it was signalled, or
+        # too few groups would be left after those that were).
         self.asked_to_stop = lambda: False
         self.stop_agreed = False
         # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
@@ -314,7 +317,9 @@ class ReplicaGroup:
         same windows."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        vote = torch.tensor([stop_vote(self.asked_to_stop())], device=loss.device)
+        # The group's stop vote, the same on its ranks, so that the all-reduce counts groups.
+        asked = parallel.any_rank(self.dims, self.asked_to_stop())
+        vote = torch.tensor([stop_vote(asked)], device=loss.device)
         flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float(), vote])
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
@@ -326,8 +331,14 @@ class ReplicaGroup:
                 g.copy_(flat[i : i + g.numel()].view_as(g))
                 i += g.numel()
             loss.copy_(flat[-2])
-            # averaged over the participants: any vote leaves a sum above 0
-            self.stop_agreed = stop_agreed(float(flat[-1]))
+            leaving = leaving_groups(float(flat[-1]), self.participants)
+            self.stop_agreed = stops_after_step(asked, leaving, self.participants,
+                                                self.cfg.fault_tolerance.min_replica_groups)  # fmt: skip
+            if leaving and not asked:
+                logger.warning("step %d: %d of %d replica groups leave (preempted)%s",
+                               self._try.number, leaving, self.participants,
+                               "; too few are left: this one stops too" if self.stop_agreed
+                               else "; this one trains on")  # fmt: skip
         else:
             logger.warning("step %d not committed: it is tried again with the same windows",
                            self._try.number)  # fmt: skip

@@ -45,10 +45,12 @@ class Preemption:
         self.received = self.received or signal.Signals(signum).name
 
     def agree_across(self, replicas):
-        """Fault tolerance: agree on the stop across the replica groups too. Each rank's
-        flag travels in its committed step's cross-group all-reduce (``replicas.commit``),
-        so every group learns of a signal to any group after the same step, however far
-        apart the signals land; the group's own agreement then combines its ranks'."""
+        """Fault tolerance: agree on the stop across the replica groups too. The group's
+        flag travels in its committed step's cross-group all-reduce (``replicas.commit``):
+        a signalled group leaves after that step and the others train on, unless fewer
+        than ``min_replica_groups`` would be left, in which case every group stops after
+        that same step (a scheduler preempting the whole job, node by node), however far
+        apart the signals land."""
         self._across = replicas
         replicas.asked_to_stop = lambda: self.received is not None
 
@@ -72,8 +74,8 @@ class Preemption:
         if written:
             logger.warning("preempted at step %d: checkpoint step-%d written (%s)", step, step, why)
         else:
-            logger.warning("preempted at step %d (%s): the lowest live replica group writes "
-                           "checkpoint step-%d, not this one", step, why, step)  # fmt: skip
+            logger.warning("preempted at step %d (%s): no checkpoint from this replica group "
+                           "(only the lowest live one writes the job's)", step, why)  # fmt: skip
 
     def close(self):
         for signum, handler in self._previous.items():

@@ -7,7 +7,7 @@ loader's split (``split_loader``); the try of a step (``StepTry``: where it bega
 the rewind of the position and the step number when it is not committed); which group
 writes the job's checkpoints (``saves``); the default global batch over the groups
 (``default_schedule``); the stop agreement carried in the step's all-reduce
-(``stop_vote``, ``stop_agreed``).
+(``stop_vote``, ``leaving_groups``, ``stops_after_step``).
 
 Cost: O(1) a step for each (the split: a seek when the participant count changes,
 nothing otherwise; a rewind: one seek, which restarts the loader's workers if it has
@@ -88,13 +88,21 @@ def saves(participating_rank: int | None) -> bool:
     return participating_rank == 0
 
 
-def stop_vote(received: bool) -> float:
-    """This rank's part of the stop agreement, summed with the gradients in the step's
-    cross-group all-reduce."""
-    return 1.0 if received else 0.0
+def stop_vote(asked: bool) -> float:
+    """This group's part of the stop agreement (1 where any of its ranks received a
+    signal), averaged with the gradients in the step's cross-group all-reduce."""
+    return 1.0 if asked else 0.0
 
 
-def stop_agreed(summed: float) -> bool:
-    """Whether any participant of the committed step asked to stop: every participant
-    reads the same sum, so every group stops after the same step."""
-    return summed > 0
+def leaving_groups(mean_vote: float, participants: int) -> int:
+    """How many of the committed step's participants asked to stop, from the vote's
+    all-reduced mean: the same count on every rank of every participant."""
+    return round(mean_vote * participants)
+
+
+def stops_after_step(asked: bool, leaving: int, participants: int, min_groups: int) -> bool:
+    """Whether this group stops after the committed step: it asked (a signal reached
+    it: it leaves, the others may train on), or so many leave that fewer than
+    ``min_groups`` would be left (the job cannot commit another step: every group stops
+    after the same step instead of waiting for a quorum that cannot come)."""
+    return asked or (leaving > 0 and participants - leaving < min_groups)
