@@ -206,6 +206,8 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
         # Handlers go up before the load: a signal from here on stops the job at a step boundary.
         stop = cfg.checkpoint.save_on_signal if run.checkpoint.enabled else []
         preemption = Preemption(dims, stop)
+        if run.replicas is not None:  # the stop is agreed across the groups, not in one
+            preemption.agree_across(run.replicas)
         try:
             resume(run)
             train_loop(run, preemption)
@@ -264,10 +266,7 @@ def train_loop(run: Run, preemption: Preemption):
             # Asked after every step, save steps included: a signal that lands during a
             # save is acted on right after it, and that save is the preemption's.
             if preemption.requested():
-                if not saved:
-                    run.checkpoint.save(state.step)
-                run.checkpoint.close()
-                preemption.said_stop(state.step)
+                stop_with_checkpoint(run.checkpoint, preemption, state.step, saved)
                 break
             profiler.step(state.step)
     run.checkpoint.close()
@@ -317,14 +316,23 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
         )  # fmt: skip
 
 
+def stop_with_checkpoint(checkpoint, preemption: Preemption, step: int, saved: bool):
+    """The preemption's stop after ``step``: its checkpoint (unless this step's save
+    already wrote it), the manager closed, and a log line that says whether this
+    process's group wrote it (fault tolerance: only the lowest live group does)."""
+    written = saved or checkpoint.save(step) is not False
+    checkpoint.close()
+    preemption.said_stop(step, written)
+
+
 def save_if_due(run: Run, step: int, last_step: int) -> bool:
     """Save ``step`` every checkpoint.interval steps and where the job stops (weights
     only at the training's last step under checkpoint.model_weights_only); whether it
-    saved."""
+    saved (fault tolerance: False in a group that does not write the job's)."""
     due = run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
-    if due:
-        run.checkpoint.save(step, final=step == run.cfg.training.steps)
-    return due
+    if due:  # LowestGroupSaves.save says False where it skipped; a plain manager None
+        return run.checkpoint.save(step, final=step == run.cfg.training.steps) is not False
+    return False
 
 
 def feed_and_step(run: Run, batch_loss: BatchLoss):

@@ -152,6 +152,13 @@ def check_ft(r: dict):
     assert restart["steps_trained_again"] >= 0
 
 
+def check_ft_sim(r: dict):
+    sim = r["simulation"]
+    assert sim["committed"] == sim["steps"], "every step committed and checked"
+    assert sim["deaths"] > 0 and sim["uncommitted"] > 0, "the run went through faults"
+    assert positive(sim["rewind_us_median"], r["split"]["unchanged_us"], r["split"]["changed_us"])
+
+
 def check_firstpass(r: dict):
     med = r["medians"]
     for row in ("cold 0", "warm 0", "map ours"):
@@ -185,6 +192,7 @@ CHECKS = {
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,
+    "bench_ft_sim.py": check_ft_sim,
     "bench_data.py": check_data,
     "bench_order.py": check_order,
     "bench_pretokenized.py": check_pretokenized,
@@ -294,6 +302,10 @@ NONSENSE = [
                 "restart": {"kill_to_first_step_s": 1.0, "step_ms_median": 1.0,
                             "steps_trained_again": 1}},
      "the joiner must have healed"),
+    (check_ft_sim, {"simulation": {"committed": 10, "steps": 10, "deaths": 0, "uncommitted": 0,
+                                   "rewind_us_median": 1.0},
+                    "split": {"unchanged_us": 1.0, "changed_us": 1.0}},
+     "the run went through faults"),
     (check_firstpass, {"medians": {row: {"first_s": 1.0, "window_tps": 1.0, "pass_tps": 1.0,
                                          "memory_first": 1.0, "tokenized_over_read": 2.0}
                                    for row in ("cold 0", "warm 0", "map ours")},

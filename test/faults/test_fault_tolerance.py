@@ -60,6 +60,61 @@ def test_without_torchft_the_section_is_one_line(monkeypatch):
     parse_args([*CONFIG])
 
 
+# ---- the lighthouse ------------------------------------------------------------------------
+
+
+def _port_nobody_listens_on() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_lighthouse_is_one_line_within_the_quorum_timeout(tmp_path):
+    """The group's manager cannot reach the lighthouse: one FaultToleranceError (a user
+    error: one line, no traceback) naming the address and the setting, within
+    fault_tolerance.quorum_timeout_seconds (1 s here), not torchft's own 30 s."""
+    from torchtitan import parallel
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, _torchft_manager
+
+    address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
+    cfg = parse_args([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                      address, "--fault_tolerance.quorum_timeout_seconds", "1",
+                      "--job.dump_folder", str(tmp_path)])  # fmt: skip
+    dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    begin = time.monotonic()
+    with pytest.raises(FaultToleranceError) as e:
+        _torchft_manager(cfg, dims, None, None)
+    took = time.monotonic() - begin
+    line = str(e.value)
+    assert address in line and "fault_tolerance.quorum_timeout_seconds 1" in line, line
+    assert "\n" not in line and took < 5, took
+    import train as train_script
+
+    assert issubclass(FaultToleranceError, train_script.USER_ERRORS)  # said as one line
+    # negative control: a lighthouse that listens is reached
+    from torchtitan.tools.ft_launch import start_lighthouse
+
+    server = start_lighthouse()
+    try:
+        cfg.fault_tolerance.lighthouse = server.address()
+        manager, store = _torchft_manager(cfg, dims, None, None)
+        manager.shutdown(wait=False)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_an_unreachable_lighthouse_stops_the_run_with_one_line():
+    address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
+    status, log = run_main([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                            address, "--fault_tolerance.quorum_timeout_seconds", "2"])  # fmt: skip
+    lines = error_lines(log)
+    assert status == 1 and len(lines) == 1 and address in lines[0], log[-2000:]
+    assert "Traceback" not in log
+
+
 # ---- the split ----------------------------------------------------------------------------
 
 
@@ -316,6 +371,66 @@ def test_a_whole_job_restart_resumes_from_the_lowest_groups_checkpoint_exactly(t
     g0, g1 = _both_groups(tmp_path, "again", run)
     assert "step-7" in g0.split("loaded checkpoint", 1)[1][:300], g0[-3000:]
     assert "healed from a live peer" in g1, g1[-3000:]
+    assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
+    reference = torch.load(ref[0] / "final_weights.pt")
+    for folder in run:
+        weights = torch.load(folder / "final_weights.pt")
+        assert all(torch.equal(weights[k], reference[k]) for k in reference), folder
+
+
+def _workers(proc) -> list[int]:
+    """The train.py processes of a group's torchrun (children in sessions of their own)."""
+    from pathlib import Path
+
+    pids = []
+    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+        try:
+            pids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.slow
+def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit_equal(tmp_path):
+    """SIGTERM to group 0's rank, and 100 ms later to group 1's (a scheduler signalling
+    node by node), with fault_tolerance.min_replica_groups 2: the stop is agreed through
+    the step's all-reduce, so both groups stop after the same step and exit 0; group 0
+    (the lowest) writes that step's checkpoint, group 1 writes none and its log does not
+    claim one; the relaunch equals an uninterrupted run bit for bit. (Before: the group
+    signalled first left alone, the other waited for a quorum that could not come.)"""
+    from torchtitan.checkpoint import complete_steps
+    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
+
+    ref = [tmp_path / "ref0", tmp_path / "ref1"]
+    _both_groups(tmp_path, "ref", ref)
+    run = [tmp_path / "run0", tmp_path / "run1"]
+    server = start_lighthouse(min_replicas=2)
+    shim = shim_env(tmp_path / "shim", SHIM)
+    logs = [tmp_path / f"signalled_g{i}.log" for i in range(2)]
+    try:
+        groups = [start_group(group_command(i, 2, 1, server.address(), tmp_path, DISK, run[i]),
+                              logs[i], shim) for i in range(2)]  # fmt: skip
+        deadline = time.monotonic() + 300
+        while max(losses(run[0]) or [0]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for i, group in enumerate(groups):
+            for pid in _workers(group):
+                os.kill(pid, signal.SIGTERM)
+            if i == 0:
+                time.sleep(0.1)
+        for i, g in enumerate(groups):
+            assert _wait(g, f"group {i}", timeout=120) == 0, logs[i].read_text()[-4000:]
+    finally:
+        server.shutdown()
+    stopped = [max(losses(folder)) for folder in run]
+    assert stopped[0] == stopped[1] < STEPS, stopped
+    assert complete_steps(str(run[0] / "checkpoint"))[-1] == stopped[0]
+    assert not (run[1] / "checkpoint").exists() or complete_steps(str(run[1] / "checkpoint")) == []
+    said = [log.read_text() for log in logs]
+    assert f"checkpoint step-{stopped[0]} written" in said[0], said[0][-3000:]
+    assert "written" not in said[1].split("preempted", 1)[1], said[1][-3000:]
+    _both_groups(tmp_path, "again", run)
     assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
     reference = torch.load(ref[0] / "final_weights.pt")
     for folder in run:

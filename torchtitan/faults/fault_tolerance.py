@@ -47,8 +47,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan import parallel
 from torchtitan.config import ConfigError
-from torchtitan.data.schedule import BatchSchedule
+from torchtitan.faults.replica_steps import (
+    StepTry,
+    default_schedule,
+    leaving_groups,
+    saves,
+    split_loader,
+    stop_vote,
+    stops_after_step,
+)
 
 logger = logging.getLogger("torchtitan")
 
@@ -107,18 +116,6 @@ def check_config(cfg) -> None:
         )
 
 
-def split_loader(loader, participant: int, participants: int, group_rank: int, group_world: int):
-    """Make ``loader`` read as data-parallel rank ``participant x group_world +
-    group_rank`` of ``participants x group_world`` from its next step on: the same
-    global windows per step, split over this step's ranks. A seek (O(1)) when the split
-    changes, nothing otherwise."""
-    world, rank = participants * group_world, participant * group_world + group_rank
-    if (loader.dp_rank, loader.dp_world) == (rank, world):
-        return
-    old = loader.schedule
-    loader.reshard(rank, BatchSchedule(old.points, old.micro, world, rank))
-
-
 def _local(value):
     """``value`` with every DTensor replaced by its local shard (what crosses to a peer's
     same group rank, whose shard is the same slice)."""
@@ -169,48 +166,95 @@ def _fill_optimizer(target: dict, got: dict, params: dict) -> dict:
     return {"state": state, "param_groups": got["param_groups"]}
 
 
+def peer_state(components: dict) -> dict:
+    """What a joining peer's same group rank receives: every ``HEALED`` component this
+    rank has, DTensors as their local shards."""
+    return {name: _local(components[name].state_dict()) for name in HEALED
+            if name in components}  # fmt: skip
+
+
+def load_peer_state(components: dict, state: dict):
+    """Load a peer's ``peer_state`` into this rank's components, each shaped as its own
+    (DTensors keep their placement; optimizer moments this rank lacks are made)."""
+    for name in HEALED:
+        if name in state:
+            adapter = components[name]
+            if name == "optimizer":
+                params = components["model"].state_dict()
+                value = _fill_optimizer(adapter.state_dict(), state[name], params)
+            else:
+                value = _fill(adapter.state_dict(), state[name])
+            adapter.load_state_dict(value)
+
+
+def _torchft_manager(cfg, dims, heal, state_dict):
+    """torchft's ``Manager`` for this group rank, connected to the lighthouse within
+    ``fault_tolerance.quorum_timeout_seconds``; one line naming the address otherwise."""
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+    ft = cfg.fault_tolerance
+    timeout = timedelta(seconds=ft.timeout_seconds)
+    quorum_timeout = timedelta(seconds=ft.quorum_timeout_seconds)
+    pg = (ProcessGroupNCCL(timeout=timeout) if dims.device.type == "cuda"
+          else ProcessGroupGloo(timeout=timeout))  # fmt: skip
+    store = None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr is None or port is None:  # one plain process: a store of its own
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        addr, port = "localhost", str(store.port)
+    lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    try:
+        manager = Manager(
+            pg=pg, load_state_dict=heal, state_dict=state_dict,
+            min_replica_size=ft.min_replica_groups, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=quorum_timeout, connect_timeout=quorum_timeout, rank=dims.rank,
+            world_size=dims.world_size, store_addr=addr, store_port=int(port),
+            lighthouse_addr=ft.lighthouse or None, replica_id=f"replica_{ft.replica_id}",
+            init_sync=False,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - one line: the lighthouse cannot be reached
+        why = (str(e).splitlines() or [""])[0].split("; ")[0][:160]  # torchft's first clause
+        raise FaultToleranceError(
+            f"replica group {ft.replica_id}: cannot reach the lighthouse {lighthouse} within "
+            f"fault_tolerance.quorum_timeout_seconds {ft.quorum_timeout_seconds:g} ({why}); "
+            "start it (torchft_lighthouse, docs/fault_tolerance.md), fix "
+            "fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE, or raise the timeout"
+        ) from None
+    return manager, store
+
+
 class ReplicaGroup:
     """This replica group in the fault-tolerant job: the feed the loop reads each step's
     batches from (``next_step``, otherwise the loader's), and the commit the step calls
-    between backward and update (``commit``)."""
+    between backward and update (``commit``). ``manager``: torchft's ``Manager`` (made
+    here when None) or anything that answers as it does (a simulated quorum, in tests)."""
 
-    def __init__(self, cfg, dims, loader, components: dict, model: torch.nn.Module, train_state):
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-
+    def __init__(self, cfg, dims, loader, components: dict, model: torch.nn.Module, train_state,
+                 manager=None):  # fmt: skip
         ft = cfg.fault_tolerance
         self.cfg, self.dims, self.loader, self.model = cfg, dims, loader, model
         self.components, self.train_state = components, train_state
         self.replica_id = ft.replica_id
         self.seed = cfg.training.seed
-        timeout = timedelta(seconds=ft.timeout_seconds)
-        pg = (ProcessGroupNCCL(timeout=timeout) if dims.device.type == "cuda"
-              else ProcessGroupGloo(timeout=timeout))  # fmt: skip
         self._store = None
-        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if addr is None or port is None:  # one plain process: a store of its own
-            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            addr, port = "localhost", str(self._store.port)
-        self.manager = Manager(
-            pg=pg, load_state_dict=self._heal, state_dict=self._peer_state,
-            min_replica_size=ft.min_replica_groups, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
-            connect_timeout=timeout, rank=dims.rank, world_size=dims.world_size,
-            store_addr=addr, store_port=int(port), lighthouse_addr=ft.lighthouse or None,
-            replica_id=f"replica_{ft.replica_id}", init_sync=False,
-        )  # fmt: skip
-        t = cfg.training
-        if not t.global_batch_size and not t.batch_size_schedule:
-            # The default global batch is every rank's micro-batch, over the most groups.
-            size = t.batch_size * dims.dp_world * ft.replica_groups
-            loader.reshard(dims.dp_rank, BatchSchedule([(0, size)], t.batch_size, dims.dp_world,
-                                                       dims.dp_rank))  # fmt: skip
+        if manager is None:
+            manager, self._store = _torchft_manager(cfg, dims, self._heal, self._peer_state)
+        self.manager = manager
+        schedule = default_schedule(cfg.training, dims.dp_world, dims.dp_rank, ft.replica_groups)
+        if schedule is not None:
+            loader.reshard(dims.dp_rank, schedule)
         # Dropout streams per group and data-parallel rank (group 0's are a plain run's).
         torch.manual_seed(self._stream_seed(0))
         self._synced = False
-        self._before = None  # (position, step) where the step being trained began
+        self._try = StepTry(loader)  # where the step being trained began
         self.participants = 0
         self.quorum_s = 0.0  # what the last quorum cost the loop
         self.healed_at: int | None = None
+        # The stop agreement (preemption.py): this rank's flag, asked at each commit, and
+        # whether this group stops after the last committed step (it was signalled, or
+        # too few groups would be left after those that were).
+        self.asked_to_stop = lambda: False
+        self.stop_agreed = False
         # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
         self._events = None
         if dims.is_main:
@@ -246,7 +290,7 @@ class ReplicaGroup:
         participant, self.participants = self.participation()
         split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
-        self._before = (self.loader.position.copy(), self.loader.step)
+        self._try.begin()
         return self.loader.next_step()
 
     def participation(self) -> tuple[int, int]:
@@ -267,55 +311,55 @@ class ReplicaGroup:
     # ---- the step ------------------------------------------------------------------------
     def commit(self, loss: torch.Tensor) -> bool:
         """Average the gradients' local shards (and ``loss``, in place) over the step's
-        participants, then vote: True when every group rank and the quorum agree the step
-        counts. False: the gradients are to be dropped, and the loader is back where the
-        step began, so the next try reads the same windows."""
+        participants, with the stop votes summed alongside, then vote: True when every
+        group rank and the quorum agree the step counts. False: the gradients are to be
+        dropped, and the loader is back where the step began, so the next try reads the
+        same windows."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float()])
+        # The group's stop vote, the same on its ranks, so that the all-reduce counts groups.
+        asked = parallel.any_rank(self.dims, self.asked_to_stop())
+        vote = torch.tensor([stop_vote(asked)], device=loss.device)
+        flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float(), vote])
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
-        self._event(step=self._before[1] + 1, committed=ok, participants=self.participants,
+        self._event(step=self._try.number, committed=ok, participants=self.participants,
                     quorum_s=self.quorum_s)  # fmt: skip
         if ok:
             i = 0
             for g in local:
                 g.copy_(flat[i : i + g.numel()].view_as(g))
                 i += g.numel()
-            loss.copy_(flat[-1])
+            loss.copy_(flat[-2])
+            leaving = leaving_groups(float(flat[-1]), self.participants)
+            self.stop_agreed = stops_after_step(asked, leaving, self.participants,
+                                                self.cfg.fault_tolerance.min_replica_groups)  # fmt: skip
+            if leaving and not asked:
+                logger.warning("step %d: %d of %d replica groups leave (preempted)%s",
+                               self._try.number, leaving, self.participants,
+                               "; too few are left: this one stops too" if self.stop_agreed
+                               else "; this one trains on")  # fmt: skip
         else:
-            position, step = self._before
             logger.warning("step %d not committed: it is tried again with the same windows",
-                           step + 1)  # fmt: skip
-            self.loader.seek(position)
-            self.loader.set_step(step)
-        return ok
+                           self._try.number)  # fmt: skip
+        return self._try.settle(ok)
 
     @property
     def lowest(self) -> bool:
         """This group is the first participant of the last quorum (the one that saves)."""
-        return self.manager.participating_rank() == 0
+        return saves(self.manager.participating_rank())
 
     # ---- healing -------------------------------------------------------------------------
     def _peer_state(self) -> dict:
         """What a joining peer's same group rank receives (torchft's quorum thread calls
         it while the loop waits for the quorum: between steps)."""
-        return {name: _local(self.components[name].state_dict()) for name in HEALED
-                if name in self.components}  # fmt: skip
+        return peer_state(self.components)
 
     def _heal(self, state: dict):
         """Load a peer's state (torchft calls it in the loop's thread, inside
         ``start_quorum``), then reseed this group's RNG streams for the step healed at."""
         begin = time.perf_counter()
-        for name in HEALED:
-            if name in state:
-                adapter = self.components[name]
-                if name == "optimizer":
-                    params = self.components["model"].state_dict()
-                    value = _fill_optimizer(adapter.state_dict(), state[name], params)
-                else:
-                    value = _fill(adapter.state_dict(), state[name])
-                adapter.load_state_dict(value)
+        load_peer_state(self.components, state)
         self.healed_at = self.train_state.step
         torch.manual_seed(self._stream_seed(self.healed_at))
         self._event(healed_at=self.healed_at, heal_s=time.perf_counter() - begin)
@@ -342,9 +386,12 @@ class LowestGroupSaves:
     def should_save(self, step: int) -> bool:
         return self._replicas.lowest and self._checkpoint.should_save(step)
 
-    def save(self, step: int, **kw):
-        if self._replicas.lowest:
-            self._checkpoint.save(step, **kw)
+    def save(self, step: int, **kw) -> bool:
+        """Save ``step`` if this group is the one that writes; whether it wrote."""
+        if not self._replicas.lowest:
+            return False
+        self._checkpoint.save(step, **kw)
+        return True
 
     def __getattr__(self, name):
         if name == "_checkpoint":

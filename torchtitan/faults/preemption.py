@@ -35,6 +35,7 @@ class Preemption:
         self.received: str | None = None
         self.last_check_s = 0.0  # what the last agreement cost the loop
         self._previous = {}
+        self._across = None  # the replica groups the stop is agreed with (fault tolerance)
         for name in signal_names:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._handle)
@@ -43,21 +44,38 @@ class Preemption:
         # A second signal while stopping changes nothing: the flag is already up.
         self.received = self.received or signal.Signals(signum).name
 
+    def agree_across(self, replicas):
+        """Fault tolerance: agree on the stop across the replica groups too. The group's
+        flag travels in its committed step's cross-group all-reduce (``replicas.commit``):
+        a signalled group leaves after that step and the others train on, unless fewer
+        than ``min_replica_groups`` would be left, in which case every group stops after
+        that same step (a scheduler preempting the whole job, node by node), however far
+        apart the signals land."""
+        self._across = replicas
+        replicas.asked_to_stop = lambda: self.received is not None
+
     def requested(self) -> bool:
         """True on every rank once any rank has received a signal (call at every step)."""
         if not self._previous:  # no signal configured (the same on every rank): no collective
             return False
         begin = time.perf_counter()
-        stop = parallel.any_rank(self.dims, self.received is not None)
+        across = self._across
+        # Under fault tolerance only the agreed flag counts: a group that stopped on its
+        # own flag would leave the others waiting for a quorum that cannot come.
+        flag = self.received is not None if across is None else across.stop_agreed
+        stop = parallel.any_rank(self.dims, flag)
         self.last_check_s = time.perf_counter() - begin
         return stop
 
-    def said_stop(self, step: int):
-        """Log the stop after ``step``, once its checkpoint is written."""
-        logger.warning(
-            "preempted at step %d: checkpoint step-%d written (%s)",
-            step, step, self.received or "signal to another rank",
-        )  # fmt: skip
+    def said_stop(self, step: int, written: bool = True):
+        """Log the stop after ``step``: its checkpoint written here, or (fault tolerance:
+        another group writes the job's) not."""
+        why = self.received or "signal to another rank"
+        if written:
+            logger.warning("preempted at step %d: checkpoint step-%d written (%s)", step, step, why)
+        else:
+            logger.warning("preempted at step %d (%s): no checkpoint from this replica group "
+                           "(only the lowest live one writes the job's)", step, why)  # fmt: skip
 
     def close(self):
         for signum, handler in self._previous.items():

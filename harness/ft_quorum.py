@@ -1,0 +1,122 @@
+"""A quorum of replica groups in one process, answering ``ReplicaGroup`` as torchft's
+``Manager`` does, so that the real ``ReplicaGroup`` (its split, commit, rewind, heal
+and stop agreement) runs in a fast test, with no lighthouse and no process group.
+
+A test decides each round (``Quorum.round``): who takes part, who dies during the step
+(it never reaches the all-reduce: nobody commits, as when torchft's all-reduce
+breaks), and whether the vote fails anyway. Each group's try runs in a thread of its
+own (``Quorum.run``): the all-reduce waits for every live participant's buffer and
+averages them, as torchft's does. A group behind the quorum's highest step heals
+inside its ``start_quorum`` from the lowest participant at that step (its
+``_peer_state``, taken in that participant's own ``start_quorum``, between its steps),
+as torchft's quorum does.
+
+Never: stand in for the data loader, DCP or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+class Quorum:
+    def __init__(self):
+        self.managers: dict[int, Manager] = {}
+        self._round = None
+
+    def manager(self, group: int) -> Manager:
+        self.managers[group] = Manager(self, group)
+        return self.managers[group]
+
+    def round(self, participants: list[int], dies: tuple = (), fails: bool = False):
+        """The next quorum: ``participants`` (group ids, in the order torchft ranks them),
+        ``dies`` of them never reach the all-reduce, and ``fails``: the vote says no."""
+        live = [g for g in participants if g not in dies]
+        top = max(self.managers[g].step for g in participants)
+        self._round = {
+            "participants": sorted(participants), "dies": set(dies), "fails": fails,
+            "barrier": threading.Barrier(len(live)), "sum": None, "lock": threading.Lock(),
+            "top": top,
+            "source": min(g for g in participants if self.managers[g].step == top),
+            "behind": any(self.managers[g].step < top for g in participants),
+            "sent": None, "ready": threading.Event(),
+        }  # fmt: skip
+
+    def run(self, tries: dict):
+        """Run ``{group: fn}`` each in its own thread (one try of a step); re-raise the
+        first failure."""
+        errors = []
+
+        def guarded(fn):
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+                errors.append(e)
+                self._round["barrier"].abort()
+
+        threads = [threading.Thread(target=guarded, args=(fn,)) for fn in tries.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
+class Manager:
+    """One group's view of the ``Quorum``: the calls ``ReplicaGroup`` makes."""
+
+    def __init__(self, quorum: Quorum, group: int):
+        self.quorum, self.group = quorum, group
+        self.step = 0  # committed steps, as torchft counts them
+        self.replica = None  # the ReplicaGroup (its heal and peer state), set by the test
+
+    def load_state_dict(self, state: dict):
+        self.step = state["step"]
+
+    def start_quorum(self):
+        r = self.quorum._round
+        if r["behind"] and self.group == r["source"]:  # sends its state from its quorum
+            r["sent"] = self.replica._peer_state()
+            r["ready"].set()
+        if self.step < r["top"]:  # behind: heal from the source, as torchft does
+            if not r["ready"].wait(timeout=60):
+                raise TimeoutError("the heal's source never reached its quorum")
+            self.replica._heal(r["sent"])
+            self.step = r["top"]
+
+    def participating_rank(self) -> int | None:
+        r = self.quorum._round
+        return r["participants"].index(self.group) if self.group in r["participants"] else None
+
+    def num_participants(self) -> int:
+        return len(self.quorum._round["participants"])
+
+    def current_step(self) -> int:
+        return self.step
+
+    def allreduce(self, flat: torch.Tensor):
+        r = self.quorum._round
+        with r["lock"]:
+            r["sum"] = flat.clone() if r["sum"] is None else r["sum"] + flat
+        r["barrier"].wait()
+        flat.copy_(r["sum"] / len(r["participants"]))
+        r["barrier"].wait()  # every group has read the sum before the next round
+        return _Done()
+
+    def should_commit(self) -> bool:
+        r = self.quorum._round
+        ok = not r["dies"] and not r["fails"]
+        if ok:
+            self.step += 1
+        return ok
+
+    def shutdown(self, wait: bool = False):
+        return None
