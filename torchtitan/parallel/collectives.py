@@ -33,6 +33,15 @@ def sum_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def sum_tensor_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """An integer tensor summed over all ranks (a copy; the input is left as it was)."""
+    if not dist.is_initialized():
+        return value.clone()
+    t = value.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def any_rank(dims: ParallelDims, flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small gloo all-reduce)."""
     if dims.control_group is None:
