@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from helpers import losses, train_here
 
 import train as train_script
+from torchtitan.config import ConfigError, parse_args
 from torchtitan.models import ModelArgs, build_model, count_parameters, llama_configs
 from torchtitan.models.llama import active_matmul_weights, flops_per_token
 from torchtitan.models.moe import MoE
@@ -140,7 +141,10 @@ def test_balancing_state_is_in_the_state_dict_and_counts_a_step_once():
         block.recompute = True
     keys = set(model.state_dict())
     for i in range(2):
-        assert {f"layers.{i}.feed_forward.expert_bias", f"layers.{i}.feed_forward.expert_tokens"} <= keys
+        assert {
+            f"layers.{i}.feed_forward.expert_bias",
+            f"layers.{i}.feed_forward.expert_tokens",
+        } <= keys
     assert not any("step_load" in k for k in keys)
     model.train()
     tokens = torch.randint(0, 256, (2, 16))
@@ -233,3 +237,20 @@ def test_moe_flavors_sizes_and_active_flops():
 def test_impossible_moe_args_are_refused(bad):
     with pytest.raises(ValueError, match="flavor"):
         moe_layer(**bad)
+
+
+@pytest.mark.parametrize(
+    "flavor, argv, says",
+    [
+        ("debug_moe", ["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree 2"),
+        ("debug_moe", ["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel"),
+        ("debug_moe", ["--parallelism.expert_parallel_degree", "3"], "divide the flavor's 8"),
+        ("debugmodel", ["--parallelism.expert_parallel_degree", "2"], "has no experts"),
+    ],
+)
+def test_what_moe_cannot_be_combined_with_is_refused_in_one_line(flavor, argv, says):
+    """Negative control: debug_moe at expert-parallel degree 2 is accepted."""
+    with pytest.raises(ConfigError, match=says) as refused:
+        parse_args(["--model.flavor", flavor, *argv])
+    assert "\n" not in str(refused.value)
+    parse_args(["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "2"])
