@@ -48,18 +48,40 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        # Expert parallel (set by parallel/expert_parallel.py): the gradient of a held
+        # expert sums every rank's tokens, where FSDP averages the other gradients over
+        # the ranks; it is divided by this many ranks on its way back.
+        self.grad_divisor = 1
+
+    def _held(self, w: torch.Tensor) -> torch.Tensor:
+        if not hasattr(w, "to_local"):
+            return w
+        return _DivideGrad.apply(w.to_local(), self.grad_divisor)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: rows sorted by local expert, ``counts[e]`` of them for local expert e.
 
         One matmul per expert over its whole group (groups of no rows included, so
         every expert's weights get a gradient, zero if it saw no token)."""
-        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (self._held(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         outs = [
             F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
             for e, rows in enumerate(x.split(counts))
         ]
         return torch.cat(outs)
+
+
+class _DivideGrad(torch.autograd.Function):
+    """The identity forward; the gradient divided by ``divisor`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, divisor):
+        ctx.divisor = divisor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.divisor, None
 
 
 class SharedExpert(nn.Module):
@@ -71,10 +93,6 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if hasattr(w, "to_local") else w
 
 
 class MoE(nn.Module):
@@ -180,7 +198,7 @@ class MoE(nn.Module):
         the counts. Cost per layer and step: 2 x (rows sent away) x dim x bytes per
         element, both ways."""
         import torch.distributed as dist
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
 
         ep, local = self.ep_size, self.n_experts // self.ep_size
         # received[r, e]: rows rank r sends to this rank's local expert e.
@@ -189,8 +207,7 @@ class MoE(nn.Module):
         send = counts.view(ep, local).sum(1).tolist()
         received = received.view(ep, local)
         recv = received.sum(1).tolist()
-        got = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send,
-                                group=self.ep_group)  # fmt: skip
+        got = _waited(a2a(rows, recv, send, self.ep_group))
         # Arrived grouped by source rank, then expert; the experts want expert, then
         # source rank (each expert's group: rank 0's rows, then rank 1's, ...).
         by_rank = received.flatten().tolist()
@@ -199,8 +216,7 @@ class MoE(nn.Module):
         out = self.experts(torch.cat(by_expert), received.sum(0).tolist())
         done = out.split([by_rank[r * local + e] for e in range(local) for r in range(ep)])
         back = torch.cat([done[e * ep + r] for r in range(ep) for e in range(local)])
-        return all_to_all_single(rows.new_empty(rows.shape), back, send, recv,
-                                 group=self.ep_group)  # fmt: skip
+        return _waited(a2a(back, send, recv, self.ep_group))
 
     @torch.no_grad()
     def balance(self, load: torch.Tensor):
@@ -210,6 +226,11 @@ class MoE(nn.Module):
         self.expert_bias += self.bias_rate * torch.sign(mean - load.float())
         self.expert_tokens += load.to(self.expert_tokens.dtype)
         self.step_load = None
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for (an AsyncCollectiveTensor)."""
+    return t.wait() if hasattr(t, "wait") else t
 
 
 def _draws(rng, drawing: bool):

@@ -7,7 +7,7 @@ global index (DCP reshards between degrees), handing each layer the group its to
 travel over (the dispatch and combine are ``all_to_all_single`` calls in moe.py), and
 the gradient's scale: an expert's gradient on its rank sums the contributions of every
 rank's tokens, where FSDP averages the other gradients over the ranks, so it is
-divided by the degree (a hook on each expert weight).
+divided by the degree (``GroupedExperts.grad_divisor``).
 
 Never: choose the layout (groups.py) or wrap anything in FSDP (wrapping.py leaves
 the expert weights to this module).
@@ -30,10 +30,10 @@ def apply(model: nn.Module, mesh) -> set:
             weight = getattr(experts, name)
             sharded = distribute_tensor(weight.data, mesh, [Shard(0)], src_data_rank=None)
             param = nn.Parameter(sharded)
-            # Summed over every rank's tokens; the other gradients are FSDP's means.
-            param.register_hook(lambda grad, n=degree: grad / n)
             setattr(experts, name, param)
             held.add(param)
+        # Summed over every rank's tokens; the other gradients are FSDP's means.
+        experts.grad_divisor = degree
         moe.ep_group = mesh.get_group()
         moe.ep_size, moe.ep_rank = degree, mesh.get_local_rank()
     return held
