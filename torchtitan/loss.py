@@ -101,5 +101,10 @@ class BatchLoss:
             else:
                 logits = self.model(inputs)
         if normalizer is None:
-            return self.cross_entropy(logits, labels, "mean", self.chunk_bytes)
-        return self.cross_entropy(logits, labels, "sum", self.chunk_bytes) / normalizer
+            loss = self.cross_entropy(logits, labels, "mean", self.chunk_bytes)
+        else:
+            loss = self.cross_entropy(logits, labels, "sum", self.chunk_bytes) / normalizer
+        # A mixture of experts' sequence-level balance loss (moe_aux_loss_weight > 0).
+        inner = getattr(self.model, "module", self.model)
+        aux = inner.aux_loss() if hasattr(inner, "aux_loss") else None
+        return loss if aux is None else loss + aux

@@ -74,6 +74,7 @@ class TrainStep:
             total += tensor_parallel.local_value(loss.detach())
         if self.commit is not None and not self.commit(total):
             self.optimizer.zero_grad(set_to_none=True)  # not committed: nothing was updated
+            forget_expert_loads(self.model)
             return None, None, None
         if guard is not None:
             guard.faulted_gradients(self.model)
@@ -86,11 +87,32 @@ class TrainStep:
         if guard is None or guard.decide(total, grad_norm, batches):
             self.before_update()
             self.optimizer.step()
+            balance_experts(self.model)  # the experts' bias moves with an applied step only
+        else:
+            forget_expert_loads(self.model)
         # A dropped step still counts: the schedule moves on with the step counter and the
         # data (spikes.py).
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm, lr
+
+
+def balance_experts(model: torch.nn.Module):
+    """A mixture of experts' balancing update, after the optimizer step: each layer's
+    tokens per expert in this step, summed over all ranks (every rank is a data-parallel
+    rank: MoE refuses TP and PP), given to every rank's model alike, so every rank's bias
+    stays the same. Nothing for a dense model. Cost: one all-reduce of layers x experts
+    integers per step."""
+    inner = getattr(model, "module", model)  # DDP's
+    loads = inner.expert_loads() if hasattr(inner, "expert_loads") else None
+    if loads is not None:
+        inner.balance_experts(parallel.sum_tensor_over_ranks(loads))
+
+
+def forget_expert_loads(model: torch.nn.Module):
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "forget_expert_loads"):
+        inner.forget_expert_loads()
 
 
 class PipelineStep:

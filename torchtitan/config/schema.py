@@ -278,6 +278,13 @@ class Parallelism:
     loss_parallel: bool = _opt(
         True, "with tensor parallelism, compute the loss on vocabulary-sharded logits"
     )
+    expert_parallel_degree: int = _opt(
+        1,
+        "ranks a mixture-of-experts flavor's experts are sharded over (expert parallel: "
+        "tokens go to the rank holding their expert by all-to-all); for now the "
+        "data-parallel shard degree, or 1",
+        ge=1,
+    )
     pipeline_parallel_degree: int = _opt(
         1,
         "pipeline ranks the model's layers are split over (pipeline parallel, the outermost "

@@ -28,6 +28,39 @@ def check_config(cfg) -> None:
             f"choose from {', '.join(flavors)}"
         )
     attention.check_config(cfg)
+    check_moe_config(cfg, flavors[cfg.model.flavor])
+
+
+def check_moe_config(cfg, args: ModelArgs) -> None:
+    """What a mixture-of-experts flavor cannot be combined with (yet), and expert
+    parallelism's own rules that need no world size (parallel.apply_layout checks that
+    the degree is the data-parallel shard degree)."""
+    p, ep = cfg.parallelism, cfg.parallelism.expert_parallel_degree
+    if not args.is_moe:
+        if ep > 1:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree {ep}: model.flavor {cfg.model.flavor!r} "
+                "has no experts; use an MoE flavor (e.g. debug_moe) or degree 1"
+            )
+        return
+    refused = [
+        (p.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree {p.tensor_parallel_degree}",
+         "the TP plan splits dense feed-forwards, not experts; use expert parallelism"),
+        (p.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
+         "the balancing loads are not gathered over stages yet; use 1"),
+        (cfg.fault_tolerance.enable, "fault_tolerance.enable",
+         "replica groups would each update their own balancing bias; turn it off"),
+        (ep > 1 and cfg.training.data_parallel == "ddp", "training.data_parallel ddp",
+         "expert parallelism composes with FSDP; use --training.data_parallel fsdp"),
+        (ep > 1 and p.data_parallel_replicate_degree > 1,
+         f"parallelism.data_parallel_replicate_degree {p.data_parallel_replicate_degree}",
+         "experts replicated over HSDP groups are not reduced yet; use 1"),
+        (args.n_experts % ep != 0, f"parallelism.expert_parallel_degree {ep}",
+         f"it must divide the flavor's {args.n_experts} experts"),
+    ]  # fmt: skip
+    for broken, key, why in refused:
+        if broken:
+            raise ConfigError(f"{key} with MoE flavor {cfg.model.flavor!r}: {why}")
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan.models import attention
+from torchtitan.models.moe import MoE
 
 # Rows of a weight drawn from one seeded generator. Any sharding of dim 0 then draws
 # exactly the same numbers: a rank generates only the blocks that overlap its rows.
@@ -48,6 +49,13 @@ class ModelArgs:
     dropout: float = 0.0
     attention_backend: str = "sdpa"  # one of attention.BACKENDS; no parameter depends on it
     flavor: str = "custom"  # only used to make error messages name the flavor
+    # Mixture of experts (models/moe.py): 0 experts is the dense model.
+    n_experts: int = 0  # routed experts per MoE block
+    n_active_experts: int = 2  # experts each token is routed to (top-k)
+    n_shared_experts: int = 1  # experts every token goes through (one SwiGLU that wide)
+    moe_hidden_dim: int = 0  # each expert's SwiGLU hidden size
+    moe_bias_rate: float = 1e-3  # the balancing bias's step per optimizer step (sign rule)
+    moe_aux_loss_weight: float = 0.0  # the sequence-level balance loss's weight (0: none)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -69,10 +77,21 @@ class ModelArgs:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout {self.dropout} must be in [0, 1)")
+        if self.n_experts and not (0 < self.n_active_experts <= self.n_experts):
+            raise ValueError(
+                f"n_active_experts {self.n_active_experts} must be in [1, n_experts "
+                f"{self.n_experts}] (flavor {self.flavor!r})"
+            )
+        if self.n_experts and self.moe_hidden_dim <= 0:
+            raise ValueError(f"moe_hidden_dim must be positive (flavor {self.flavor!r})")
         if self.attention_backend not in attention.BACKENDS:
             raise ValueError(
                 f"attention_backend {self.attention_backend!r}: choose one of {attention.BACKENDS}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -144,6 +163,34 @@ llama_configs: dict[str, ModelArgs] = {
         flavor="8B",
     ),
 }
+# The debug model with its feed-forwards made mixtures of 8 experts, 2 routed + 1 shared
+# per token, each 64 wide: 3 x 64 = 192 active hidden units, the dense debug model's
+# hidden size, so the two compare at equal active parameters (plus the 64 x 8 router).
+llama_configs["debug_moe"] = replace(
+    llama_configs["debugmodel"],
+    n_experts=8,
+    n_active_experts=2,
+    n_shared_experts=1,
+    moe_hidden_dim=64,
+    flavor="debug_moe",
+)
+# ~1.0B parameters in all, ~0.2B active per token (OLMoE-like proportions): 16 layers of
+# 32 experts 512 wide, top-3 + 1 shared. count_parameters and active_parameters give
+# the exact figures (test_llama checks them).
+llama_configs["moe_1B"] = ModelArgs(
+    dim=1024,
+    n_layers=16,
+    n_heads=16,
+    n_kv_heads=8,
+    vocab_size=32000,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+    n_experts=32,
+    n_active_experts=3,
+    n_shared_experts=1,
+    moe_hidden_dim=512,
+    flavor="moe_1B",
+)
 # The debug model 4 layers deep: enough stages for the pipeline schedules on a laptop
 # CPU (an interleaved schedule over 2 ranks runs 4 stages).
 llama_configs["debugmodel_4layers"] = replace(
@@ -259,7 +306,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.is_moe else FeedForward(args)
 
         # Set from outside (torchtitan.parallel): recompute this block's activations in the
         # backward pass, and the compiled form of `compute`. Neither changes parameter
@@ -333,13 +380,57 @@ class Transformer(nn.Module):
         # Each block adds two residual branches; shrinking their output
         # projections keeps the residual stream's variance from growing with depth.
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        outputs = (
+            "attention.wo.weight",
+            "feed_forward.w2.weight",
+            "shared.w2.weight",
+            "experts.w2",
+        )
         for name, param in self.named_parameters():
+            std = out_std if name.endswith(outputs) else 0.02
             if name.endswith("norm.weight"):
                 _local(param)[0].fill_(1.0)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                fill_normal(param, out_std, seed, name)
+            elif ".experts." in name:
+                fill_experts(param, std, seed, name)
             else:
-                fill_normal(param, 0.02, seed, name)
+                fill_normal(param, std, seed, name)
+        for moe in self.moe_layers():
+            moe.reset_balance()
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forwards, in layer order (none in a dense model)."""
+        return [b.feed_forward for b in self.layers.values() if isinstance(b.feed_forward, MoE)]
+
+    def expert_loads(self) -> torch.Tensor | None:
+        """This rank's tokens per expert in the step so far, [MoE layers, experts] int64
+        (None: a dense model). The trainer sums it over the data-parallel ranks."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        device = layers[0].expert_bias.device
+        empty = torch.zeros(self.args.n_experts, dtype=torch.int64, device=device)
+        return torch.stack([m.step_load if m.step_load is not None else empty for m in layers])
+
+    def balance_experts(self, loads: torch.Tensor):
+        """Apply one step's balancing update from ``loads`` (expert_loads summed over the
+        data-parallel ranks: the same on every rank, so every rank's bias stays equal)
+        and keep them as ``last_loads`` for the metrics."""
+        for moe, load in zip(self.moe_layers(), loads):
+            moe.balance(load)
+        self.last_loads = loads
+
+    def forget_expert_loads(self):
+        """A step that was not taken (fault tolerance dropped it) counts no load."""
+        for moe in self.moe_layers():
+            moe.step_load = None
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sequence-level balance losses of the last training forward, summed over
+        layers (None: no MoE, or its weight is 0)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        for m in self.moe_layers():
+            m.aux_loss = None
+        return sum(losses) if losses else None
 
     def forward(
         self,
@@ -500,19 +591,36 @@ def fill_normal(param: torch.Tensor, std: float, seed: int, name: str):
         local[mine.to(local.device)] = picked
 
 
+@torch.no_grad()
+def fill_experts(param: torch.Tensor, std: float, seed: int, name: str):
+    """Fill this rank's experts of a 3-D expert weight, each expert drawn as the 2-D
+    weight ``<name>.<global expert index>`` is by ``fill_normal``: the same values at any
+    expert-parallel degree or FSDP split of the expert dim. Cost: O(own experts)."""
+    local, rows, _, shape = _local(param)
+    for i, expert in enumerate(rows.tolist()):
+        fill_normal(local[i], std, seed, f"{name}.{expert}")
+
+
+def active_matmul_weights(args: ModelArgs) -> int:
+    """Weights that multiply each token: every matrix but the embedding lookup, and of
+    an MoE's experts only the shared and the ``n_active_experts`` routed ones (plus the
+    router)."""
+    if args.is_moe:
+        experts = args.n_active_experts + args.n_shared_experts
+        ffn = 3 * args.dim * args.moe_hidden_dim * experts + args.dim * args.n_experts
+    else:
+        ffn = 3 * args.dim * args.hidden_dim
+    attention_weights = args.dim * args.head_dim * (args.n_heads * 2 + args.n_kv_heads * 2)
+    return args.n_layers * (attention_weights + ffn) + args.dim * args.vocab_size
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward) for MFU.
 
-    6 per weight that multiplies the token (every matrix but the embedding lookup),
-    plus attention's QK^T and AV: 12 * layers * dim * seq_len, counting the full
-    square as the usual MFU convention does (the causal half is not subtracted).
+    6 per weight that multiplies the token (every matrix but the embedding lookup; of an
+    MoE, the active experts only: ``active_matmul_weights``), plus attention's QK^T and
+    AV: 12 * layers * dim * seq_len, counting the full square as the usual MFU
+    convention does (the causal half is not subtracted).
     """
-    matmul_weights = (
-        args.n_layers
-        * (
-            args.dim * args.head_dim * (args.n_heads * 2 + args.n_kv_heads * 2)
-            + 3 * args.dim * args.hidden_dim
-        )
-        + args.dim * args.vocab_size
-    )
+    matmul_weights = active_matmul_weights(args)
     return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len

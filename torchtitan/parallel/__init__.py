@@ -49,6 +49,7 @@ from torchtitan.parallel.collectives import (  # noqa: F401
     mean_over_ranks,
     on_main,
     sum_over_ranks,
+    sum_tensor_over_ranks,
 )
 from torchtitan.parallel.diagnosis import (  # noqa: F401
     collective_broke,

@@ -43,6 +43,15 @@ def mean_on_control(dims: ParallelDims, value: float) -> float:
     return float(t.item()) / dims.world_size
 
 
+def sum_tensor_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """An integer tensor summed over all ranks (a copy; the input is left as it was)."""
+    if not dist.is_initialized():
+        return value.clone()
+    t = value.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
 def any_rank(dims: ParallelDims, flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (one small gloo all-reduce)."""
     if dims.control_group is None:

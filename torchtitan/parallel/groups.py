@@ -41,6 +41,7 @@ class ParallelDims:
     tp: int = 1
     dp_replicate: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel: the experts are sharded over the dp_shard ranks
     # dims ("dp_replicate", "dp_shard", "tp"), with "pp" first under pipeline
     # parallelism; None in one plain process.
     mesh: object = field(default=None, repr=False)
@@ -177,11 +178,12 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
     all ranks each), at start-up only.
     """
     p, world = cfg.parallelism, dims.world_size
-    replicate, shard, tp, pp = (
+    replicate, shard, tp, pp, ep = (
         p.data_parallel_replicate_degree,
         p.data_parallel_shard_degree,
         p.tensor_parallel_degree,
         p.pipeline_parallel_degree,
+        p.expert_parallel_degree,
     )
     others = replicate * tp * pp
     if shard == -1:
@@ -201,9 +203,17 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
             f"them multiply to {world}, or set --parallelism.data_parallel_shard_degree -1 "
             "to fill the rest"
         )
+    if ep > 1 and ep != shard:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree {ep} is not the data-parallel shard degree "
+            f"{shard}: experts are sharded over the FSDP ranks (for now); set "
+            f"--parallelism.expert_parallel_degree {shard} or run on {ep} ranks"
+        )
     mesh = None
     # Plain FSDP and DDP need no mesh: they use every rank (as FSDP's default mesh does).
-    if dist.is_initialized() and (tp > 1 or replicate > 1 or pp > 1):
+    # Expert parallelism shards the experts over FSDP's own mesh dimension ("dp_shard"),
+    # so that a gradient norm over all parameters is over one mesh.
+    if dist.is_initialized() and (tp > 1 or replicate > 1 or pp > 1 or ep > 1):
         from torch.distributed.device_mesh import init_device_mesh
 
         if pp > 1:  # outermost: a pipeline's stages are data-parallel layouts of their own
@@ -217,7 +227,7 @@ def apply_layout(dims: ParallelDims, cfg) -> ParallelDims:
             # FSDP over TP puts parameters on (dp_shard, tp); with this flattened view a
             # reduction over both (the gradient norm) is one all-reduce, not two in a row.
             mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    dims = replace(dims, tp=tp, dp_replicate=replicate, pp=pp, mesh=mesh)
+    dims = replace(dims, tp=tp, dp_replicate=replicate, pp=pp, ep=ep, mesh=mesh)
     set_timeout(dims, cfg.comm.init_timeout_seconds)  # torch gives new groups 30 minutes
     return dims
 
@@ -248,7 +258,8 @@ def describe_layout(dims: ParallelDims) -> str:
     if dims.dp_replicate > 1:
         dp += f" (HSDP {dims.dp_replicate} x {dims.dp_shard})"
     pp = f"{dims.pp} pipeline x " if dims.pp > 1 else ""
-    return f"{pp}{dp} x {dims.tp} tensor-parallel"
+    ep = f" ({dims.ep} expert-parallel)" if dims.ep > 1 else ""
+    return f"{pp}{dp}{ep} x {dims.tp} tensor-parallel"
 
 
 def _job_store():

@@ -36,6 +36,11 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims, roots: list | None = 
 
         p = cfg.parallelism
         tensor_parallel.apply(model, dims.mesh["tp"], p.sequence_parallel, p.loss_parallel)
+    experts = set()
+    if dims.ep > 1:
+        from torchtitan.parallel import expert_parallel
+
+        experts = expert_parallel.apply(model, dims.mesh["dp_shard"])
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:
@@ -44,7 +49,7 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims, roots: list | None = 
     if fsdp:
         reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
         apply_fsdp(model, compute_dtype(cfg, dims.device), reduce_dtype, data_parallel_mesh(dims),
-                   roots)  # fmt: skip
+                   roots, ignored=experts)  # fmt: skip
     model.to_empty(device=dims.device)
     model.init_weights(cfg.training.seed)
     return model if fsdp else apply_ddp(model, dims)
@@ -72,10 +77,11 @@ def uses_fsdp(mode: str, dims: ParallelDims) -> bool:
 
 
 def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype, mesh=None,
-               roots: list | None = None):  # fmt: skip
+               roots: list | None = None, ignored: set | None = None):  # fmt: skip
     """Shard with FSDP2 per transformer block and at the root (or at each of ``roots``,
     the pipeline stages), in place (works on meta), over ``mesh`` (default: all ranks; a
-    2-D (replicate, shard) mesh is HSDP).
+    2-D (replicate, shard) mesh is HSDP). ``ignored``: parameters FSDP leaves alone (the
+    experts under expert parallelism, sharded by expert already).
 
     Parameters stay float32 and sharded; each block's are gathered in ``param_dtype``
     for compute, and gradients are reduce-scattered in ``reduce_dtype``.
@@ -88,10 +94,11 @@ def apply_fsdp(model: nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.d
     block_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
+    ignored = ignored or None
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=block_policy)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, ignored_params=ignored)
     for root in roots or [model]:
-        fully_shard(root, mesh=mesh, mp_policy=policy)
+        fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
 
 
 def apply_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:

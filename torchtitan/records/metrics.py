@@ -156,6 +156,24 @@ def passes_begun(epoch_starts: list) -> str:
 # (``source_pass/<name>``) and the share of that pass read (``source_read/<name>``).
 SOURCE_TOKENS = "source_tokens/"
 MIX_WEIGHT, SOURCE_PASS, SOURCE_READ = "mix_weight/", "source_pass/", "source_read/"
+# A mixture of experts: each MoE layer's largest expert load over the mean
+# (``expert_load_max_mean/<layer>``, 1.0 is even) and, under EXPERT_LOADS, the step's
+# tokens per expert, [layer][expert], over all ranks (plot_expert_load.py draws it).
+EXPERT_LOAD_MAX_MEAN, EXPERT_LOADS = "expert_load_max_mean/", "expert_loads"
+
+
+def expert_load_values(model) -> dict:
+    """The last step's expert loads of ``model`` as metrics (none for a dense model)."""
+    inner = getattr(model, "module", model)
+    loads = getattr(inner, "last_loads", None)
+    if loads is None:
+        return {}
+    loads = loads.cpu()
+    mean = loads.double().mean(-1).clamp(min=1e-12)
+    ratio = (loads.double().max(-1).values / mean).tolist()
+    values = {f"{EXPERT_LOAD_MAX_MEAN}{i}": r for i, r in enumerate(ratio)}
+    values[EXPERT_LOADS] = loads.tolist()
+    return values
 
 
 class MetricLogger:
@@ -214,6 +232,10 @@ class MetricLogger:
             total = sum(shares.values()) or 1
             logger.info("step %5d  tokens by source: %s", step, "  ".join(
                 f"{name} {n} ({100 * n / total:.1f}%)" for name, n in shares.items()))  # fmt: skip
+        balance = [v for k, v in values.items() if k.startswith(EXPERT_LOAD_MAX_MEAN)]
+        if balance:  # a mixture of experts: how far each layer's busiest expert is above the mean
+            logger.info("step %5d  expert load max/mean by layer: %s", step,
+                        " ".join(f"{v:.2f}" for v in balance))  # fmt: skip
         extra = [f"{k} {values[k]:.4f}" for k in ("mfu_pct", "validation_loss") if k in values]
         if extra:
             logger.info("step %5d  %s", step, "  ".join(extra))
@@ -225,7 +247,8 @@ class MetricLogger:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in values.items():
-                self.tb.add_scalar(f"train/{key}", value, step)
+                if isinstance(value, int | float):  # not expert_loads' table
+                    self.tb.add_scalar(f"train/{key}", value, step)
         if self.wandb is not None:
             numbers = {f"train/{k}": v for k, v in values.items() if isinstance(v, int | float)}
             self.wandb.log(numbers, step=step)
@@ -353,6 +376,7 @@ class StepMetrics:
         self.dims = dims
         self.guard = guard  # spikes.SpikeGuard: its counters, and the events it saw
         self.events_path = os.path.join(cfg.job.dump_folder, "spikes.jsonl")
+        self.model = model
         self.preemption = preemption
         self.loader = loader
         self.last_step = last_step
@@ -419,6 +443,7 @@ class StepMetrics:
             "skipped_documents": self.loader.skipped_documents(),
             **({} if self.guard is None else self.guard.metrics()),
             **sources,
+            **expert_load_values(self.model),
             **validation,
         }
         self.logger.log(step, values, epoch_starts=self.epoch_starts)

@@ -1,0 +1,256 @@
+"""The mixture-of-experts layer (models/moe.py): grouped dispatch against a dense
+reference, routing that reads only a token's own row, the gate weights free of the
+balancing bias, the balancing rule, the balancing state in the model's state dict and
+through a resume, the flavors' sizes. Each test names its negative control.
+(Expert parallelism over ranks: test_expert_parallel.py, slow tier.)"""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import losses, train_here
+
+import train as train_script
+from torchtitan.config import ConfigError, parse_args
+from torchtitan.models import ModelArgs, build_model, count_parameters, llama_configs
+from torchtitan.models.llama import active_matmul_weights, flops_per_token
+from torchtitan.models.moe import MoE
+
+
+def moe_layer(seed: int = 0, **overrides) -> MoE:
+    args = dict(dim=32, n_heads=4, vocab_size=64, n_experts=8, n_active_experts=2,
+                n_shared_experts=1, moe_hidden_dim=16)  # fmt: skip
+    args.update(overrides)
+    layer = MoE(ModelArgs(**args))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    layer.reset_balance()
+    return layer
+
+
+def inputs(rows: int, seq: int = 32, dim: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, seq, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def dense_reference(layer: MoE, x: torch.Tensor, chosen: torch.Tensor, gates: torch.Tensor):
+    """Every token through every expert (one matmul per expert over ALL tokens, no sort,
+    no permutation), then each token's chosen outputs weighted by its gates."""
+    tokens = x.reshape(-1, x.shape[-1])
+    w = layer.experts
+    every = torch.stack([F.linear(F.silu(F.linear(tokens, w.w1[e])) * F.linear(tokens, w.w3[e]),
+                                  w.w2[e]) for e in range(layer.n_experts)], 1)  # fmt: skip
+    picked = every.gather(1, chosen.unsqueeze(-1).expand(-1, -1, every.shape[-1]))
+    return layer.shared(tokens) + (picked * gates.unsqueeze(-1)).sum(1)
+
+
+def test_grouped_dispatch_equals_every_token_through_every_expert():
+    """The grouped path (tokens sorted by expert, one matmul per expert group, outputs
+    put back in token order) gives, bit for bit, each token's chosen experts' outputs
+    computed with no sort at all. Bit-equality holds because a row of a matmul does not
+    depend on the other rows once the matrix has 4 rows or more (this MKL uses another
+    kernel for 1 to 3 rows, ~1e-6 apart): every expert group here has dozens of rows,
+    checked. With top-2 the two weighted outputs add in either order to the same bits.
+    Negative control: the reference with each token's outputs taken from the next
+    token's experts differs."""
+    layer = moe_layer()
+    x = inputs(4)
+    _, chosen, gates = layer.route(x.reshape(-1, 32))
+    assert torch.bincount(chosen.flatten(), minlength=8).min() >= 4
+    out = layer(x).reshape(-1, 32)
+    assert torch.equal(out, dense_reference(layer, x, chosen, gates))
+    assert not torch.equal(out, dense_reference(layer, x, chosen.roll(1, 0), gates))
+
+
+def test_a_tokens_experts_do_not_depend_on_the_rest_of_the_batch():
+    """Routing one row of the batch alone chooses, for every token, the experts that
+    routing the whole batch chose, and the layer's output rows are the same bits: no
+    capacity, nothing dropped, so the split of a batch over ranks or micro-batches does
+    not change routing. Negative control: expert-choice routing (each expert takes its
+    top tokens of the batch) does change with the batch."""
+    layer = moe_layer()
+    layer.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))  # a trained bias in play
+    x = inputs(6, 256)
+    _, whole, _ = layer.route(x.reshape(-1, 32))
+    alone = torch.cat([layer.route(x[i])[1] for i in range(6)])
+    assert torch.equal(whole, alone)
+    # Bit-equal outputs too, where every expert group has 4 rows or more (see above).
+    assert all(torch.bincount(c.flatten(), minlength=8).min() >= 4 for c in alone.split(256))
+    out = layer(x)
+    assert all(torch.equal(out[i : i + 1], layer(x[i : i + 1])) for i in range(6))
+
+    def expert_choice(rows):
+        scores = layer.route(rows.reshape(-1, 32))[0]
+        return torch.topk(scores, 16, dim=0).indices  # each expert's 16 top tokens
+
+    assert not torch.equal(expert_choice(x[:1]), expert_choice(x)[:, :])
+
+
+def test_gate_weights_are_the_unbiased_scores():
+    """The bias chooses experts, it never weights them: with expert 3's bias far above
+    the rest every token chooses it, and the gates are the chosen experts' sigmoid
+    scores normalized to sum to one. Negative control: gates taken from the biased
+    scores differ."""
+    layer = moe_layer()
+    layer.expert_bias[3] = 10.0
+    tokens = inputs(2).reshape(-1, 32)
+    scores, chosen, gates = layer.route(tokens)
+    assert (chosen == 3).any(-1).all()
+    plain = torch.sigmoid(F.linear(tokens, layer.router.weight).float()).gather(-1, chosen)
+    assert torch.equal(gates, plain / plain.sum(-1, keepdim=True))
+    biased = (scores + layer.expert_bias).gather(-1, chosen)
+    assert not torch.allclose(gates, biased / biased.sum(-1, keepdim=True))
+
+
+def balanced_after(rate: float, steps: int = 300) -> tuple[float, float]:
+    """max/mean expert load of a skewed router, before and after ``steps`` balancing
+    updates (each from one forward's loads, as after each optimizer step)."""
+    layer = moe_layer(moe_bias_rate=rate).train()
+    with torch.no_grad():  # inputs leaning one way, and expert 0's router row that way
+        layer.router.weight[0] += 0.1
+    ratios = []
+    with torch.no_grad():
+        for step in range(steps):
+            layer(inputs(8, 64, seed=step) + 0.5)
+            load = layer.step_load
+            ratios.append((load.max() / load.float().mean()).item())
+            layer.balance(load)
+    return ratios[0], sum(ratios[-20:]) / 20
+
+
+def test_the_balancing_rule_evens_a_skewed_router():
+    """DeepSeek-V3's sign rule at rate 1e-3: a router that sends 2.7x the mean load to
+    one expert is within 1.2x of even after 300 steps of 1024 choices (the rest is the
+    noise of 128 choices per expert). Negative control: rate 0 stays as skewed; the
+    sign flipped makes it worse."""
+    first, last = balanced_after(1e-3)
+    assert first > 2.5 and last < 1.2, (first, last)
+    assert balanced_after(0.0)[1] > 2.5
+    assert balanced_after(-1e-3)[1] > first
+
+
+def test_balancing_state_is_in_the_state_dict_and_counts_a_step_once():
+    """The bias and the token counts are persistent buffers (a checkpoint holds what
+    get_model_state_dict gives, persistent buffers included); a step's loads are
+    counted in its forward and not again when activation checkpointing recomputes it.
+    Negative control: the per-step accumulator is not state."""
+    model = build_model("debug_moe", 256, device="cpu", seed=0)
+    for block in model.layers.values():
+        block.recompute = True
+    keys = set(model.state_dict())
+    for i in range(2):
+        assert {
+            f"layers.{i}.feed_forward.expert_bias",
+            f"layers.{i}.feed_forward.expert_tokens",
+        } <= keys
+    assert not any("step_load" in k for k in keys)
+    model.train()
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens).float().mean().backward()
+    loads = model.expert_loads()
+    assert loads.sum(1).tolist() == [2 * 16 * 2] * 2  # tokens x top-2, per layer
+    model.balance_experts(loads)
+    assert model.layers["0"].feed_forward.expert_tokens.sum() == 64
+    assert model.layers["0"].feed_forward.expert_bias.abs().sum() > 0
+
+
+MOE_RUN = ["--model.flavor", "debug_moe", "--training.seq_len", 64, "--training.batch_size", 2,
+           "--training.steps", 6, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3]  # fmt: skip
+
+
+def test_resume_restores_the_balancing_bias(tmp_path, monkeypatch):
+    """6 steps of debug_moe with a checkpoint at step 3; the same resumed from step 3 in
+    a new run logs steps 4-6 with exactly the losses of the uninterrupted run. Negative
+    control: resuming with the bias dropped (zeroed after the load, as a checkpoint
+    without it would leave it) changes the losses after the resume."""
+    train_here(tmp_path / "whole", *MOE_RUN)
+    whole = losses(tmp_path / "whole")
+
+    def resumed(name: str) -> dict:
+        shutil.copytree(tmp_path / "whole", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoint" / "step-6")
+        train_here(tmp_path / name, *MOE_RUN)
+        return losses(tmp_path / name)
+
+    again = resumed("resumed")
+    assert [again[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]
+
+    load = train_script.resume
+
+    def resume_dropping_bias(run):
+        load(run)
+        for moe in run.model.moe_layers():
+            moe.expert_bias.zero_()
+
+    monkeypatch.setattr(train_script, "resume", resume_dropping_bias)
+    dropped = resumed("dropped")
+    assert [dropped[s] for s in (4, 5, 6)] != [whole[s] for s in (4, 5, 6)]
+
+
+def test_metrics_hold_each_layers_expert_load(tmp_path):
+    """The JSONL has, every logged step, each MoE layer's max/mean load and the loads
+    themselves (tokens x top-k per layer)."""
+    from helpers import read_jsonl
+
+    train_here(tmp_path, "--model.flavor", "debug_moe", "--training.seq_len", 32,
+               "--training.batch_size", 2, "--training.steps", 2)  # fmt: skip
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert len(r["expert_loads"]) == 2 and all(sum(x) == 2 * 32 * 2 for x in r["expert_loads"])
+        assert r["expert_load_max_mean/0"] >= 1.0 and "expert_load_max_mean/1" in r
+
+
+def test_sequence_aux_loss_is_added_and_trains_the_router():
+    """With moe_aux_loss_weight the layer's sequence-level balance loss is positive and
+    gives the router a gradient of its own. Negative control: weight 0 adds none."""
+    layer = moe_layer(moe_aux_loss_weight=0.01).train()
+    layer(inputs(2))
+    assert layer.aux_loss > 0
+    layer.aux_loss.backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+    plain = moe_layer().train()
+    plain(inputs(2))
+    assert plain.aux_loss is None
+
+
+def test_moe_flavors_sizes_and_active_flops():
+    """moe_1B: ~1B parameters in all, ~0.2B active per token; MFU counts the active
+    ones only (6 per active matmul weight). debug_moe has the dense debug model's active
+    feed-forward width (plus the router). Negative control: counting every expert would
+    give ~4x the FLOPs."""
+    args = llama_configs["moe_1B"]
+    total = count_parameters(build_model("moe_1B", args.vocab_size))
+    active = active_matmul_weights(args) + args.vocab_size * args.dim  # + the embedding
+    assert 0.9e9 < total < 1.1e9 and 0.18e9 < active < 0.25e9, (total, active)
+    all_experts = active_matmul_weights(
+        ModelArgs(**{**args.__dict__, "n_active_experts": args.n_experts})
+    )
+    assert flops_per_token(args, 0) == 6 * active_matmul_weights(args) < 6 * all_experts / 3
+    dense, moe = llama_configs["debugmodel"], llama_configs["debug_moe"]
+    assert active_matmul_weights(moe) - active_matmul_weights(dense) == 2 * 64 * 8
+
+
+@pytest.mark.parametrize("bad", [dict(n_active_experts=9), dict(moe_hidden_dim=0)])
+def test_impossible_moe_args_are_refused(bad):
+    with pytest.raises(ValueError, match="flavor"):
+        moe_layer(**bad)
+
+
+@pytest.mark.parametrize(
+    "flavor, argv, says",
+    [
+        ("debug_moe", ["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree 2"),
+        ("debug_moe", ["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel"),
+        ("debug_moe", ["--parallelism.expert_parallel_degree", "3"], "divide the flavor's 8"),
+        ("debugmodel", ["--parallelism.expert_parallel_degree", "2"], "has no experts"),
+    ],
+)
+def test_what_moe_cannot_be_combined_with_is_refused_in_one_line(flavor, argv, says):
+    """Negative control: debug_moe at expert-parallel degree 2 is accepted."""
+    with pytest.raises(ConfigError, match=says) as refused:
+        parse_args(["--model.flavor", flavor, *argv])
+    assert "\n" not in str(refused.value)
+    parse_args(["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", "2"])
