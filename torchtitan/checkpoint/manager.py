@@ -338,7 +338,7 @@ class CheckpointManager:
             if targets is not None:
                 state[name] = targets
         try:
-            dcp.load(state, checkpoint_id=path, storage_reader=store_for(path).reader(path),
+            dcp.load(state, checkpoint_id=path, storage_reader=store_for(path).reader(path, manifest),
                      process_group=self.dims.cpu_group, planner=DataOnlyLoadPlanner(),
                      no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
