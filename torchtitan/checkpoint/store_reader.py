@@ -54,8 +54,6 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from torchtitan.checkpoint.folder import CheckpointError
-
 logger = logging.getLogger("torchtitan")
 
 # Coalescing threshold. A ranged GET on a real S3 costs ~10-50 ms to its first byte, and
@@ -76,6 +74,11 @@ BACKOFF = 0.25  # seconds: the first retry's wait is uniform(0, BACKOFF), doubli
 # What a store answers when it is busy or briefly failing, rather than refusing.
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"}  # fmt: skip
+
+
+class StoreReadError(RuntimeError):
+    """A read the store refused or could not finish: one line naming the object and the
+    fix (the manager reports it as the checkpoint's error)."""
 
 
 @dataclass
@@ -197,29 +200,29 @@ class SpanFetcher:
         except ClientError as e:
             code = _code(e)
             if code == "PreconditionFailed":
-                raise CheckpointError(
+                raise StoreReadError(
                     f"file {url} was replaced since it was written (its ETag changed); "
                     "restore it, or resume from another checkpoint with --checkpoint.load_step"
                 ) from None
             if code in ("NoSuchKey", "404"):
-                raise CheckpointError(f"file {url} is missing; resume from another "
+                raise StoreReadError(f"file {url} is missing; resume from another "
                                       "checkpoint with --checkpoint.load_step") from None  # fmt: skip
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-                raise CheckpointError(
+                raise StoreReadError(
                     f"the store refused to read {url} ({code}): set AWS_ACCESS_KEY_ID and "
                     "AWS_SECRET_ACCESS_KEY to credentials that may read it"
                 ) from None
             if code == "NoSuchBucket":
-                raise CheckpointError(f"bucket {self.bucket} does not exist (reading {url}): "
+                raise StoreReadError(f"bucket {self.bucket} does not exist (reading {url}): "
                                       "check the URL and AWS_ENDPOINT_URL") from None  # fmt: skip
-            raise CheckpointError(f"reading {url} failed ({ATTEMPTS} tries): {e}") from None
+            raise StoreReadError(f"reading {url} failed ({ATTEMPTS} tries): {e}") from None
         except BotoCoreError as e:
-            raise CheckpointError(
+            raise StoreReadError(
                 f"reading {url} failed ({ATTEMPTS} tries): {e}; check that the store is "
                 "reachable (AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID)"
             ) from None
         if len(data) != span.size:
-            raise CheckpointError(f"file {url} gave {len(data)} bytes for bytes "
+            raise StoreReadError(f"file {url} gave {len(data)} bytes for bytes "
                                   f"{span.start}-{span.end - 1} (truncated?)")  # fmt: skip
         with self.lock:
             self.requests += 1
@@ -325,7 +328,7 @@ class StoreReader(FsspecReader):
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
-            raise CheckpointError(f"entry {item.storage_index} has shape {tuple(tensor.size())}, "
+            raise StoreReadError(f"entry {item.storage_index} has shape {tuple(tensor.size())}, "
                                   f"this run expects {tuple(target.size())}")  # fmt: skip
         target.copy_(tensor)
         planner.commit_tensor(item, target)
