@@ -27,6 +27,7 @@ import importlib.util
 import os
 import socket
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Traffic:
     requests: dict[str, int] = field(default_factory=dict)  # "GET", "GET range", "PUT"...
     body_bytes: dict[str, int] = field(default_factory=dict)  # bytes of the bodies sent
     by_name: dict[str, int] = field(default_factory=dict)  # GET body bytes per object name
+    log: list | None = None  # a list: (time.time() at the end, kind, path, body bytes) each
     fail_next: int = 0  # how many more requests to fail
     fail_kinds: tuple = ("GET", "GET range")
     fail_suffix: str = ""  # only objects whose name ends so
@@ -80,11 +82,12 @@ class Traffic:
                     self.requests[kind] = self.requests.get(kind, 0) + 1
             if fail:
                 return self._fail(environ, start_response)
-            return self._count(kind, name, app(environ, start_response))
+            path = environ.get("PATH_INFO", "")
+            return self._count(kind, name, path, app(environ, start_response))
 
         return counted
 
-    def _count(self, kind: str, name: str, body):
+    def _count(self, kind: str, name: str, path: str, body):
         sent = 0
         for chunk in body:
             sent += len(chunk)
@@ -93,6 +96,14 @@ class Traffic:
             self.body_bytes[kind] = self.body_bytes.get(kind, 0) + sent
             if kind.startswith("GET"):
                 self.by_name[name] = self.by_name.get(name, 0) + sent
+            if self.log is not None:
+                self.log.append((time.time(), kind, path, sent))
+
+    def sent(self, begin: float, end: float, kinds=("GET", "GET range")) -> tuple[int, int]:
+        """(requests, body bytes) of the ``kinds`` answered between two ``time.time()``s."""
+        with self.lock:
+            hits = [n for t, k, _, n in self.log or [] if begin <= t <= end and k in kinds]
+        return len(hits), sum(hits)
 
     def _fail(self, environ, start_response):
         environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))

@@ -99,10 +99,11 @@ class Span:
 
 def plan_requests(ranges: dict, gap: int = GAP, span_max: int = SPAN_MAX) -> list[Span]:
     """The GETs for ``ranges`` ({storage index: (file, offset, length)}): per file, sorted
-    by offset, neighbours joined while the gap between them is at most ``gap`` and the
-    span stays within ``span_max`` (an item larger than ``span_max`` is a span of its own).
-    Spans of different files are interleaved (round robin), so that parallel requests go
-    to several objects at once. Cost: O(items log items)."""
+    by offset, neighbours joined while the gap between them is at most ``gap``, the gaps
+    a span holds stay within a tenth of the bytes it needs (bytes fetched / needed <= 1.1),
+    and the span within ``span_max`` (an item larger than ``span_max`` is a span of its
+    own). Spans of different files are interleaved (round robin), so that parallel
+    requests go to several objects at once. Cost: O(items log items)."""
     per_file: dict[str, list] = {}
     for index, (file, offset, length) in ranges.items():
         per_file.setdefault(file, []).append((offset, length, index))
@@ -112,8 +113,7 @@ def plan_requests(ranges: dict, gap: int = GAP, span_max: int = SPAN_MAX) -> lis
         for offset, length, index in sorted(items, key=lambda x: (x[0], x[1])):
             last = spans[-1] if spans else None
             end = offset + length
-            if (last is not None and offset - last.end <= gap
-                    and max(end, last.end) - last.start <= span_max):  # fmt: skip
+            if last is not None and _joins(last, offset, end, gap, span_max):
                 last.end = max(last.end, end)
             else:
                 last = Span(file, offset, end)
@@ -127,13 +127,38 @@ def plan_requests(ranges: dict, gap: int = GAP, span_max: int = SPAN_MAX) -> lis
     return interleaved
 
 
+def _joins(span: Span, offset: int, end: int, gap: int, span_max: int) -> bool:
+    """Whether the item ``[offset, end)`` joins ``span`` (items overlapping it always do:
+    DCP never writes them, but they cost nothing)."""
+    if offset - span.end > gap or max(end, span.end) - span.start > span_max:
+        return False
+    waste = max(end, span.end) - span.start - (span.needed + end - offset)
+    return waste * 10 <= span.needed + end - offset
+
+
 def span_size(needed: int) -> int:
     """The span size for a rank that needs ``needed`` bytes: its bytes spread over the
     connections, within [SPAN_MIN, SPAN_MAX]."""
     return max(SPAN_MIN, min(SPAN_MAX, -(-needed // IN_FLIGHT)))
 
 
+_CLIENTS: dict = {}  # one client per endpoint and credentials, as s3fs keeps its own
+
+
 def _s3_client():
+    """A botocore client for the endpoint and credentials of the ``AWS_*`` variables (made
+    once per process for each: a client takes ~0.1-0.3 s to build)."""
+    import os
+
+
+    key = tuple(os.environ.get(v) for v in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                            "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"))  # fmt: skip
+    if key not in _CLIENTS:
+        _CLIENTS[key] = _new_client()
+    return _CLIENTS[key]
+
+
+def _new_client():
     import botocore.config
     import botocore.session
 
@@ -306,7 +331,8 @@ class StoreReader(FsspecReader):
             del view
         seconds = time.perf_counter() - begin
         self.stats = {"needed": needed, "fetched": fetcher.fetched, "requests": fetcher.requests,
-                      "retries": fetcher.retries, "files": len({r[0] for r in ranges.values()}), "seconds": seconds}  # fmt: skip
+                      "retries": fetcher.retries,
+                      "spans": [(s.file, s.start, s.end) for s in spans], "files": len({r[0] for r in ranges.values()}), "seconds": seconds}  # fmt: skip
         logger.info("read %s: %d items, %.1f MB needed, %.1f MB fetched (%.3fx) in %d ranged "
                     "GETs of %d files, %.2f s", self.path, len(plan.items), needed / 1e6,
                     fetcher.fetched / 1e6, fetcher.fetched / max(1, needed), fetcher.requests,
