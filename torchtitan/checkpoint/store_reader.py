@@ -150,7 +150,6 @@ def _s3_client():
     once per process for each: a client takes ~0.1-0.3 s to build)."""
     import os
 
-
     key = tuple(os.environ.get(v) for v in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
                                             "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"))  # fmt: skip
     if key not in _CLIENTS:
