@@ -8,6 +8,13 @@ creates a bucket and yields its name. The server enforces conditional writes
 (``If-None-Match: *``, ``If-Match: <etag>``) and gives ETags. The variables are restored
 and fsspec's cached file systems dropped at the end.
 
+``local_s3(traffic=Traffic())`` puts a WSGI layer in front of the server that counts what
+it answered (requests and body bytes by method, ranged GETs apart: the independent count a
+reader's own figures are checked against) and answers the first ``traffic.fail_next``
+requests whose method is in ``traffic.fail_methods`` with ``traffic.fail_status`` (503
+SlowDown: throttling) or by closing the connection unanswered (``status`` 0: a dropped
+connection), to test a client's retries.
+
 ``missing()`` says why the server cannot run here (moto or s3fs not installed: the
 ``s3`` and ``dev`` extras), or None; a test skips with that reason.
 
@@ -18,8 +25,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
+import threading
+import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 _VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
@@ -38,12 +49,102 @@ def _drop_cached_filesystems():
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-@contextmanager
-def local_s3():
-    """A fresh bucket on a local S3 server: yields ``(bucket, endpoint_url)``."""
+@dataclass
+class Traffic:
+    """What the server answered (filled as it answers) and the faults it injects."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # "GET", "GET range", "PUT"...
+    body_bytes: dict[str, int] = field(default_factory=dict)  # bytes of the bodies sent
+    by_name: dict[str, int] = field(default_factory=dict)  # GET body bytes per object name
+    log: list | None = None  # a list: (time.time() at the end, kind, path, body bytes) each
+    fail_next: int = 0  # how many more requests to fail
+    fail_kinds: tuple = ("GET", "GET range")
+    fail_suffix: str = ""  # only objects whose name ends so
+    fail_status: int = 503  # 0: drop the connection without an answer
+    failed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reset(self):
+        with self.lock:
+            self.requests, self.body_bytes, self.by_name, self.failed = {}, {}, {}, 0
+
+    def wrap(self, app):
+        def counted(environ, start_response):
+            kind = environ["REQUEST_METHOD"] + (" range" if environ.get("HTTP_RANGE") else "")
+            with self.lock:
+                name = environ.get("PATH_INFO", "").rstrip("/").rsplit("/", 1)[-1]
+                fail = (self.fail_next > 0 and kind in self.fail_kinds
+                        and name.endswith(self.fail_suffix))  # fmt: skip
+                if fail:
+                    self.fail_next -= 1
+                    self.failed += 1
+                else:
+                    self.requests[kind] = self.requests.get(kind, 0) + 1
+            if fail:
+                return self._fail(environ, start_response)
+            path = environ.get("PATH_INFO", "")
+            return self._count(kind, name, path, app(environ, start_response))
+
+        return counted
+
+    def _count(self, kind: str, name: str, path: str, body):
+        sent = 0
+        for chunk in body:
+            sent += len(chunk)
+            yield chunk
+        with self.lock:
+            self.body_bytes[kind] = self.body_bytes.get(kind, 0) + sent
+            if kind.startswith("GET"):
+                self.by_name[name] = self.by_name.get(name, 0) + sent
+            if self.log is not None:
+                self.log.append((time.time(), kind, path, sent))
+
+    def sent(self, begin: float, end: float, kinds=("GET", "GET range")) -> tuple[int, int]:
+        """(requests, body bytes) of the ``kinds`` answered between two ``time.time()``s."""
+        with self.lock:
+            hits = [n for t, k, _, n in self.log or [] if begin <= t <= end and k in kinds]
+        return len(hits), sum(hits)
+
+    def _fail(self, environ, start_response):
+        environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+        if self.fail_status == 0:  # the connection closed under the request, unanswered
+            start_response("500 Dropped", [])  # never sent: the socket is shut first
+            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+            return []
+        body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+        start_response(f"{self.fail_status} Injected", [("Content-Type", "application/xml"),
+                                                        ("Content-Length", str(len(body)))])  # fmt: skip
+        return [body]
+
+
+def _server(traffic: Traffic | None):
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    if traffic is None:
+        return ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+
+    class CountingServer(ThreadedMotoServer):
+        def _server_entry(self):
+            from moto.moto_server.werkzeug_app import (
+                DomainDispatcherApplication,
+                create_backend_app,
+            )
+            from werkzeug.serving import make_server
+
+            app = traffic.wrap(DomainDispatcherApplication(create_backend_app))
+            self._server = make_server(self._ip_address, self._port, app, True)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return CountingServer(ip_address="127.0.0.1", port=0, verbose=False)
+
+
+@contextmanager
+def local_s3(traffic: Traffic | None = None):
+    """A fresh bucket on a local S3 server: yields ``(bucket, endpoint_url)``; ``traffic``
+    (optional) counts what the server answers and injects faults."""
+    server = _server(traffic)
     server.start()
     saved = {k: os.environ.get(k) for k in _VARS}
     try:

@@ -26,6 +26,7 @@ overhead (requests, no rename), not a real bucket's bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _root  # noqa: F401 - the repository's root on the path: harness, this torchtitan
@@ -112,12 +114,20 @@ def rank_main(args) -> dict:
                 durable = [manager.saver.last_write_s]
             resumed = TrainState()
             again = manager_for(resumed)
-            t = time.perf_counter()
-            again.load()
+            readers = []
+            parallel.barrier(dims)
+            t, began = time.perf_counter(), time.time()
+            with capture_readers(readers):
+                again.load()
             resume_s = time.perf_counter() - t
+            windows = {"resume": (began, time.time())}
             again.close()
             assert resumed.step == state.step, "the resume must load the last save"
-            rows.append({
+            extra = {}
+            if where == "s3" and mode == "disabled":  # the old reader and the limit, once
+                extra = against_the_limit(dims, lambda: manager_for(TrainState()), readers,
+                                          windows)  # fmt: skip
+            rows.append({**extra, "windows": windows,
                 "flavor": args.flavor, "parameters": params, "ranks": dims.world_size,
                 "folder": where, "mode": "sync" if mode == "disabled" else "async",
                 "interval": args.interval, "saves": args.saves,
@@ -127,6 +137,99 @@ def rank_main(args) -> dict:
             })  # fmt: skip
     parallel.destroy_distributed()
     return rows
+
+
+@contextlib.contextmanager
+def capture_readers(readers: list):
+    """The store readers the manager makes (their figures: bytes, requests, spans)."""
+    from torchtitan.checkpoint.store import ObjectStore
+
+    make = ObjectStore.reader
+
+    def reader(self, path, manifest=None):
+        readers.append(make(self, path, manifest))
+        return readers[-1]
+
+    ObjectStore.reader = reader
+    try:
+        yield
+    finally:
+        ObjectStore.reader = make
+
+
+@contextlib.contextmanager
+def fsspec_reader():
+    """The manager's load through DCP's FsspecReader (the reader before store_reader.py)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from torchtitan.checkpoint.store import ObjectStore
+
+    make = ObjectStore.reader
+    ObjectStore.reader = lambda self, path, manifest=None: FsspecReader(path)
+    try:
+        yield
+    finally:
+        ObjectStore.reader = make
+
+
+def fetch_all(requests: list, threads: int) -> float:
+    """Seconds to fetch ``requests`` ((bucket, key, start, end or None)) with ``threads``
+    parallel GETs on one botocore client, reading each body whole and nothing else."""
+    import botocore.config
+    import botocore.session
+
+    client = botocore.session.get_session().create_client(
+        "s3", config=botocore.config.Config(max_pool_connections=threads)
+    )
+
+    def get(request):
+        bucket, key, start, end = request
+        ranged = {} if end is None else {"Range": f"bytes={start}-{end - 1}"}
+        return len(client.get_object(Bucket=bucket, Key=key, **ranged)["Body"].read())
+
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(get, requests))
+    return time.perf_counter() - begin
+
+
+def against_the_limit(dims, make_manager, readers, windows) -> dict:
+    """The same load through DCP's fsspec reader, and the limit: this rank's bytes fetched
+    by a plain parallel client (16 threads) as the reader's own spans, as 16 MiB ranged
+    GETs, and as whole objects; every rank at once, each phase between barriers."""
+    from torchtitan import parallel
+
+    def timed(name, run):
+        parallel.barrier(dims)
+        began = time.time()
+        seconds = run()
+        parallel.barrier(dims)
+        windows[name] = (began, time.time())
+        return max(parallel.all_gather_objects(dims, seconds))
+
+    def load_old():
+        manager = make_manager()
+        t = time.perf_counter()
+        with fsspec_reader():
+            manager.load()
+        seconds = time.perf_counter() - t
+        manager.close()
+        return seconds
+
+    reader = readers[-1]
+    bucket, prefix = reader.bucket, reader.prefix
+    spans = [(bucket, f"{prefix}/{f}", a, b) for f, a, b in reader.stats["spans"]]
+    parts = [(bucket, k, a, min(b, a + (16 << 20))) for bucket, k, s, e in spans
+             for a in range(s, e, 16 << 20) for b in [e]]  # fmt: skip
+    whole = sorted({(bucket, k, 0, None) for _, k, _, _ in spans})
+    stats = {k: v for k, v in reader.stats.items() if k != "spans"}
+    return {
+        "reader": parallel.all_gather_objects(dims, stats),
+        "resume_fsspec_s": timed("resume_fsspec", load_old),
+        "limit_spans_s": timed("limit_spans", lambda: fetch_all(spans, 16)),
+        "limit_16mib_s": timed("limit_16mib", lambda: fetch_all(parts, 16)),
+        "limit_whole_s": timed("limit_whole", lambda: fetch_all(whole, 16)),
+    }
 
 
 def run_job(args, root: Path, url: str) -> list[dict]:
@@ -160,7 +263,7 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
-    from harness.s3 import local_s3, missing
+    from harness.s3 import Traffic, local_s3, missing
 
     reason = missing()
     if reason:
@@ -171,8 +274,13 @@ def main(argv=None) -> int:
     # the upload gone. The ranks' clients (fsspec's per-protocol config, read from the
     # environment) wait longer; a real bucket needs nothing of the kind.
     os.environ["FSSPEC_S3"] = json.dumps({"config_kwargs": {"read_timeout": 900}})
-    with bench.work_folder(args, "bench_s3_ckpt_") as root, local_s3() as (bucket, _):
+    traffic = Traffic(log=[])
+    with bench.work_folder(args, "bench_s3_ckpt_") as root, local_s3(traffic) as (bucket, _):
         rows = run_job(args, root, f"s3://{bucket}/run")
+        sizes = checkpoint_bytes(bucket, rows)
+    for row in rows:  # what the server sent in each timed phase (its GETs, counted there)
+        row["checkpoint_bytes"] = sizes[(row["folder"], row["mode"])]
+        row["sent"] = {name: traffic.sent(*window) for name, window in row.pop("windows").items()}
     header = ["flavor", "params", "ranks", "folder", "mode", "interval s", "durable s",
               "blocked s / save", "resume s"]  # fmt: skip
     bench.print_table(header, [
@@ -180,7 +288,58 @@ def main(argv=None) -> int:
          f"{r['interval'] * r['median_step_s']:.2f}", f"{r['durable_s']:.2f}",
          f"{r['blocked_per_save_s']:.3f}", f"{r['resume_s']:.2f}"]
         for r in rows])  # fmt: skip
+    report_limit(rows)
     return bench.save(args, rows)
+
+
+def checkpoint_bytes(bucket: str, rows: list) -> dict:
+    """Bytes of the newest checkpoint's files in each folder (local: on disk)."""
+    import s3fs
+
+    fs, sizes = s3fs.S3FileSystem(), {}
+    for r in rows:
+        mode = "disabled" if r["mode"] == "sync" else "async"
+        if r["folder"] == "s3":
+            sizes[("s3", r["mode"])] = sum(
+                info["size"] for info in fs.find(f"{bucket}/run/{mode}", detail=True).values()
+                if f"step-{r['interval'] * r['saves']}/" in info["name"])  # fmt: skip
+        else:
+            sizes[("local", r["mode"])] = None
+    return sizes
+
+
+def report_limit(rows: list):
+    """The resume against the local folder's and the limit, side by side (one run)."""
+    local = next(r for r in rows if r["folder"] == "local" and r["mode"] == "sync")
+    for r in rows:
+        if "limit_spans_s" not in r:
+            continue
+        needed = sum(s["needed"] for s in r["reader"])
+        fetched = sum(s["fetched"] for s in r["reader"])
+        requests = sum(s["requests"] for s in r["reader"])
+        new, old = r["sent"]["resume"], r["sent"]["resume_fsspec"]
+        print(
+            f"\nresume of a {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint at {r['ranks']} "
+            f"rank(s): store reader {r['resume_s']:.2f} s, DCP's fsspec reader "
+            f"{r['resume_fsspec_s']:.2f} s, local folder {local['resume_s']:.2f} s"
+        )
+        print(
+            f"  limit (16 threads): the reader's spans {r['limit_spans_s']:.2f} s, 16 MiB "
+            f"ranges {r['limit_16mib_s']:.2f} s, whole objects {r['limit_whole_s']:.2f} s"
+        )
+        best = min(r["limit_spans_s"], r["limit_16mib_s"], r["limit_whole_s"])
+        print(
+            f"  store reader / limit (spans) {r['resume_s'] / r['limit_spans_s']:.2f}, "
+            f"/ best limit {r['resume_s'] / best:.2f}, / local {r['resume_s'] / local['resume_s']:.2f}; "
+            f"fsspec reader / local {r['resume_fsspec_s'] / local['resume_s']:.2f}"
+        )
+        print(
+            f"  store reader: {requests} ranged GETs, {fetched / 1e6:.1f} MB fetched for "
+            f"{needed / 1e6:.1f} MB needed ({fetched / max(1, needed):.3f}x); server sent "
+            f"{new[1] / 1e6:.1f} MB in {new[0]} GETs (metadata included); fsspec reader: "
+            f"server sent {old[1] / 1e6:.1f} MB in {old[0]} GETs "
+            f"({old[1] / r['checkpoint_bytes']:.2f}x the checkpoint)"
+        )
 
 
 if __name__ == "__main__":

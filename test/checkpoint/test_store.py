@@ -102,6 +102,7 @@ def test_a_run_on_a_bucket_resumes_bit_exactly(on_bucket, bucket, reference, tmp
     dump = tmp_path / "exact"
     log = resume(dump, url)
     assert loaded_step(log) == 4 and f"{url}/step-4" in log
+    assert "(1.000x) in" in log, "read by the store reader, each byte once"
     assert losses(dump) == {s: v for s, v in reference.items() if s > 4}
     assert not (dump / "checkpoint").exists(), "nothing written to the local dump folder"
 

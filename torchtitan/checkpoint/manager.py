@@ -52,6 +52,7 @@ from torchtitan.checkpoint.lease import Lease
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
 from torchtitan.checkpoint.stateful import Adapter, Saved
 from torchtitan.checkpoint.store import join, store_for
+from torchtitan.checkpoint.store_reader import StoreReadError
 
 logger = logging.getLogger("torchtitan")
 
@@ -383,13 +384,16 @@ class CheckpointManager:
             if targets is not None:
                 state[name] = targets
         try:
-            dcp.load(state, checkpoint_id=path, storage_reader=store_for(path).reader(path),
+            reader = store_for(path).reader(path, manifest)
+            dcp.load(state, checkpoint_id=path, storage_reader=reader,
                      process_group=self.dims.cpu_group, planner=DataOnlyLoadPlanner(),
                      no_dist=not dist.is_initialized())  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, every rank
             refused = [f[0] for f in getattr(e, "failures", {}).values()
-                       if isinstance(f[0], CheckpointError)]  # fmt: skip
-            if refused:  # a planted pickle (entries.DataOnlyLoadPlanner): nothing ran
+                       if isinstance(f[0], (CheckpointError, StoreReadError))]  # fmt: skip
+            # a planted pickle (entries.DataOnlyLoadPlanner): nothing ran; or the store
+            # refused a read (a replaced file, a fault that persisted)
+            if refused:
                 raise CheckpointError(f"checkpoint {path}: {refused[0]}") from None
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded into this run: {root_cause(e)}; "

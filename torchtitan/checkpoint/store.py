@@ -131,7 +131,9 @@ class LocalStore:
             return f"file {path} fails its checksum (corrupted)"
         return None
 
-    def reader(self, path: str):
+    def reader(self, path: str, manifest: dict | None = None):
+        """DCP's reader of the checkpoint at ``path`` (``manifest``: its manifest, whose
+        signatures a store's reader checks on every read)."""
         return FileSystemReader(path)
 
     def writer(self, path: str):
@@ -220,9 +222,18 @@ class ObjectStore(LocalStore):
             return f"file {path} fails its checksum (corrupted)"
         return None
 
-    def reader(self, path: str):
+    def reader(self, path: str, manifest: dict | None = None):
+        """On S3 the project's own reader (store_reader.py: each needed byte once, in
+        parallel ranged GETs, each conditional on the manifest's ETag); DCP's fsspec
+        reader on other stores."""
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+        if storage.on_s3(path):
+            from torchtitan.checkpoint.store_reader import StoreReader
+
+            files = (manifest or {}).get("files") or {}
+            etags = {name: sig["etag"] for name, sig in files.items() if sig.get("etag")}
+            return StoreReader(path, etags)
         return FsspecReader(path, use_listings_cache=False)
 
     def writer(self, path: str):

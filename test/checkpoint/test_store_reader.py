@@ -1,0 +1,227 @@
+"""The store reader (store_reader.py) on the local S3 server of harness/s3.py, whose WSGI
+layer counts the bytes it sent and injects faults: what a load fetched is counted by the
+server, not by the reader. DCP runs for real (no_dist: one process).
+
+Each property has a negative control: DCP's fsspec reader (read-ahead) fetches more than
+the plan needs; without coalescing the same load makes one request per entry; a replaced
+object stops the load; a fault that persists is one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from harness.s3 import Traffic, local_s3, missing
+from torchtitan.checkpoint import store_reader
+from torchtitan.checkpoint.store import store_for, upload_folder
+
+
+@pytest.fixture(scope="module")
+def server():
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    traffic = Traffic()
+    with local_s3(traffic) as (bucket, _):
+        yield bucket, traffic
+
+
+def state() -> dict:
+    """Tensors of several sizes and dtypes, and a bytes entry."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(512, 1024, generator=g),  # 2 MiB
+        "small": {f"w{i}": torch.randn(64, 33, generator=g) for i in range(12)},
+        "ints": torch.randint(0, 1 << 30, (4096,), generator=g),
+        "half": torch.randn(300, 7, generator=g).to(torch.bfloat16),
+        "extra": {"note": "bytes entry", "n": 3},
+    }
+
+
+def blank(s: dict) -> dict:
+    """The same structure, zeroed: what a load fills."""
+    return {k: blank(v) if isinstance(v, dict) else torch.zeros_like(v)
+            if isinstance(v, torch.Tensor) else None for k, v in s.items()}  # fmt: skip
+
+
+def assert_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_equal(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture(scope="module")
+def saved(server, tmp_path_factory) -> tuple[str, str]:
+    """One checkpoint written by DCP to a local folder, and its copy in the bucket."""
+    bucket, _ = server
+    local = str(tmp_path_factory.mktemp("saved"))
+    dcp.save(state(), checkpoint_id=local, no_dist=True)
+    url = f"s3://{bucket}/saved"
+    upload_folder(local, url, last=".metadata")
+    return local, url
+
+
+def etags_of(url: str) -> dict:
+    store = store_for(url)
+    return {n: store.signature(f"{url}/{n}")["etag"] for n in store.listdir(url)}
+
+
+def load(reader, into: dict, url: str) -> dict:
+    dcp.load(into, checkpoint_id=url, storage_reader=reader, no_dist=True)
+    return into
+
+
+def test_a_load_from_the_bucket_equals_a_local_load_and_fetches_each_byte_once(saved, server):
+    """Every tensor equal to a local load's (torch.equal); the bytes the server sent equal
+    what the plan needs plus the coalesced gaps (here none: DCP writes one rank's entries
+    back to back), in one ranged GET for the whole file. Negative controls: DCP's fsspec
+    reader (read-ahead) makes the server send more than that; without coalescing the same
+    load takes one GET per entry."""
+    local, url = saved
+    _, traffic = server
+    expected = load(dcp.FileSystemReader(local), blank(state()), local)
+    assert_equal(expected, state())
+
+    traffic.reset()
+    reader = store_reader.StoreReader(url, etags_of(url))
+    assert_equal(load(reader, blank(state()), url), expected)
+    data_file = os.path.getsize(os.path.join(local, "__0_0.distcp"))
+    stats = reader.stats
+    assert stats["needed"] == stats["fetched"] == traffic.by_name["__0_0.distcp"], stats
+    assert stats["needed"] <= data_file and stats["requests"] == 1
+
+    traffic.reset()
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    assert_equal(load(FsspecReader(url), blank(state()), url), expected)
+    assert traffic.by_name["__0_0.distcp"] > stats["needed"], "read-ahead: more than needed"
+
+    items = 12 + 4  # the entries that are tensors
+    spans = store_reader.plan_requests(
+        {i: (f, o, n) for i, (f, o, n) in enumerate(ranges_of(reader))}, gap=-1
+    )
+    assert len(spans) >= items > stats["requests"], "without coalescing: a GET per entry"
+
+
+def ranges_of(reader) -> list:
+    return [(s.relative_path, s.offset, s.length) for s in reader.storage_data.values()]
+
+
+def test_a_partial_load_fetches_its_entries_and_the_gaps_only(saved, server):
+    """A plan naming 11 of the 12 small entries (written back to back; not w10) fetches
+    their bytes and the one entry between them (a gap within a tenth of the span's bytes),
+    counted by the server, in fewer GETs than entries. Negative control: with no gap
+    allowed it fetches exactly the needed bytes, one GET per entry."""
+    _, url = saved
+    _, traffic = server
+    names = [f"w{i}" for i in range(12) if i != 10]
+    for gap in (store_reader.GAP, -1):
+        old, store_reader.GAP = store_reader.GAP, gap
+        try:
+            traffic.reset()
+            reader = store_reader.StoreReader(url, etags_of(url))
+            got = load(reader, {"small": {n: torch.zeros(64, 33) for n in names}}, url)
+        finally:
+            store_reader.GAP = old
+        assert all(torch.equal(got["small"][n], state()["small"][n]) for n in names)
+        stats = reader.stats
+        assert stats["fetched"] == traffic.by_name["__0_0.distcp"]
+        if gap < 0:
+            assert stats["fetched"] == stats["needed"] and stats["requests"] == len(names)
+        else:
+            assert stats["needed"] < stats["fetched"] <= stats["needed"] * 1.1, stats
+            assert stats["requests"] < len(names)
+
+
+def test_a_replaced_object_stops_the_load_with_one_line(saved, server):
+    """A data file rewritten after its ETag was taken (same size, other bytes): the GET's
+    If-Match fails and the load stops with one line naming the file. Negative control:
+    the same reader without ETags loads (the bytes of the other write)."""
+    local, _ = saved
+    bucket, _ = server
+    url = f"s3://{bucket}/replaced"
+    upload_folder(local, url, last=".metadata")
+    etags = etags_of(url)
+    fs = store_for(url).fs
+    data = bytearray(fs.cat_file(f"{url}/__0_0.distcp"))
+    data[-1] ^= 0xFF  # the last byte: DCP's own bytes, not a tensor's
+    fs.pipe_file(f"{url}/__0_0.distcp", bytes(data))
+    with pytest.raises(CheckpointException) as caught:
+        load(store_reader.StoreReader(url, etags), blank(state()), url)
+    message = str(caught.value)
+    assert "__0_0.distcp was replaced since it was written" in message, message
+    load(store_reader.StoreReader(url, {}), blank(state()), url)
+
+
+@contextlib.contextmanager
+def faults(traffic, count: int, status: int):
+    """The next ``count`` GETs of a data file fail with ``status`` (0: dropped)."""
+    traffic.fail_next, traffic.fail_status, traffic.fail_suffix = count, status, ".distcp"
+    try:
+        yield
+    finally:
+        traffic.fail_next, traffic.fail_status, traffic.fail_suffix = 0, 503, ""
+
+
+@pytest.mark.parametrize("status", [503, 0])
+def test_transient_faults_are_retried(saved, server, status):
+    """The server throttles (503 SlowDown) or drops the connection of the first 2 GETs of
+    the data: the load retries and equals the local one. Negative control: a fault on
+    every try ends the load with one line naming the object and the number of tries."""
+    _, url = saved
+    _, traffic = server
+    traffic.reset()
+    reader = store_reader.StoreReader(url, etags_of(url))
+    with faults(traffic, 2, status):
+        got = load(reader, blank(state()), url)
+    assert traffic.failed == 2 and reader.stats["retries"] == 2
+    assert_equal(got, state())
+
+    traffic.reset()
+    old, store_reader.BACKOFF = store_reader.BACKOFF, 0.01
+    try:
+        with faults(traffic, 1000, status), pytest.raises(CheckpointException) as caught:
+            load(store_reader.StoreReader(url, {}), blank(state()), url)
+    finally:
+        store_reader.BACKOFF = old
+    message = str(caught.value)
+    assert f"{url}/__0_0.distcp" in message and f"{store_reader.ATTEMPTS} tries" in message
+    assert traffic.failed == store_reader.ATTEMPTS
+
+
+def test_spans_coalesce_small_gaps_sort_by_offset_and_interleave_files():
+    """plan_requests: items sorted by offset, joined across gaps <= gap, never past the
+    span size; a large item alone; spans of two files alternate."""
+    ranges = {0: ("a", 100, 10), 1: ("a", 0, 50), 2: ("a", 52, 28), 3: ("b", 0, 5),
+              4: ("a", 1000, 10), 5: ("b", 10, 500), 6: ("b", 600, 5)}  # fmt: skip
+    spans = store_reader.plan_requests(ranges, gap=20, span_max=200)
+    got = [(s.file, s.start, s.end, [i for i, _, _ in s.items]) for s in spans]
+    # a 2-byte gap: joined (within a tenth); 20 bytes after 78: more than a tenth, apart
+    assert got == [("a", 0, 80, [1, 2]), ("b", 0, 5, [3]), ("a", 100, 110, [0]),
+                   ("b", 10, 510, [5]), ("a", 1000, 1010, [4]), ("b", 600, 605, [6])]  # fmt: skip
+    assert sum(s.needed for s in spans) == sum(n for _, _, n in ranges.values())
+
+
+def test_a_load_stops_on_the_first_bad_span_without_hanging(saved, server):
+    """A missing data file: one line naming it (no retry: not transient)."""
+    local, _ = saved
+    bucket, _ = server
+    url = f"s3://{bucket}/missing"
+    upload_folder(local, url, last=".metadata")
+    store_for(url).fs.rm_file(f"{url}/__0_0.distcp")
+    with pytest.raises(CheckpointException) as caught:
+        load(store_reader.StoreReader(url, {}), blank(state()), url)
+    assert "__0_0.distcp is missing" in str(caught.value), str(caught.value)
