@@ -112,6 +112,28 @@ def test_an_uncommitted_step_is_read_again():
     assert _step_windows(loader) != first  # negative control: no rewind, other windows
 
 
+def test_a_healed_group_judges_spikes_as_its_peers():
+    """A group that heals receives the spike check's window and counters with the rest
+    (HEALED), through the same _local / _fill as the model's: afterwards it would drop
+    the steps its peers drop. Negative control: a group without them misses the spike."""
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.faults.fault_tolerance import HEALED, _fill, _local
+    from torchtitan.parallel import ParallelDims
+    from torchtitan.spikes import SpikeGuard
+
+    cfg = parse_args(["--training.spike_window", "4", "--training.on_spike", "skip_step"])
+    dims = ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    peer, joined, fresh = (SpikeGuard(cfg, dims, TrainState()) for _ in range(3))
+    for value in (3.0, 3.01, 2.99, 3.0):
+        peer.decide(torch.tensor(value), torch.tensor(1.0), [])
+    assert "spikes" in HEALED
+    joined.load_state_dict(_fill(joined.state_dict(), _local(peer.state_dict())))
+    assert joined.losses == peer.losses
+    spike = (torch.tensor(4.0), torch.tensor(1.0), [])
+    assert peer.decide(*spike) is joined.decide(*spike) is False
+    assert fresh.decide(*spike) is True
+
+
 # ---- live recovery (slow tier) ------------------------------------------------------------
 
 STEPS, KILL_AT, PAUSE_AT = 14, 5, 9
