@@ -343,3 +343,44 @@ def test_a_whole_job_restart_resumes_from_the_lowest_groups_checkpoint_exactly(t
     for folder in run:
         weights = torch.load(folder / "final_weights.pt")
         assert all(torch.equal(weights[k], reference[k]) for k in reference), folder
+
+
+# ---- broken steps and spikes with fault tolerance (slow tier) ------------------------------
+
+
+@pytest.mark.slow
+def test_a_broken_step_or_spike_on_one_group_is_dropped_by_both(tmp_path):
+    """Group 1 alone makes step 4's loss NaN and step 6's 1000 times larger (a spike under
+    on_spike skip_step): the commit averages the gradients and the loss over the groups,
+    so both groups drop both steps (bad_steps and spikes counted on both) and end on
+    the same weights (``torch.equal``). Negative control: without the faults the final
+    weights differ (the dropped steps were real)."""
+    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
+
+    extra = ["--training.on_spike", "skip_step", "--training.spike_max_loss", 100,
+             "--fault_tolerance.min_replica_groups", 2]  # fmt: skip
+
+    def run(name: str, fault: str) -> list:
+        server = start_lighthouse(min_replicas=2)
+        shim = shim_env(tmp_path / "shim", SHIM)
+        folders = [tmp_path / f"{name}{i}" for i in range(2)]
+        logs = [tmp_path / f"{name}_g{i}.log" for i in range(2)]
+        try:
+            groups = [start_group(group_command(i, 2, 1, server.address(), tmp_path,
+                                                [*ARGS, *extra], folders[i]), logs[i],
+                                  {**shim, "TORCHTITAN_TEST_FAULT": fault if i else ""})
+                      for i in range(2)]  # fmt: skip
+            for i, g in enumerate(groups):
+                assert _wait(g, f"{name} group {i}") == 0, logs[i].read_text()[-4000:]
+        finally:
+            server.shutdown()
+        return folders
+
+    faulted = run("faulted", "4:nan,6:x1000")
+    for folder in faulted:
+        last = json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["bad_steps"] == 1 and last["spikes"] == 1, folder
+    weights = [torch.load(f / "final_weights.pt") for f in faulted]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    clean = torch.load(run("clean", "")[0] / "final_weights.pt")
+    assert not all(torch.equal(weights[0][k], clean[k]) for k in clean)
