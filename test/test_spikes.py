@@ -249,12 +249,13 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
     same documents from step 6 on, and ends on the same weights (torch.equal).
     Negative control: the skip list one step off (6-7) differs from step 6 on."""
     monkeypatch.setenv(FAULT_ENV, "7:x1000")
-    _, log = train_here(tmp_path / "rewound", *REWIND)
+    ahead = ["--training.skip_steps", 30]  # a skip not reached yet bounds no rewind
+    _, log = train_here(tmp_path / "rewound", *REWIND, *ahead)
     rewound = [t.clone() for t in snapshots[-1][0]]
     assert "rewound to checkpoint step-5" in log and "--training.skip_steps 6-8" in log
     monkeypatch.delenv(FAULT_ENV)
     snapshots.clear()
-    train_here(tmp_path / "listed", *REWIND, "--training.skip_steps", "6-8")
+    train_here(tmp_path / "listed", *REWIND, "--training.skip_steps", "6-8,30")
     assert same(snapshots[-1][0], rewound)
     r, s = records(tmp_path / "rewound"), records(tmp_path / "listed")
     assert sorted(r) == list(range(1, 10)) and r[9]["rewinds"] == 1
