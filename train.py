@@ -290,7 +290,7 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
             "raise --training.skip_after"
         )
     skips, counts = list(loader.skips), dict(guard.counts)
-    earliest = max([a - 1 for a, _ in skips], default=0)
+    earliest = max([a - 1 for a, _ in skips if a <= spike], default=0)  # skips passed over
     to = run.checkpoint.rewind(spike - t.rewind_steps, earliest)
     if to is None:
         raise TrainingError(
@@ -311,8 +311,8 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
         logger.warning(
             "step %d: rewound to checkpoint step-%d (%s; rewind %d of at most %d); the data of "
             "steps %d-%d (windows %d-%d) is skipped: the same as --training.skip_steps %d-%d",
-            spike, to, run.checkpoint.loaded_from, guard.counts["rewinds"], t.max_rewinds, skip[0], skip[0] + skip[1] - 1,
-            lo, hi - 1, skip[0], skip[0] + skip[1] - 1,
+            spike, to, run.checkpoint.loaded_from, guard.counts["rewinds"], t.max_rewinds,
+            skip[0], skip[0] + skip[1] - 1, lo, hi - 1, skip[0], skip[0] + skip[1] - 1,
         )  # fmt: skip
 
 

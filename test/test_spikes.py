@@ -239,6 +239,8 @@ REWIND = ["--training.steps", 9, "--checkpoint.enable_checkpoint", "--checkpoint
           "--training.on_spike", "rewind",
           "--training.rewind_steps", 2, "--training.skip_after", 1,
           "--model.dropout", 0.1, "--metrics.data_provenance", *SMALL]  # fmt: skip
+# Runs that never rewind save only where they stop (a save changes nothing they train).
+FEW_SAVES = ["--checkpoint.interval", 100]
 
 
 def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypatch, snapshots,
@@ -249,12 +251,13 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
     same documents from step 6 on, and ends on the same weights (torch.equal).
     Negative control: the skip list one step off (6-7) differs from step 6 on."""
     monkeypatch.setenv(FAULT_ENV, "7:x1000")
-    _, log = train_here(tmp_path / "rewound", *REWIND)
+    ahead = ["--training.skip_steps", 30]  # a skip not reached yet bounds no rewind
+    _, log = train_here(tmp_path / "rewound", *REWIND, *ahead)
     rewound = [t.clone() for t in snapshots[-1][0]]
     assert "rewound to checkpoint step-5" in log and "--training.skip_steps 6-8" in log
     monkeypatch.delenv(FAULT_ENV)
     snapshots.clear()
-    train_here(tmp_path / "listed", *REWIND, "--training.skip_steps", "6-8")
+    train_here(tmp_path / "listed", *REWIND, *FEW_SAVES, "--training.skip_steps", "6-8,30")
     assert same(snapshots[-1][0], rewound)
     r, s = records(tmp_path / "rewound"), records(tmp_path / "listed")
     assert sorted(r) == list(range(1, 10)) and r[9]["rewinds"] == 1
@@ -281,7 +284,7 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
     assert series["skipped"] == [[6, 8]] and series["spikes"] == [7]
     assert series["undone"][1][0] == [6, 7] and series["kept"][0] == list(range(1, 10))
     assert plot_spikes(tmp_path / "rewound").stat().st_size > 0
-    train_here(tmp_path / "off", *REWIND, "--training.skip_steps", "6-7")
+    train_here(tmp_path / "off", *REWIND, *FEW_SAVES, "--training.skip_steps", "6-7")
     off = records(tmp_path / "off")
     assert off[5]["loss"] == s[5]["loss"] and off[6]["loss"] != s[6]["loss"]
 
@@ -324,14 +327,14 @@ def test_the_checkpoint_keeps_a_skip_list_the_resume_does_not_repeat(tmp_path):
     resumed without it still skips them (the loader entry holds the list, first step
     included) and trains as the run that kept the flag. Negative control: the skip
     list of a run that never had it (resumed from a plain step-4) differs from step 6."""
-    listed = [*REWIND, "--training.skip_steps", "6-8"]
+    listed = [*REWIND, *FEW_SAVES, "--training.skip_steps", "6-8"]
     train_here(tmp_path / "ref", *listed)
     train_here(tmp_path / "a", *listed, "--training.stop_at_step", 4)
-    train_here(tmp_path / "a", *REWIND)
+    train_here(tmp_path / "a", *REWIND, *FEW_SAVES)
     ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
     assert [a[k]["loss"] for k in a] == [ref[k]["loss"] for k in ref]
-    train_here(tmp_path / "b", *REWIND, "--training.stop_at_step", 4)
-    train_here(tmp_path / "b", *REWIND)
+    train_here(tmp_path / "b", *REWIND, *FEW_SAVES, "--training.stop_at_step", 4)
+    train_here(tmp_path / "b", *REWIND, *FEW_SAVES)
     assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
 
 
@@ -388,7 +391,7 @@ def test_a_rewind_takes_the_local_tiers_checkpoint(tmp_path, monkeypatch):
     assert "rewound to checkpoint step-5 (" in log and "checkpoint_local/step-5;" in log
     assert (tmp_path / "rewound" / "checkpoint_local" / "step-6.abandoned").is_dir()
     monkeypatch.delenv(FAULT_ENV)
-    train_here(tmp_path / "listed", *REWIND, *tiers, "--training.skip_steps", "6-8")
+    train_here(tmp_path / "listed", *REWIND, *FEW_SAVES, "--training.skip_steps", "6-8")
     assert losses(tmp_path / "rewound") == losses(tmp_path / "listed")
     monkeypatch.setenv(FAULT_ENV, "7:x1000")
     _, log = train_here(tmp_path / "main", *REWIND, "--checkpoint.interval", 4)

@@ -167,6 +167,28 @@ def test_an_uncommitted_step_is_read_again():
     assert _step_windows(loader) != first  # negative control: no rewind, other windows
 
 
+def test_a_healed_group_judges_spikes_as_its_peers():
+    """A group that heals receives the spike check's window and counters with the rest
+    (HEALED), through the same _local / _fill as the model's: afterwards it would drop
+    the steps its peers drop. Negative control: a group without them misses the spike."""
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.faults.fault_tolerance import HEALED, _fill, _local
+    from torchtitan.parallel import ParallelDims
+    from torchtitan.spikes import SpikeGuard
+
+    cfg = parse_args(["--training.spike_window", "4", "--training.on_spike", "skip_step"])
+    dims = ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    peer, joined, fresh = (SpikeGuard(cfg, dims, TrainState()) for _ in range(3))
+    for value in (3.0, 3.01, 2.99, 3.0):
+        peer.decide(torch.tensor(value), torch.tensor(1.0), [])
+    assert "spikes" in HEALED
+    joined.load_state_dict(_fill(joined.state_dict(), _local(peer.state_dict())))
+    assert joined.losses == peer.losses
+    spike = (torch.tensor(4.0), torch.tensor(1.0), [])
+    assert peer.decide(*spike) is joined.decide(*spike) is False
+    assert fresh.decide(*spike) is True
+
+
 # ---- live recovery (slow tier) ------------------------------------------------------------
 
 STEPS, KILL_AT, PAUSE_AT = 14, 5, 9
@@ -436,3 +458,44 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     for folder in run:
         weights = torch.load(folder / "final_weights.pt")
         assert all(torch.equal(weights[k], reference[k]) for k in reference), folder
+
+
+# ---- broken steps and spikes with fault tolerance (slow tier) ------------------------------
+
+
+@pytest.mark.slow
+def test_a_broken_step_or_spike_on_one_group_is_dropped_by_both(tmp_path):
+    """Group 1 alone makes step 4's loss NaN and step 6's 1000 times larger (a spike under
+    on_spike skip_step): the commit averages the gradients and the loss over the groups,
+    so both groups drop both steps (bad_steps and spikes counted on both) and end on
+    the same weights (``torch.equal``). Negative control: without the faults the final
+    weights differ (the dropped steps were real)."""
+    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
+
+    extra = ["--training.on_spike", "skip_step", "--training.spike_max_loss", 100,
+             "--fault_tolerance.min_replica_groups", 2]  # fmt: skip
+
+    def run(name: str, fault: str) -> list:
+        server = start_lighthouse(min_replicas=2)
+        shim = shim_env(tmp_path / "shim", SHIM)
+        folders = [tmp_path / f"{name}{i}" for i in range(2)]
+        logs = [tmp_path / f"{name}_g{i}.log" for i in range(2)]
+        try:
+            groups = [start_group(group_command(i, 2, 1, server.address(), tmp_path,
+                                                [*ARGS, *extra], folders[i]), logs[i],
+                                  {**shim, "TORCHTITAN_TEST_FAULT": fault if i else ""})
+                      for i in range(2)]  # fmt: skip
+            for i, g in enumerate(groups):
+                assert _wait(g, f"{name} group {i}") == 0, logs[i].read_text()[-4000:]
+        finally:
+            server.shutdown()
+        return folders
+
+    faulted = run("faulted", "4:nan,6:x1000")
+    for folder in faulted:
+        last = json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["bad_steps"] == 1 and last["spikes"] == 1, folder
+    weights = [torch.load(f / "final_weights.pt") for f in faulted]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    clean = torch.load(run("clean", "")[0] / "final_weights.pt")
+    assert not all(torch.equal(weights[0][k], clean[k]) for k in clean)

@@ -61,8 +61,10 @@ from torchtitan.faults.replica_steps import (
 
 logger = logging.getLogger("torchtitan")
 
-# What a joining group receives from a peer, by checkpoint component (stateful.py).
-HEALED = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+# What a joining group receives from a peer, by checkpoint component (stateful.py); the
+# spike check's window too (spikes.py), or a joined group would judge a step otherwise
+# than the others and apply an update they drop.
+HEALED = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "spikes")
 
 
 class FaultToleranceError(RuntimeError):
