@@ -282,6 +282,14 @@ def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
     return lives
 
 
+def _committed(folder, step: int) -> bool:
+    """Whether ``folder``'s run has logged a step at or past ``step``."""
+    path = folder / "metrics.jsonl"
+    return path.exists() and any(
+        json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line
+    )
+
+
 def _committed_alone(folder) -> bool:
     path = folder / "metrics.jsonl"
     return path.exists() and any(
@@ -422,19 +430,21 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     claim one; the relaunch equals an uninterrupted run bit for bit. (Before: the group
     signalled first left alone, the other waited for a quorum that could not come.)"""
     from torchtitan.checkpoint import complete_steps
-    from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
+    from torchtitan.tools.ft_launch import group_command, kill_group, start_group, start_lighthouse
 
     ref = [tmp_path / "ref0", tmp_path / "ref1"]
     _both_groups(tmp_path, "ref", ref)
     run = [tmp_path / "run0", tmp_path / "run1"]
+    groups = []
     server = start_lighthouse(min_replicas=2)
     shim = shim_env(tmp_path / "shim", SHIM)
     logs = [tmp_path / f"signalled_g{i}.log" for i in range(2)]
     try:
-        groups = [start_group(group_command(i, 2, 1, server.address(), tmp_path, DISK, run[i]),
-                              logs[i], shim) for i in range(2)]  # fmt: skip
+        groups += [start_group(group_command(i, 2, 1, server.address(), tmp_path, DISK, run[i]),
+                               logs[i], shim) for i in range(2)]  # fmt: skip
         deadline = time.monotonic() + 300
-        while max(losses(run[0]) or [0]) < 4 and time.monotonic() < deadline:
+        while not _committed(run[0], 4) and time.monotonic() < deadline:
+            assert groups[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.05)
         for i, group in enumerate(groups):
             for pid in _workers(group):
@@ -444,6 +454,10 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
         for i, g in enumerate(groups):
             assert _wait(g, f"group {i}", timeout=120) == 0, logs[i].read_text()[-4000:]
     finally:
+        for g in groups:
+            if g.poll() is None:
+                kill_group(g)
+                g.wait()
         server.shutdown()
     stopped = [max(losses(folder)) for folder in run]
     assert stopped[0] == stopped[1] < STEPS, stopped

@@ -2,11 +2,13 @@
 
 Owns: the ``[fault_tolerance]`` section's own rules (``check_config``: torchft present,
 the layouts it fits), this replica group's place in the job (``ReplicaGroup``): the
-per-step quorum through torchft's ``Manager`` and lighthouse, the split of each step's
-windows over the quorum's participants, the cross-group all-reduce of the gradients
-(and of the loss, for the log), the commit vote, the rewind of the loader when a step is
-not committed, healing a joining group from a live peer, and which group writes the
-disk checkpoints (``LowestGroupSaves``).
+per-step quorum through torchft's ``Manager`` and lighthouse (reached within
+``quorum_timeout_seconds`` at the start, or one line), the cross-group all-reduce of
+the gradients (and of the loss, for the log, and of the group's stop vote), the commit
+vote, healing a joining group from a live peer (``peer_state``, ``load_peer_state``),
+and the checkpoint manager that writes only in the lowest group (``LowestGroupSaves``).
+The decisions it acts on (the split, the rewind of an uncommitted step, who saves, the
+default batch, who stops) are replica_steps.py's, free of torchft.
 
 Layout: each replica group is its own torchrun job (FSDP or DDP over its ranks, as
 without fault tolerance); torchft's process group joins the same group rank of every

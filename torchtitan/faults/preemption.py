@@ -21,6 +21,7 @@ the process (train.py returns).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -36,6 +37,7 @@ class Preemption:
         self.last_check_s = 0.0  # what the last agreement cost the loop
         self._previous = {}
         self._across = None  # the replica groups the stop is agreed with (fault tolerance)
+        self.stopped = False  # the loop stopped on the agreement (said_stop)
         for name in signal_names:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._handle)
@@ -70,6 +72,7 @@ class Preemption:
     def said_stop(self, step: int, written: bool = True):
         """Log the stop after ``step``: its checkpoint written here, or (fault tolerance:
         another group writes the job's) not."""
+        self.stopped = True
         why = self.received or "signal to another rank"
         if written:
             logger.warning("preempted at step %d: checkpoint step-%d written (%s)", step, step, why)
@@ -78,6 +81,14 @@ class Preemption:
                            "(only the lowest live one writes the job's)", step, why)  # fmt: skip
 
     def close(self):
+        """Put the previous handlers back, unless the job stopped on a signal in a
+        torchrun worker (which exits after the loop): then the handlers stay until it
+        exits, so that a signal landing while it finishes (a scheduler signalling node
+        by node, after the ranks or groups agreed to stop) cannot end it with a signal's
+        exit status. One plain process (tests call ``train.main`` in theirs) gets its
+        handlers back."""
+        if self.stopped and os.environ.get("TORCHELASTIC_RUN_ID"):
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
