@@ -188,7 +188,15 @@ def check_s3_corpus(r: dict):
     assert r["s3_over_local"] == med["s3"]["tps"] / med["local"]["tps"]
 
 
+def check_moe(r: dict):
+    assert positive(*r["tokens_per_s"].values(), *r["step_ms"].values())
+    assert r["moe_over_dense"] == r["tokens_per_s"]["debug_moe"] / r["tokens_per_s"]["debugmodel"]
+    assert r["ep2_over_ep1"] == r["step_ms"]["ep2"] / r["step_ms"]["ep1"]
+    assert positive(r["a2a_ms"]) and 0 < r["a2a_share"] < 1, "the all-to-alls take part of the step"
+
+
 CHECKS = {
+    "bench_moe.py": check_moe,
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,

@@ -371,3 +371,30 @@ def _other_vocab_tokenizer(tmp_path) -> str:
     path = tmp_path / "other.model"
     path.write_bytes(out.getvalue())
     return str(path)
+
+
+def test_an_moe_checkpoint_exports_as_glm4_moe_with_the_same_logits(tmp_path, tokens):
+    """debug_moe after 3 steps (a trained balancing bias in play) exported as a
+    Glm4MoeForCausalLM: transformers computes the same logits (to TOLERANCE; the bias is
+    its e_score_correction_bias). Negative control: the fused experts with the up rows
+    before the gate rows (w3 over w1) give other logits."""
+    train_here(tmp_path / "run", "--model.flavor", "debug_moe", "--training.steps", 3,
+               "--training.seq_len", 32, "--checkpoint.enable_checkpoint",
+               "--checkpoint.interval", 3)  # fmt: skip
+    step = str(tmp_path / "run" / "checkpoint" / "step-3")
+    args = hf.export(step, str(tmp_path / "export"))
+    weights = hf.read_dcp_model(step)
+    assert weights["layers.0.feed_forward.expert_bias"].abs().sum() > 0
+    theirs = transformers.Glm4MoeForCausalLM.from_pretrained(
+        str(tmp_path / "export"), dtype=torch.float32
+    ).eval()
+    ours = build_model(args.flavor, args.vocab_size, device="cpu")
+    ours.load_state_dict(weights)
+    with torch.no_grad():
+        expected = ours.eval()(tokens)
+        assert (expected - theirs(tokens).logits).abs().max().item() <= TOLERANCE
+        for i in range(args.n_layers):
+            at = f"layers.{i}.feed_forward.experts."
+            fused = torch.cat([weights[at + "w3"], weights[at + "w1"]], dim=1)
+            theirs.model.layers[i].mlp.experts.gate_up_proj.copy_(fused)
+        assert (expected - theirs(tokens).logits).abs().max().item() > 10 * TOLERANCE

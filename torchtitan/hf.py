@@ -1,4 +1,5 @@
-"""Hugging Face interop: this project's Llama weights <-> a ``LlamaForCausalLM`` folder.
+"""Hugging Face interop: this project's Llama weights <-> a ``LlamaForCausalLM`` folder;
+a mixture-of-experts flavor's -> a ``Glm4MoeForCausalLM`` folder (export only).
 
 Owns: the name map between the two state dicts, the per-head row order of ``wq``/``wk``
 that makes the two RoPE conventions agree, the ``config.json`` fields of a Llama, reading
@@ -10,6 +11,17 @@ RoPE: this model rotates interleaved channel pairs (2i, 2i+1) of each head
 Reordering each head's rows of ``wq`` and ``wk`` from (0, 1, 2, 3, ...) to
 (0, 2, 4, ..., 1, 3, 5, ...) moves every pair to where HF expects it, and q.k is
 unchanged because q and k are reordered alike. ``wv``/``wo`` and the MLP need nothing.
+
+Mixture of experts: transformers' GLM-4-MoE computes what models/moe.py computes when
+its options are set to it (``hf_config``): Llama attention (no q/k norm, no biases,
+RoPE on the whole head), a sigmoid router choosing the top k of score +
+``e_score_correction_bias`` (our ``expert_bias``) in one group, gates the chosen
+unbiased scores normalized (it adds 1e-20 to the sum: a last-bit difference at most),
+scaled by 1.0, a shared expert, and no dense first layer. Its experts are fused:
+``gate_up_proj`` is our ``w1`` over ``w3`` per expert, ``down_proj`` our ``w2``.
+``expert_tokens`` (a count, not a weight) is not exported. DeepSeek-V3's class has
+multi-head latent attention and Qwen3-MoE's has q/k norms and softmax routing with no
+shared expert: neither computes this model. Importing an MoE folder is not done.
 
 Never: train, build the trainer's model, write into a checkpoint folder, or need a
 process group. transformers is never imported here (only the tests load the result with
@@ -69,6 +81,16 @@ _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# A mixture of experts' feed-forward (per block) -> GLM-4-MoE's. The experts' weights are
+# fused (``_moe_experts``); ``expert_tokens`` has no counterpart.
+_BLOCK_MOE = {
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+MOE_ARCHITECTURE = "Glm4MoeForCausalLM"
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
 _PROJECT_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -102,6 +124,8 @@ def _hf_name(name: str) -> str:
     m = _PROJECT_BLOCK.match(name)
     if m and m.group(2) in _BLOCK:
         return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
+    if m and m.group(2) in _BLOCK_MOE:
+        return f"model.layers.{m.group(1)}.{_BLOCK_MOE[m.group(2)]}"
     raise HFError(f"model weight {name!r} has no Hugging Face Llama counterpart")
 
 
@@ -149,8 +173,24 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> di
     )
     out = {}
     for name, tensor in state_dict.items():
+        if ".feed_forward.experts." in name or name.endswith("feed_forward.expert_tokens"):
+            continue  # fused below; a count, not exported
         heads = _rope_heads(name, args)
         out[_hf_name(name)] = tensor if heads is None else _pairs_to_halves(tensor, heads)
+    if args.is_moe:
+        out.update(_moe_experts(state_dict, args))
+    return out
+
+
+def _moe_experts(state_dict: dict, args: ModelArgs) -> dict:
+    """GLM-4-MoE's fused expert weights of every block: ``gate_up_proj`` [E, 2 hidden,
+    dim] (w1's rows, then w3's, per expert) and ``down_proj`` [E, dim, hidden] (w2)."""
+    out = {}
+    for i in range(args.n_layers):
+        at, to = f"layers.{i}.feed_forward.experts.", f"model.layers.{i}.mlp.experts."
+        w1, w3 = state_dict[at + "w1"], state_dict[at + "w3"]
+        out[to + "gate_up_proj"] = torch.cat([w1, w3], dim=1)
+        out[to + "down_proj"] = state_dict[at + "w2"]
     return out
 
 
@@ -183,8 +223,11 @@ def from_hf_state_dict(
 def hf_config(
     args: ModelArgs, bos_id: int | None, eos_id: int | None, dtype: torch.dtype = torch.float32
 ) -> dict:
-    """The ``config.json`` of a ``LlamaForCausalLM`` that computes what this model computes."""
+    """The ``config.json`` of a ``LlamaForCausalLM`` that computes what this model computes
+    (of a ``Glm4MoeForCausalLM`` for a mixture of experts: ``moe_config``)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    if args.is_moe:
+        return moe_config(args, bos_id, eos_id, dtype_name)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -210,6 +253,47 @@ def hf_config(
         # transformers >= 5 names it dtype; 4.x torch_dtype.
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
+    }
+
+
+def moe_config(args: ModelArgs, bos_id, eos_id, dtype_name: str) -> dict:
+    """A ``Glm4MoeForCausalLM`` config.json with every option set to what models/moe.py
+    computes (the module docstring lists them)."""
+    return {
+        "architectures": [MOE_ARCHITECTURE],
+        "model_type": "glm4_moe",
+        "hidden_size": args.dim,
+        "intermediate_size": args.moe_hidden_dim,  # the dense MLP's: no layer has one
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": 1.0,
+        },  # fmt: skip
+        "max_position_embeddings": args.max_seq_len,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_qk_norm": False,
+        "attention_dropout": 0.0,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "n_routed_experts": args.n_experts,
+        "num_experts_per_tok": args.n_active_experts,
+        "n_shared_experts": args.n_shared_experts,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 0,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype_name,
     }
 
 
@@ -427,7 +511,8 @@ def tokenizer_files(
 def export(
     step_dir: str, out_dir: str, tokenizer_path: str | None = None, flavor: str | None = None
 ) -> ModelArgs:
-    """Write ``step_dir``'s model as a ``LlamaForCausalLM`` folder; returns its ModelArgs.
+    """Write ``step_dir``'s model as a ``LlamaForCausalLM`` folder (``Glm4MoeForCausalLM`` for
+    a mixture of experts); returns its ModelArgs.
 
     The flavor is the one the checkpoint's manifest records (``flavor`` overrides it), the
     tokenizer the one its config names (``tokenizer_path`` overrides it; either must have

@@ -127,8 +127,8 @@ def test_the_balancing_rule_evens_a_skewed_router():
     sign flipped makes it worse."""
     first, last = balanced_after(1e-3)
     assert first > 2.5 and last < 1.2, (first, last)
-    assert balanced_after(0.0)[1] > 2.5
-    assert balanced_after(-1e-3)[1] > first
+    assert balanced_after(0.0, steps=100)[1] > 2.5
+    assert balanced_after(-1e-3, steps=100)[1] > first
 
 
 def test_balancing_state_is_in_the_state_dict_and_counts_a_step_once():
@@ -156,13 +156,13 @@ def test_balancing_state_is_in_the_state_dict_and_counts_a_step_once():
     assert model.layers["0"].feed_forward.expert_bias.abs().sum() > 0
 
 
-MOE_RUN = ["--model.flavor", "debug_moe", "--training.seq_len", 64, "--training.batch_size", 2,
-           "--training.steps", 6, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3]  # fmt: skip
+MOE_RUN = ["--model.flavor", "debug_moe", "--training.seq_len", 32, "--training.batch_size", 2,
+           "--training.steps", 4, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]  # fmt: skip
 
 
 def test_resume_restores_the_balancing_bias(tmp_path, monkeypatch):
-    """6 steps of debug_moe with a checkpoint at step 3; the same resumed from step 3 in
-    a new run logs steps 4-6 with exactly the losses of the uninterrupted run. Negative
+    """4 steps of debug_moe with a checkpoint at step 2; the same resumed from step 2 in
+    a new run logs steps 3-4 with exactly the losses of the uninterrupted run. Negative
     control: resuming with the bias dropped (zeroed after the load, as a checkpoint
     without it would leave it) changes the losses after the resume."""
     train_here(tmp_path / "whole", *MOE_RUN)
@@ -170,12 +170,12 @@ def test_resume_restores_the_balancing_bias(tmp_path, monkeypatch):
 
     def resumed(name: str) -> dict:
         shutil.copytree(tmp_path / "whole", tmp_path / name)
-        shutil.rmtree(tmp_path / name / "checkpoint" / "step-6")
+        shutil.rmtree(tmp_path / name / "checkpoint" / "step-4")
         train_here(tmp_path / name, *MOE_RUN)
         return losses(tmp_path / name)
 
     again = resumed("resumed")
-    assert [again[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]
+    assert [again[s] for s in (3, 4)] == [whole[s] for s in (3, 4)]
 
     load = train_script.resume
 
@@ -186,12 +186,12 @@ def test_resume_restores_the_balancing_bias(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_script, "resume", resume_dropping_bias)
     dropped = resumed("dropped")
-    assert [dropped[s] for s in (4, 5, 6)] != [whole[s] for s in (4, 5, 6)]
+    assert [dropped[s] for s in (3, 4)] != [whole[s] for s in (3, 4)]
 
 
 def test_metrics_hold_each_layers_expert_load(tmp_path):
     """The JSONL has, every logged step, each MoE layer's max/mean load and the loads
-    themselves (tokens x top-k per layer)."""
+    themselves (tokens x top-k per layer, over all ranks)."""
     from helpers import read_jsonl
 
     train_here(tmp_path, "--model.flavor", "debug_moe", "--training.seq_len", 32,
@@ -201,6 +201,27 @@ def test_metrics_hold_each_layers_expert_load(tmp_path):
     for r in records:
         assert len(r["expert_loads"]) == 2 and all(sum(x) == 2 * 32 * 2 for x in r["expert_loads"])
         assert r["expert_load_max_mean/0"] >= 1.0 and "expert_load_max_mean/1" in r
+
+
+def test_plot_expert_load_draws_each_layers_loads(tmp_path):
+    """plot_expert_load reads each logged step's loads: per layer, [expert][step] over
+    the even share, and draws them. Negative control: a run's records without loads (a
+    dense model's) are refused in one line."""
+    import json
+
+    from torchtitan.tools.plot_expert_load import load_series, plot_expert_load
+
+    records = [{"step": s, "loss": 1.0, "expert_loads": [[s, 3, 0, 0], [1, 1, 1, 1]]}
+               for s in (1, 2)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps, series = load_series(records)
+    assert steps == [1, 2] and series[0][1] == [3.0, 3 * 4 / 5] and series[1][0] == [1.0, 1.0]
+    assert plot_expert_load(tmp_path).stat().st_size > 0
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="not an MoE run"):
+        plot_expert_load(dense)
 
 
 def test_sequence_aux_loss_is_added_and_trains_the_router():
@@ -245,6 +266,7 @@ def test_impossible_moe_args_are_refused(bad):
         ("debug_moe", ["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree 2"),
         ("debug_moe", ["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel"),
         ("debug_moe", ["--parallelism.expert_parallel_degree", "3"], "divide the flavor's 8"),
+        ("debug_moe", ["--training.compile"], "training.compile"),
         ("debugmodel", ["--parallelism.expert_parallel_degree", "2"], "has no experts"),
     ],
 )
