@@ -33,6 +33,7 @@ from torchtitan.faults import fault_tolerance
 from torchtitan.faults.launcher import watch_launcher
 from torchtitan.faults.preemption import Preemption
 from torchtitan.initial_weights import load_initial_weights
+from torchtitan.io import storage
 from torchtitan.loss import BatchLoss
 from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
@@ -372,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         # A broken collective (a peer failed, died or stopped answering) is said in one
         # line naming the peer; a save it broke is the peer's failure, not a full disk.
         broke = parallel.collective_broke(e)
+        fault = None if isinstance(e, USER_ERRORS) else storage.store_fault(e)
+        if fault is not None:  # the object store: one line naming it and the fix
+            parallel.report_failure(dims, fault)
+            return _one_line(dims.rank, fault)
         if broke or not isinstance(e, USER_ERRORS):
             cause = parallel.why_collective_broke(dims, e) if broke else parallel.failed_peer(dims)
             if cause is not None:

@@ -11,8 +11,8 @@ and fsspec's cached file systems dropped at the end.
 ``local_s3(traffic=Traffic())`` puts a WSGI layer in front of the server that counts what
 it answered (requests and body bytes by method, ranged GETs apart: the independent count a
 reader's own figures are checked against) and answers the first ``traffic.fail_next``
-requests whose method is in ``traffic.fail_methods`` with ``traffic.fail_status`` (503
-SlowDown: throttling) or by closing the connection unanswered (``status`` 0: a dropped
+requests of ``traffic.fail_kinds`` with ``traffic.fail_status`` (503 SlowDown: throttling;
+403 InvalidAccessKeyId: wrong credentials, which moto's server does not check itself) or by closing the connection unanswered (``status`` 0: a dropped
 connection), to test a client's retries.
 
 ``missing()`` says why the server cannot run here (moto or s3fs not installed: the
@@ -47,6 +47,12 @@ def _drop_cached_filesystems():
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+# What the server says with each injected status.
+_FAULTS = {503: ("SlowDown", "Please reduce your request rate."),
+           403: ("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist "
+                 "in our records.")}  # fmt: skip
 
 
 @dataclass
@@ -111,8 +117,9 @@ class Traffic:
             start_response("500 Dropped", [])  # never sent: the socket is shut first
             environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
             return []
-        body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
-                b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+        code, message = _FAULTS.get(self.fail_status, ("InternalError", "Injected."))
+        body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                f"<Message>{message}</Message></Error>").encode()  # fmt: skip
         start_response(f"{self.fail_status} Injected", [("Content-Type", "application/xml"),
                                                         ("Content-Length", str(len(body)))])  # fmt: skip
         return [body]

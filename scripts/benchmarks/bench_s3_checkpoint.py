@@ -193,11 +193,34 @@ def fetch_all(requests: list, threads: int) -> float:
     return time.perf_counter() - begin
 
 
+def put_all(bucket: str, prefix: str, size: int, threads: int) -> float:
+    """Seconds to write ``size`` bytes as 64 MiB objects (single PUTs) with ``threads``
+    parallel requests: the upload's limit on this server."""
+    import botocore.config
+    import botocore.session
+
+    client = botocore.session.get_session().create_client(
+        "s3", config=botocore.config.Config(max_pool_connections=threads, read_timeout=900)
+    )
+    part = 64 << 20
+    body = bytes(part)
+
+    def put(i):
+        n = min(part, size - i * part)
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{i}", Body=body[:n])
+
+    begin = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(put, range(-(-size // part))))
+    return time.perf_counter() - begin
+
+
 def against_the_limit(dims, make_manager, readers, windows) -> dict:
     """The same load through DCP's fsspec reader, and the limit: this rank's bytes fetched
     by a plain parallel client (16 threads) as the reader's own spans, as 16 MiB ranged
     GETs, and as whole objects; every rank at once, each phase between barriers."""
     from torchtitan import parallel
+    from torchtitan.checkpoint.store import store_for as store_for_url
 
     def timed(name, run):
         parallel.barrier(dims)
@@ -223,12 +246,21 @@ def against_the_limit(dims, make_manager, readers, windows) -> dict:
              for a in range(s, e, 16 << 20) for b in [e]]  # fmt: skip
     whole = sorted({(bucket, k, 0, None) for _, k, _, _ in spans})
     stats = {k: v for k, v in reader.stats.items() if k != "spans"}
+    own = f"__{dims.rank}_"  # the bytes this rank uploaded: its own files
+    stats["needed_own"] = sum(
+        store_for_url(f"s3://{bucket}/{prefix}").size(f"s3://{bucket}/{prefix}/{name}")
+        for name in store_for_url(f"s3://{bucket}/{prefix}").listdir(f"s3://{bucket}/{prefix}")
+        if name.startswith(own)
+    )
     return {
         "reader": parallel.all_gather_objects(dims, stats),
         "resume_fsspec_s": timed("resume_fsspec", load_old),
         "limit_spans_s": timed("limit_spans", lambda: fetch_all(spans, 16)),
         "limit_16mib_s": timed("limit_16mib", lambda: fetch_all(parts, 16)),
         "limit_whole_s": timed("limit_whole", lambda: fetch_all(whole, 16)),
+        "limit_put_s": timed(
+            "limit_put", lambda: put_all(bucket, f"put-limit/{dims.rank}", stats["needed_own"], 16)
+        ),
     }
 
 

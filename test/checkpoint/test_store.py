@@ -190,7 +190,8 @@ def test_an_unreachable_bucket_is_one_line_at_start(bucket, tmp_path):
     status, log = train_here(tmp_path, "--training.steps", 2, *CK,
                              "--checkpoint.folder", f"s3://{bucket}-absent/run", expect_ok=False)  # fmt: skip
     errors = error_lines(log)
-    assert status == 1 and len(errors) == 1 and "is not writable" in errors[0], log
+    assert status == 1 and len(errors) == 1 and "does not exist" in errors[0], log
+    assert f"checkpoint folder s3://{bucket}-absent/run" in errors[0]
 
 
 # A probe around the real DCP writer: SIGKILL this process once DCP is about to write the

@@ -203,16 +203,27 @@ def test_transient_faults_are_retried(saved, server, status):
 
 
 def test_spans_coalesce_small_gaps_sort_by_offset_and_interleave_files():
-    """plan_requests: items sorted by offset, joined across gaps <= gap, never past the
-    span size; a large item alone; spans of two files alternate."""
+    """plan_requests: items sorted by offset, joined across gaps <= gap (the smallest
+    first) while all the gaps joined stay within a tenth of the bytes needed, never past
+    the span size; spans of two files alternate."""
     ranges = {0: ("a", 100, 10), 1: ("a", 0, 50), 2: ("a", 52, 28), 3: ("b", 0, 5),
               4: ("a", 1000, 10), 5: ("b", 10, 500), 6: ("b", 600, 5)}  # fmt: skip
-    spans = store_reader.plan_requests(ranges, gap=20, span_max=200)
-    got = [(s.file, s.start, s.end, [i for i, _, _ in s.items]) for s in spans]
-    # a 2-byte gap: joined (within a tenth); 20 bytes after 78: more than a tenth, apart
-    assert got == [("a", 0, 80, [1, 2]), ("b", 0, 5, [3]), ("a", 100, 110, [0]),
-                   ("b", 10, 510, [5]), ("a", 1000, 1010, [4]), ("b", 600, 605, [6])]  # fmt: skip
-    assert sum(s.needed for s in spans) == sum(n for _, _, n in ranges.values())
+    needed = sum(n for _, _, n in ranges.values())  # 608: at most 60 bytes of gaps
+
+    def plan(gap, span_max):
+        spans = store_reader.plan_requests(ranges, gap=gap, span_max=span_max)
+        assert sum(s.needed for s in spans) == needed
+        assert sum(s.size for s in spans) <= needed * 1.1
+        return [(s.file, s.start, s.end, [i for i, _, _ in s.items]) for s in spans]
+
+    # b's 5-byte gap would make a span of 510 > 200: apart
+    assert plan(20, 200) == [("a", 0, 110, [1, 2, 0]), ("b", 0, 5, [3]),
+                             ("a", 1000, 1010, [4]), ("b", 10, 510, [5]),
+                             ("b", 600, 605, [6])]  # fmt: skip
+    # gaps of 2, 5 and 20 bytes joined (27); the next, 90, would pass the budget
+    assert plan(1000, 2000) == [("a", 0, 110, [1, 2, 0]), ("b", 0, 510, [3, 5]),
+                                ("a", 1000, 1010, [4]), ("b", 600, 605, [6])]  # fmt: skip
+    assert len(plan(-1, 2000)) == len(ranges), "no gap allowed: a GET per item"
 
 
 def test_a_load_stops_on_the_first_bad_span_without_hanging(saved, server):

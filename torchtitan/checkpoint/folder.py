@@ -19,6 +19,7 @@ import socket
 import uuid
 
 from torchtitan.checkpoint.store import join, store_for
+from torchtitan.io import storage
 
 # 3: the loader, RNG and train-state entries are tensors (JSON in uint8 for the loader
 # and the Python/numpy RNGs); 2 held them as pickles. Model weights are the same in both.
@@ -120,7 +121,12 @@ def check_writable(folder: str):
         probe = join(folder, f".write-test-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}")
         store.write_bytes(probe, b"ok")
         store.remove(probe)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - a store's fault is one line naming the folder
+        fault = storage.store_fault(e)
+        if fault is not None:
+            raise CheckpointError(f"checkpoint folder {folder}: {fault}") from None
+        if not isinstance(e, OSError):
+            raise
         raise CheckpointError(
             f"checkpoint folder {folder} is not writable ({e.strerror or e}); set "
             "--job.dump_folder or --checkpoint.folder to a writable location"

@@ -46,6 +46,8 @@ from torchtitan.io import storage
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
 CHECKSUM_CHUNK = 64 << 20
+# Files each rank writes to an object store, uploaded in parallel (ObjectStore.writer).
+WRITE_FILES = 4
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -241,7 +243,12 @@ class ObjectStore(LocalStore):
 
         # sync_files would call os.sync() (a store stream has no fileno): the whole
         # machine's dirty pages, for nothing: a PUT is durable when it returns.
-        return FsspecWriter(path, sync_files=False, use_listings_cache=False)
+        # WRITE_FILES files per rank, uploaded at once (DCP's threads, entries spread by
+        # size): a stream's multipart parts go one after another, so one file per rank
+        # would leave the link to a single connection. Memory: s3fs buffers a block
+        # (50 MiB) per open file, WRITE_FILES x 50 MiB per rank.
+        return FsspecWriter(path, sync_files=False, use_listings_cache=False,
+                            thread_count=WRITE_FILES)  # fmt: skip
 
 
 def _etag(info: dict) -> str:

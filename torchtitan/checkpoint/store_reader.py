@@ -99,41 +99,49 @@ class Span:
 
 def plan_requests(ranges: dict, gap: int = GAP, span_max: int = SPAN_MAX) -> list[Span]:
     """The GETs for ``ranges`` ({storage index: (file, offset, length)}): per file, sorted
-    by offset, neighbours joined while the gap between them is at most ``gap``, the gaps
-    a span holds stay within a tenth of the bytes it needs (bytes fetched / needed <= 1.1),
-    and the span within ``span_max`` (an item larger than ``span_max`` is a span of its
-    own). Spans of different files are interleaved (round robin), so that parallel
-    requests go to several objects at once. Cost: O(items log items)."""
+    by offset, neighbours joined across gaps of at most ``gap`` bytes, the smallest gaps
+    first, while all the gaps joined stay within a tenth of the bytes needed (bytes
+    fetched / needed <= 1.1) and each span within ``span_max`` (an item larger than that
+    is a span of its own). Spans of different files are interleaved (round robin), so
+    that parallel requests go to several objects at once. Cost: O(items log items)."""
     per_file: dict[str, list] = {}
     for index, (file, offset, length) in ranges.items():
         per_file.setdefault(file, []).append((offset, length, index))
-    spans_per_file = []
+    needed = sum(length for _, _, length in ranges.values())
+    groups: dict[str, list[Span]] = {}
+    candidates = []  # (gap, file, position of the left item)
     for file, items in per_file.items():
-        spans: list[Span] = []
-        for offset, length, index in sorted(items, key=lambda x: (x[0], x[1])):
-            last = spans[-1] if spans else None
-            end = offset + length
-            if last is not None and _joins(last, offset, end, gap, span_max):
-                last.end = max(last.end, end)
-            else:
-                last = Span(file, offset, end)
-                spans.append(last)
-            last.items.append((index, offset, length))
-            last.needed += length
-        spans_per_file.append(spans)
+        items.sort(key=lambda x: (x[0], x[1]))
+        groups[file] = [Span(file, o, o + n, [(i, o, n)], n) for o, n, i in items]
+        for k in range(len(items) - 1):
+            between = items[k + 1][0] - (items[k][0] + items[k][1])
+            if between <= gap:
+                candidates.append((max(0, between), file, k))
+    # Join across the smallest gaps first; a group is a run of neighbouring items, known
+    # by its leftmost item (leader) and where it ends.
+    leader = {file: list(range(len(g))) for file, g in groups.items()}
+
+    def find(file, k):
+        while leader[file][k] != k:
+            leader[file][k] = leader[file][leader[file][k]]
+            k = leader[file][k]
+        return k
+
+    waste = 0
+    for between, file, k in sorted(candidates):
+        left, right = find(file, k), find(file, k + 1)
+        a, b = groups[file][left], groups[file][right]
+        size = max(a.end, b.end) - a.start
+        if size > span_max or (waste + between) * 10 > needed:
+            continue
+        waste += between
+        a.end, a.items, a.needed = max(a.end, b.end), a.items + b.items, a.needed + b.needed
+        leader[file][right] = left
+    spans_per_file = [[g for k, g in enumerate(groups[f]) if find(f, k) == k] for f in groups]
     interleaved = []
     for i in range(max((len(s) for s in spans_per_file), default=0)):
         interleaved.extend(s[i] for s in spans_per_file if i < len(s))
     return interleaved
-
-
-def _joins(span: Span, offset: int, end: int, gap: int, span_max: int) -> bool:
-    """Whether the item ``[offset, end)`` joins ``span`` (items overlapping it always do:
-    DCP never writes them, but they cost nothing)."""
-    if offset - span.end > gap or max(end, span.end) - span.start > span_max:
-        return False
-    waste = max(end, span.end) - span.start - (span.needed + end - offset)
-    return waste * 10 <= span.needed + end - offset
 
 
 def span_size(needed: int) -> int:

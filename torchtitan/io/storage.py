@@ -136,6 +136,44 @@ def publish(path: str, write):
         fs.pipe_file(inner, buffer.getvalue())
 
 
+# ---- faults of the store, said in one line ----------------------------------------------
+_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+                "ExpiredToken", "InvalidToken"}  # fmt: skip
+
+
+def store_fault(error: BaseException) -> str | None:
+    """One line naming a fault of the object store behind ``error`` (anywhere in its
+    chain of causes) and its fix: the store unreachable (no ``AWS_ENDPOINT_URL``, or
+    nobody listening there), no or wrong credentials, a bucket that does not exist (a
+    local server restarted empty). None for anything else. The client (s3fs, botocore)
+    has retried a transient fault already: s3fs's and botocore's retries, 5 tries each
+    with exponential backoff, before an error reaches here. Cost: none (no request)."""
+    import os
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    where = f"AWS_ENDPOINT_URL={endpoint}" if endpoint else "AWS_ENDPOINT_URL is not set: AWS"
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        name, text = type(error).__name__, str(error).splitlines()[0] if str(error) else ""
+        code, _ = _answer(error) if hasattr(error, "response") else (None, None)
+        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ProxyConnectionError"):
+            return (f"the object store cannot be reached ({text}; {where}): set "
+                    "AWS_ENDPOINT_URL to the store's address and check that it is up")  # fmt: skip
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
+            return ("the object store needs credentials and none are set: set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")  # fmt: skip
+        if code in _CREDENTIALS:
+            return (f"the object store refused the credentials ({code}: {text}; {where}): set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to ones that may use it")  # fmt: skip
+        if code == "NoSuchBucket" or "bucket does not exist" in text.lower():
+            return (f"the bucket does not exist ({text}; {where}): create it, or point the "
+                    "URL at an existing one (a local server restarted empty loses its "
+                    "buckets)")  # fmt: skip
+        error = error.__cause__ or error.__context__
+    return None
+
+
 # ---- conditional requests on S3 (the claims) -------------------------------------------
 @dataclass
 class Object:

@@ -1,0 +1,121 @@
+"""Faults of the object store, tried as a new user meets them, through train.main on the
+local S3 server of harness/s3.py: each ends in the project's one ``error:`` line naming the
+store and the fix, with no traceback (storage.store_fault, train.main).
+
+The clients' own retries (s3fs's and botocore's, 5 tries each with backoff) are set to one
+try here (s3fs's ``retries``, botocore's through fsspec's per-protocol config), so that a persistent fault
+fails in a second rather than after ~20 s; the product's path is otherwise unchanged.
+Negative control: with the store reachable and the credentials right, the same runs
+succeed (the faults, not the runs, fail them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import fsspec.config
+import pytest
+from helpers import error_lines, train_here
+
+from harness.s3 import Traffic, local_s3, missing
+from torchtitan.io import storage
+
+
+@pytest.fixture(scope="module")
+def server():
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    import s3fs
+
+    saved, tries = fsspec.config.conf.get("s3"), s3fs.S3FileSystem.retries
+    fsspec.config.conf["s3"] = {"config_kwargs": {"retries": {"max_attempts": 1}}}
+    s3fs.S3FileSystem.retries = 1
+    traffic = Traffic()
+    try:
+        with local_s3(traffic) as (bucket, endpoint):
+            yield bucket, endpoint, traffic
+    finally:
+        s3fs.S3FileSystem.retries = tries
+        if saved is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = saved
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """The AWS_* variables of this test only (the server's are restored after)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield monkeypatch
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def one_line(tmp_path, *args) -> str:
+    status, log = train_here(tmp_path, "--training.steps", 2, *args, expect_ok=False)
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    return errors[0]
+
+
+CKPT = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
+
+
+def test_an_endpoint_nobody_listens_on_is_one_line(server, env, tmp_path):
+    bucket, _, _ = server
+    env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    line = one_line(tmp_path, *CKPT, "--checkpoint.folder", f"s3://{bucket}/run")
+    assert f"checkpoint folder s3://{bucket}/run" in line
+    assert "cannot be reached" in line and "AWS_ENDPOINT_URL=http://127.0.0.1:9" in line
+
+
+def test_no_endpoint_variable_is_one_line(server, env, tmp_path):
+    """Without AWS_ENDPOINT_URL the client goes to AWS itself: unreachable here, or (with
+    a network) a refusal of the test's credentials; either way one line that says the
+    variable is not set."""
+    bucket, _, _ = server
+    env.delenv("AWS_ENDPOINT_URL")
+    line = one_line(tmp_path, *CKPT, "--checkpoint.folder", f"s3://{bucket}/run")
+    assert "AWS_ENDPOINT_URL is not set" in line, line
+
+
+def test_wrong_credentials_on_the_corpus_path_are_one_line(server, env, tmp_path):
+    """The server refuses every request (403 InvalidAccessKeyId, injected: moto does not
+    check keys) while the corpus is listed and read. Negative control: the same run with
+    the server answering trains."""
+    bucket, _, traffic = server
+    upload_corpus(bucket)
+    corpus = ["--training.dataset_path", f"s3://{bucket}/corpus",
+              "--training.length_index_dir", str(tmp_path / "counts")]  # fmt: skip
+    traffic.fail_next, traffic.fail_status, traffic.fail_kinds = 10_000, 403, ("GET", "GET range")
+    try:
+        line = one_line(tmp_path / "refused", *corpus)
+    finally:
+        traffic.fail_next, traffic.fail_status = 0, 503
+    assert "refused the credentials (InvalidAccessKeyId" in line, line
+    assert "AWS_ACCESS_KEY_ID" in line
+    train_here(tmp_path / "control", "--training.steps", 2, *corpus)
+
+
+def test_a_bucket_gone_is_one_line(server, env, tmp_path):
+    """A server restarted empty: the bucket the run names does not exist."""
+    bucket, _, _ = server
+    line = one_line(tmp_path, *CKPT, "--checkpoint.folder", f"s3://{bucket}-gone/run")
+    assert f"s3://{bucket}-gone/run" in line
+    assert "does not exist" in line or "not writable" in line, line
+
+
+def upload_corpus(bucket: str):
+    import s3fs
+
+    lines = [f"document {i}: " + " ".join(f"word{j % 97}" for j in range(200)) for i in range(200)]
+    s3fs.S3FileSystem().pipe_file(f"{bucket}/corpus/part.txt", "\n".join(lines).encode())
+
+
+def test_store_fault_is_none_for_other_errors():
+    """Only the store's faults are turned into its line: a bug keeps its traceback."""
+    assert storage.store_fault(ValueError("x")) is None
+    assert storage.store_fault(FileNotFoundError("no such file: /tmp/a")) is None
