@@ -194,9 +194,10 @@ def test_a_healed_group_judges_spikes_as_its_peers():
 STEPS, KILL_AT, PAUSE_AT = 14, 5, 9
 
 # The probe around the real code (never a stand-in): group 1's first life kills itself
-# mid-step KILL_AT (after backward, before the cross-group all-reduce); group 0 holds
-# before its first step until group 1's manager is up (so group 1 never trains alone
-# first: its commits would die with it) and at PAUSE_AT until the restarted group 1's
+# mid-step KILL_AT (after backward, before the cross-group all-reduce); each group holds
+# before its first step until the other's manager is up (so neither trains alone first,
+# on a loaded machine either: a lone group 1's commits would die with it, and group 0
+# would train those steps again), and group 0 at PAUSE_AT until the restarted group 1's
 # is, so the rejoin happens mid-run on any machine; every group saves its final
 # weights; FT_PER_GROUP replaces the split by torchft's own sampler's (a fixed shard
 # per group), the negative control.
@@ -254,17 +255,17 @@ def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
 
     server = start_lighthouse()
     shim = shim_env(tmp / "shim", SHIM, **({"FT_PER_GROUP": "1"} if per_group else {}))
-    up, rejoined = tmp / "up.flag", tmp / "rejoined.flag"
+    up0, up1, rejoined = tmp / "up0.flag", tmp / "up1.flag", tmp / "rejoined.flag"
     lives = {"g0": tmp / "g0", "g1": tmp / "g1", "g1_again": tmp / "g1_again"}
     try:
         g0 = start_group(
             group_command(0, 2, nproc, server.address(), tmp, ARGS, lives["g0"]),
             tmp / "g0.log",
-            {**shim, "FT_HOLD": f"0={up},{PAUSE_AT}={rejoined}"},
+            {**shim, "FT_HOLD": f"0={up1},{PAUSE_AT}={rejoined}", "FT_UP_FLAG": str(up0)},
         )
         g1 = start_group(group_command(1, 2, nproc, server.address(), tmp, ARGS, lives["g1"]),
                          tmp / "g1.log", {**shim, "FT_KILL_AT": str(KILL_AT),
-                                           "FT_UP_FLAG": str(up)})  # fmt: skip
+                                           "FT_UP_FLAG": str(up1), "FT_HOLD": f"0={up0}"})  # fmt: skip
         assert _wait(g1, "group 1") != 0  # SIGKILLed
         # group 0 goes on without a restart: it commits steps alone before the rejoin
         deadline = time.monotonic() + 120
