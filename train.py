@@ -171,6 +171,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     # TP peers train on the same batches: the loader is the data-parallel rank's.
     dataloader = build_dataloader(cfg, tokenizer, dims.dp_rank, dims.dp_world, plan)
     dataloader.add_skips(parse_skip_steps(cfg.training.skip_steps))
+    dataloader.add_window_skips(parse_skip_steps(cfg.training.skip_windows, first_index=0))
     held_out = None
     if cfg.validation.enable:  # its own plan, resolved once for the job as the training data's
         held_out = build_validation_loader(cfg, tokenizer, dims.dp_rank, dims.dp_world, ranks)

@@ -396,3 +396,20 @@ def test_a_rewind_takes_the_local_tiers_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "7:x1000")
     _, log = train_here(tmp_path / "main", *REWIND, "--checkpoint.interval", 4)
     assert "rewound to checkpoint step-4" in log and "--training.skip_steps 5-8" in log
+
+
+def test_a_window_range_skips_as_the_steps_that_read_it(tmp_path):
+    """Without a mix schedule, --training.skip_windows 10-15 (the windows steps 6-8 read,
+    2 a step) trains as --training.skip_steps 6-8 (losses ==), also when given only at
+    the start of a run stopped at step 4 and resumed without it (the loader entry keeps
+    it). Negative control: 10-14 (one window short) differs from step 6."""
+    common = [*REWIND, *FEW_SAVES, "--training.steps", 8]
+    train_here(tmp_path / "steps", *common, "--training.skip_steps", "6-8")
+    train_here(tmp_path / "windows", *common, "--training.skip_windows", "10-15",
+               "--training.stop_at_step", 4)  # fmt: skip
+    train_here(tmp_path / "windows", *common)
+    ref, got = records(tmp_path / "steps"), records(tmp_path / "windows")
+    assert [got[k]["loss"] for k in got] == [ref[k]["loss"] for k in ref]
+    assert read_skips(tmp_path / "windows" / "provenance") == [{"step": 6, "windows": [10, 16]}]
+    train_here(tmp_path / "short", *common, "--training.skip_windows", "10-14")
+    assert records(tmp_path / "short")[6]["loss"] != ref[6]["loss"]

@@ -250,6 +250,12 @@ class Training:
         "the data of these training steps is passed over, as a rewind does: first-last,... "
         "(e.g. 101-300); kept with the ones the checkpoint holds",
     )
+    skip_windows: str = _opt(
+        "",
+        "these windows of the global order are passed over when the position reaches them, "
+        "at the weights of the step that reaches them: first-last,... (e.g. 4000-4999); kept "
+        "with the ones the checkpoint holds",
+    )
 
 
 @dataclass

@@ -45,6 +45,13 @@ def check_config(cfg: JobConfig) -> None:
             f"training.skip_steps {t.skip_steps!r}: {e}; write it as first-last,... in "
             "training steps, e.g. 101-300,451-460"
         ) from None
+    try:
+        parse_skip_steps(t.skip_windows, first_index=0)
+    except ValueError as e:
+        raise ConfigError(
+            f"training.skip_windows {t.skip_windows!r}: {e}; write it as first-last,... in "
+            "window indices from 0, e.g. 4000-4999"
+        ) from None
     check_mix_schedule(t.mix_schedule)
 
 

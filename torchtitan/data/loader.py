@@ -83,10 +83,35 @@ class StepPlan:
     weights: list[float]
     after: Position
     skipped: list = field(default_factory=list)  # [first, steps, lo, hi] passed over before it
+    windows_skipped: list = field(default_factory=list)  # [lo, hi] passed over in it
+
+
+def _take(stream: TokenStream, position: Position, count: int, step: int, window_skips):
+    """``count`` windows from ``position`` at ``step``'s weights, passing over the window
+    ranges ``window_skips`` ((first, windows)) as the position reaches them; the windows,
+    the position after, and the ranges passed over."""
+    if not window_skips:
+        windows, after = stream.advance(position, count, step)
+        return windows, after, []
+    taken, passed = [], []
+    while count:
+        # Passed over when the step's next window would be in it (a range reached at a
+        # step's end is the next step's: the same whether the run resumed there or not).
+        for lo, n in window_skips:  # sorted: a range may follow another at once
+            if lo <= position.windows < lo + n:
+                start = position.windows
+                _, position = stream.advance(position, lo + n - start, step)
+                passed.append([start, position.windows])
+        ahead = [lo for lo, _ in window_skips if lo > position.windows]
+        n = min([count, *(lo - position.windows for lo in ahead)])
+        windows, position = stream.advance(position, n, step)
+        taken += windows
+        count -= n
+    return taken, position, passed
 
 
 def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: int,
-               position: Position, skips=()):  # fmt: skip
+               position: Position, skips=(), window_skips=()):  # fmt: skip
     """This rank's steps from ``position`` on, endlessly. Cost: O(global batch) per step
     of arithmetic, and the token counts of the units the step's windows lie in (measured
     just in time where no one has); no document is read.
@@ -100,7 +125,11 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
     process that plans (each rank and each loader worker): measured 0.14 ms a window
     (seq_len 2048, a busy 2-core CPU), so a PaLM-sized skip of 500 steps of 2048
     sequences (1 M windows) costs a few minutes once; it grows with the windows skipped,
-    not with the corpus (the same at c4's 365 M documents as at FineWeb's 15 T tokens)."""
+    not with the corpus (the same at c4's 365 M documents as at FineWeb's 15 T tokens).
+
+    ``window_skips``: ``(first window, windows)`` ranges of the global order passed over
+    when the position reaches them, at the weights of the step that reaches them (a
+    step then reads the next windows after the range, in two or more pieces)."""
     while True:
         skipped = []
         for first, count in skips:
@@ -110,7 +139,8 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
                     _, position = stream.advance(position, schedule.global_batch(j), j)
                 skipped.append([first, count, lo, position.windows])
         size = schedule.global_batch(step)
-        windows, after = stream.advance(position, size, step)  # grouped by unit (see there)
+        # grouped by unit (see there), each piece between window skips on its own
+        windows, after, passed = _take(stream, position, size, step, window_skips)
         lo, hi = schedule.rank_slice(size, rank)
         sizes = schedule.micro_sizes(hi - lo, schedule.accumulation(size))
         micro, i = [], lo
@@ -118,7 +148,7 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
             micro.append(windows[i : i + n])
             i += n
         weights = [schedule.dp_world * n / size for n in sizes]
-        yield StepPlan(step, size, micro, weights, after, skipped)
+        yield StepPlan(step, size, micro, weights, after, skipped, passed)
         position, step = after, step + 1
 
 
@@ -131,7 +161,7 @@ class WorkerBatches(IterableDataset):
         self.stream, self.schedule = loader.stream, loader.schedule
         self.rank, self.collate, self.group = loader.dp_rank, loader.collate, loader.group
         self.step, self.position = step, position
-        self.skips = list(loader.skips)
+        self.skips, self.window_skips = list(loader.skips), list(loader.window_skips)
 
     def __iter__(self):
         info = get_worker_info()
@@ -140,7 +170,7 @@ class WorkerBatches(IterableDataset):
             _keep_measured_tokens(order.counts, True)
         m, out = 0, []
         for plan in plan_steps(self.stream, self.schedule, self.rank, self.step, self.position,
-                               self.skips):  # fmt: skip
+                               self.skips, self.window_skips):  # fmt: skip
             for windows, weight in zip(plan.micro, plan.weights):
                 if m // self.group % workers == me:
                     try:
@@ -270,13 +300,14 @@ class ParallelDataLoader:
         # Data passed over (training.skip_steps, a rewind): (first step, steps), in order;
         # and the windows [lo, hi) of those already passed over, by (first, steps).
         self.skips: list[tuple[int, int]] = []
+        self.window_skips: list[tuple[int, int]] = []  # (first window, windows)
         self.skipped_windows: dict[tuple[int, int], tuple[int, int]] = {}
         self._passed_over: list[list[int]] = []  # [first, steps, lo, hi] since the last call
 
     # ---- iteration ----------------------------------------------------------------------
     def _start(self):
         self._plans = plan_steps(self.stream, self.schedule, self.dp_rank, self.step,
-                                 self.position, self.skips)  # fmt: skip
+                                 self.position, self.skips, self.window_skips)  # fmt: skip
         self._plan, self._i, self._m = None, 0, 0
         if self.num_workers:
             # The loader's own generator: the iterator draws a base seed when it starts,
@@ -369,6 +400,9 @@ class ParallelDataLoader:
                 self._passed_over.append([first, count, lo, hi])
                 logger.info("step %d: the data of steps %d-%d (windows %d-%d) is passed over",
                             first, first, first + count - 1, lo, hi - 1)  # fmt: skip
+            for lo, hi in plan.windows_skipped:
+                self._passed_over.append([-1, 0, lo, hi])
+                logger.info("step %d: windows %d-%d are passed over", plan.step + 1, lo, hi - 1)
             self._epoch_starts += self.stream.epoch_starts(self.position, plan.after)
             self.position, self.step = plan.after, plan.step + 1
             self.last_global_batch = plan.global_batch
@@ -395,6 +429,13 @@ class ParallelDataLoader:
         merged = sorted(set(self.skips) | {(int(a), int(n)) for a, n in skips})
         if merged != self.skips:
             self.skips = merged
+            self._restart()
+
+    def add_window_skips(self, ranges: list[tuple[int, int]]):
+        """Pass over these ``(first window, windows)`` ranges of the global order too."""
+        merged = sorted(set(self.window_skips) | {(int(a), int(n)) for a, n in ranges})
+        if merged != self.window_skips:
+            self.window_skips = merged
             self._restart()
 
     def windows_of_steps(self, first: int, count: int) -> int:
@@ -466,6 +507,7 @@ class ParallelDataLoader:
             # Data passed over, [first step, steps, first window, end window] (-1, -1 for
             # one still ahead): part of the order, kept by every later checkpoint.
             "skips": [[a, n, *self.skipped_windows.get((a, n), (-1, -1))] for a, n in self.skips],
+            "skip_windows": [list(r) for r in self.window_skips],  # [first window, windows]
         }
         return {state.entry_key(self.dp_rank): state.to_tensor(entry)}
 
@@ -503,6 +545,8 @@ class ParallelDataLoader:
             if lo >= 0:
                 self.skipped_windows[(a, n)] = (lo, hi)
         self.skips = sorted(set(self.skips) | {(int(a), int(n)) for a, n, *_ in saved})
+        saved_windows = {(int(a), int(n)) for a, n in entry.get("skip_windows") or []}
+        self.window_skips = sorted(set(self.window_skips) | saved_windows)
         late = [f"{a}-{a + n - 1}" for a, n in self.skips
                 if a - 1 < step and (a, n) not in self.skipped_windows]  # fmt: skip
         if late:

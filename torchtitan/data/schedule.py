@@ -41,9 +41,10 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
     return points
 
 
-def parse_skip_steps(text: str) -> list[tuple[int, int]]:
+def parse_skip_steps(text: str, first_index: int = 1) -> list[tuple[int, int]]:
     """``"101-300,451-460"`` (training steps, first-last, inclusive; a single step alone)
-    -> [(101, 200), (451, 10)]: (first step, steps). Raises ValueError naming the part."""
+    -> [(101, 200), (451, 10)]: (first step, steps). ``first_index`` 0: window indices
+    (``training.skip_windows``), which count from 0. Raises ValueError naming the part."""
     skips = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         first, _, last = part.partition("-")
@@ -51,8 +52,8 @@ def parse_skip_steps(text: str) -> list[tuple[int, int]]:
         if not first.strip().isdigit() or not last.strip().isdigit():
             raise ValueError(f"{part!r} is not first-last")
         a, b = int(first), int(last)
-        if a < 1 or b < a:
-            raise ValueError(f"{part!r}: steps count from 1 and last >= first")
+        if a < first_index or b < a:
+            raise ValueError(f"{part!r}: they count from {first_index} and last >= first")
         skips.append((a, b - a + 1))
     return skips
 

@@ -42,8 +42,9 @@ logger = logging.getLogger("torchtitan")
 KEY_PREFIX = "dp_rank_"
 # 5: the global order's position (windows, a cursor of lanes per source); the keys
 # ``retired`` (cursors of sources not in the list, by name), ``weights`` (the mix of
-# the next step) and ``skips`` (data passed over: [first step, steps, first window, end
-# window], -1 for windows not reached yet) came later, and an entry without them has none.
+# the next step), ``skips`` (data passed over: [first step, steps, first window, end
+# window], -1 for windows not reached yet) and ``skip_windows`` ([first window, windows])
+# came later, and an entry without them has none.
 STATE_VERSION = 5
 
 

@@ -347,11 +347,12 @@ class ProvenanceWriter:
 
     def write_skip(self, step: int, first: int, count: int, lo: int, hi: int):
         """The data of steps ``first..first+count-1``, windows ``lo..hi-1``, was passed
-        over before ``step`` (one line of ``skips.jsonl``, written by one rank)."""
+        over at ``step`` (one line of ``skips.jsonl``, written by one rank); ``first`` -1:
+        a range of training.skip_windows."""
         folder = os.path.dirname(self.path)
+        steps = {"skip_steps": [first, count]} if first >= 0 else {}
         with open(os.path.join(folder, SKIPS), "a") as f:
-            f.write(json.dumps({"step": step, "skip_steps": [first, count],
-                                "windows": [lo, hi]}) + "\n")  # fmt: skip
+            f.write(json.dumps({"step": step, **steps, "windows": [lo, hi]}) + "\n")
 
     def write(self, step: int, spans: list):
         if self._file is None:

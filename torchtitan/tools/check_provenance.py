@@ -62,9 +62,14 @@ def list_documents(folder: str, steps: str) -> int:
     first, last = int(first), int(last or first)
     rows = documents_of_steps(folder, first, last)
     for skip in read_skips(folder):
+        lo, hi = skip["windows"]
+        if "skip_steps" not in skip:  # training.skip_windows: at the step that reached it
+            if first <= skip["step"] <= last:
+                print(f"skipped: windows {lo}-{hi - 1}, passed over in step {skip['step']}; "
+                      "never read")  # fmt: skip
+            continue
         a, n = skip["skip_steps"]
         if a <= last and a + n - 1 >= first:
-            lo, hi = skip["windows"]
             print(f"skipped: the data of steps {a}-{a + n - 1} (windows {lo}-{hi - 1}), passed "
                   f"over before step {skip['step']}; never read")  # fmt: skip
     if not rows:
