@@ -39,7 +39,7 @@ def ep(tmp_path_factory, dozen_corpus):
                     script="test/dist/expert_parallel.py")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = {r: json.loads((out / "records" / f"rank{r}.json").read_text()) for r in range(2)}
-    return SimpleNamespace(out=out, records=records)
+    return SimpleNamespace(out=out, records=records, corpus=dozen_corpus)
 
 
 def recorded(ep, rank: int, scenario: str, what: str) -> list:
@@ -98,3 +98,26 @@ def test_a_checkpoint_written_at_ep_2_resumes_at_ep_1_and_back(ep):
         assert torch.equal(torch.tensor(bias), saved[key]) and saved[key].abs().sum() > 0
     dropped = losses(ep.out / "ep2-to-1-nobias")
     assert not all(close(dropped[s], losses(ep.out / "ep2")[s]) for s in (3, 4))
+
+
+def test_an_ep_2_checkpoint_resumes_in_one_process(ep, tmp_path):
+    """Elastic: the EP 2 x FSDP 2 step-2 checkpoint resumed by one process (its 8
+    sequences a step as 2 micro-batches of 4) logs the 2-rank run's losses at steps 3-4
+    to REL (the gradient is summed in another order). Negative control: the same
+    resume with the model left out of the load is far off."""
+    import shutil
+
+    from helpers import train_here
+
+    data = ["--training.dataset_path", str(ep.corpus), "--training.seq_len", 32,
+            "--training.batch_size", 4, "--training.global_batch_size", 8,
+            "--training.steps", 4, "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", 2, "--lr_scheduler.warmup_steps", 2]  # fmt: skip
+    whole = losses(ep.out / "ep2")
+    for name, extra in (("one", []), ("fresh", ["--checkpoint.exclude_from_loading", "model"])):
+        shutil.copytree(ep.out / "ep2", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoint" / "step-4")
+        train_here(tmp_path / name, "--model.flavor", "debug_moe", *data, *extra)
+    one, fresh = losses(tmp_path / "one"), losses(tmp_path / "fresh")
+    assert all(close(one[s], whole[s]) for s in (3, 4)), (whole, one)
+    assert not any(close(fresh[s], whole[s]) for s in (3, 4))
