@@ -372,6 +372,11 @@ def report_limit(rows: list):
             f"server sent {old[1] / 1e6:.1f} MB in {old[0]} GETs "
             f"({old[1] / r['checkpoint_bytes']:.2f}x the checkpoint)"
         )
+        print(
+            f"  upload (sync save) {r['durable_s']:.2f} s against a parallel PUT of the same "
+            f"bytes (16 threads, 64 MiB objects) {r['limit_put_s']:.2f} s: "
+            f"{r['durable_s'] / r['limit_put_s']:.2f}"
+        )
 
 
 if __name__ == "__main__":

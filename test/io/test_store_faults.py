@@ -119,3 +119,31 @@ def test_store_fault_is_none_for_other_errors():
     """Only the store's faults are turned into its line: a bug keeps its traceback."""
     assert storage.store_fault(ValueError("x")) is None
     assert storage.store_fault(FileNotFoundError("no such file: /tmp/a")) is None
+
+
+@pytest.mark.slow  # three in-process runs (~15 s); the reader's own line is test_store_reader's
+def test_a_checkpoint_read_that_keeps_failing_is_one_line(server, env, tmp_path):
+    """Resuming from a bucket whose data GETs keep failing (503 on every try): the store
+    reader retries ATTEMPTS times, then the start stops with one line naming the object
+    and the number of tries, on the manager's path (StoreReadError). Negative control:
+    with the first 2 GETs failing the resume goes through."""
+    from torchtitan.checkpoint import store_reader
+
+    bucket, _, traffic = server
+    url = f"s3://{bucket}/resumed"
+    ckpt = [*CKPT, "--checkpoint.folder", url]
+    train_here(tmp_path / "first", "--training.steps", 2, *ckpt)
+    env.setattr(store_reader, "BACKOFF", 0.01)
+    traffic.fail_next, traffic.fail_suffix, traffic.fail_kinds = 10_000, ".distcp", ("GET range",)
+    try:
+        status, log = train_here(tmp_path / "again", "--training.steps", 4, *ckpt, expect_ok=False)
+    finally:
+        traffic.fail_next, traffic.fail_suffix = 0, ""
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert f"{url}/step-2/__0_" in errors[0] and f"{store_reader.ATTEMPTS} tries" in errors[0]
+    traffic.fail_next, traffic.fail_suffix = 2, ".distcp"
+    try:
+        train_here(tmp_path / "again", "--training.steps", 4, *ckpt)
+    finally:
+        traffic.fail_next, traffic.fail_suffix = 0, ""
