@@ -208,15 +208,22 @@ class MoE(nn.Module):
         received = received.view(ep, local)
         recv = received.sum(1).tolist()
         got = _waited(a2a(rows, recv, send, self.ep_group))
-        # Arrived grouped by source rank, then expert; the experts want expert, then
-        # source rank (each expert's group: rank 0's rows, then rank 1's, ...).
+        back = self.run_received(got, received)
+        return _waited(a2a(back, send, recv, self.ep_group))
+
+    def run_received(self, got: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over the rows it received, the outputs in arrival order.
+        ``received[r, e]``: the rows source rank ``r`` sent to local expert ``e``. The
+        rows arrive grouped by source rank, then expert; the experts want expert, then
+        source rank (each expert's group: rank 0's rows, then rank 1's, ...). Pure: no
+        collective (tested against the whole layer with the all-to-alls by slicing)."""
+        ep, local = received.shape
         by_rank = received.flatten().tolist()
         pieces = got.split(by_rank)
         by_expert = [pieces[r * local + e] for e in range(local) for r in range(ep)]
         out = self.experts(torch.cat(by_expert), received.sum(0).tolist())
         done = out.split([by_rank[r * local + e] for e in range(local) for r in range(ep)])
-        back = torch.cat([done[e * ep + r] for r in range(ep) for e in range(local)])
-        return _waited(a2a(back, send, recv, self.ep_group))
+        return torch.cat([done[e * ep + r] for r in range(ep) for e in range(local)])
 
     @torch.no_grad()
     def balance(self, load: torch.Tensor):
