@@ -292,6 +292,12 @@ def preempted_step(out: str, nproc: int = 2) -> int:
     return step
 
 
+# Slow tier (#51): four 2-rank launches with loader workers (30-54 s). Its properties stay
+# guarded fast: the agreement (a signal to one rank stops every rank after the same step)
+# by test/faults/test_preemption.py (two forked gloo ranks, the real Preemption), the stop
+# and its one save by test_a_signal_on_a_save_step_stops_there_with_one_save below, and
+# the same agreement under fault tolerance by test/faults/test_replica_steps.py.
+@pytest.mark.slow
 def test_preemption_of_one_rank_or_all_saves_and_the_relaunches_are_exact_ddp(tmp_path):
     """A 2-rank DDP job with 2 loader workers per rank (two micro-batches per step,
     all-reduce on the last only), preempted twice: first SIGUSR1 to rank 1 alone (a

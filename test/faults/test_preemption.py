@@ -1,0 +1,70 @@
+"""The preemption agreement across ranks, on two forked gloo processes (no launcher, no
+training): a signal to one rank stops every rank after the same step.
+
+The end-to-end scenarios (a DDP job with loader workers signalled on one rank, then on
+every process; a pipeline stage; the preemption campaign) are in the slow tier
+(test_train.py); this is the fast test of the property they rest on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from torchtitan.faults.preemption import Preemption
+
+SIGNAL_AT = 3  # the step after which rank 1 receives its signal
+
+
+def _rank(rank: int, store: str, agree: bool, out) -> None:
+    """One rank's loop: after each step ask ``requested()``; rank 1 is signalled after
+    step SIGNAL_AT. Reports the step it stopped after (None: it trained to the end)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group(backend="gloo") if agree else None
+        dims = SimpleNamespace(rank=rank, control_group=group)
+        preemption = Preemption(dims, ["SIGUSR1"])
+        stopped = None
+        for step in range(1, 9):
+            if rank == 1 and step == SIGNAL_AT:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if preemption.requested():  # with the control group: the step's collective
+                stopped = step
+                break
+        preemption.close()
+        out.put((rank, stopped, preemption.received))
+    finally:
+        dist.destroy_process_group()
+
+
+def stops(tmp_path, agree: bool) -> dict:
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    store = tmp_path / ("store_agree" if agree else "store_alone")
+    procs = [ctx.Process(target=_rank, args=(r, str(store), agree, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, stopped, received = out.get(timeout=60)
+        results[rank] = (stopped, received)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return results
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Rank 1 alone is signalled during step 3: both ranks stop after step 3, rank 0
+    without having received anything. Negative control: without the control group's
+    all-reduce (each rank on its own flag, what parallel.any_rank returning its own
+    flag would do), rank 1 stops alone and rank 0 trains on to the end (in a real job it
+    would then hang in the next collective)."""
+    results = stops(tmp_path, agree=True)
+    assert results == {0: (SIGNAL_AT, None), 1: (SIGNAL_AT, "SIGUSR1")}, results
+    alone = stops(tmp_path, agree=False)
+    assert alone == {0: (None, None), 1: (SIGNAL_AT, "SIGUSR1")}, alone
