@@ -10,11 +10,11 @@ every logged step. Cost: one pass over the file (``runs.read_records``).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from torchtitan.records.metrics import EXPERT_LOADS
 from torchtitan.records.runs import read_records
+from torchtitan.tools.plotting import plot_main
 
 
 def load_series(records: list[dict]) -> tuple[list[int], list[list[list[float]]]]:
@@ -61,15 +61,10 @@ def plot_expert_load(run_folder: str | Path, out: str | Path | None = None) -> P
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="plot_expert_load.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("run_folder", help="the run's dump folder (holding metrics.jsonl)")
-    p.add_argument("--out", default=None, help="the PNG (default RUN_FOLDER/expert_load.png)")
-    args = p.parse_args(argv)
-    try:
-        path = plot_expert_load(args.run_folder, args.out)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}")
-        return 1
-    print(f"plot: {path}")
-    return 0
+    return plot_main(
+        argv,
+        "plot_expert_load.py",
+        __doc__,
+        "expert_load.png",
+        lambda a: plot_expert_load(a.run_folder, a.out),
+    )

@@ -11,11 +11,11 @@ pass read half is 0.5 more). Cost: one pass over the file (``runs.read_records``
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from torchtitan.records.metrics import MIX_WEIGHT, SOURCE_PASS, SOURCE_READ, SOURCE_TOKENS
 from torchtitan.records.runs import read_records
+from torchtitan.tools.plotting import plot_main
 
 
 def mix_series(records: list[dict], window: int) -> dict:
@@ -85,16 +85,11 @@ def plot_mix(run_folder: str | Path, out: str | Path | None = None, window: int 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="plot_mix.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("run_folder", help="the run's dump folder (holding metrics.jsonl)")
-    p.add_argument("--out", default=None, help="the PNG to write (default RUN_FOLDER/mix.png)")
-    p.add_argument("--window", type=int, default=10, help="steps a share is measured over")
-    args = p.parse_args(argv)
-    try:
-        path = plot_mix(args.run_folder, args.out, args.window)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}")
-        return 1
-    print(f"plot: {path}")
-    return 0
+    return plot_main(
+        argv,
+        "plot_mix.py",
+        __doc__,
+        "mix.png",
+        lambda a: plot_mix(a.run_folder, a.out, a.window),
+        [(("--window",), {"type": int, "default": 10, "help": "steps a share is measured over"})],
+    )

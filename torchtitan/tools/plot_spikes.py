@@ -10,12 +10,12 @@ skipped. Cost: one pass over each file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
 from torchtitan.records.runs import read_records
+from torchtitan.tools.plotting import plot_main
 
 
 def _lines(path: Path) -> list[dict]:
@@ -86,15 +86,6 @@ def plot_spikes(run_folder: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="plot_spikes.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("run_folder", help="the run's dump folder (holding metrics.jsonl)")
-    p.add_argument("--out", default=None, help="the PNG to write (default RUN_FOLDER/spikes.png)")
-    args = p.parse_args(argv)
-    try:
-        path = plot_spikes(args.run_folder, args.out)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}")
-        return 1
-    print(f"plot: {path}")
-    return 0
+    return plot_main(
+        argv, "plot_spikes.py", __doc__, "spikes.png", lambda a: plot_spikes(a.run_folder, a.out)
+    )
