@@ -68,3 +68,45 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert results == {0: (SIGNAL_AT, None), 1: (SIGNAL_AT, "SIGUSR1")}, results
     alone = stops(tmp_path, agree=False)
     assert alone == {0: (None, None), 1: (SIGNAL_AT, "SIGUSR1")}, alone
+
+
+# A torchrun worker that stopped on the agreement, then signalled while the interpreter
+# tears down (after it has put SIG_DFL back for Python handlers): it must still exit 0.
+LATE_SIGNAL = """
+import os, signal, sys, time
+from types import SimpleNamespace
+from torchtitan.faults.preemption import Preemption
+
+class Late:
+    # Runs while __main__'s globals are cleared, after signal handling has ended (what
+    # it needs is bound now: the globals may be gone by then).
+    def __del__(self, os=os, kill=signal.SIGTERM, sleep=time.sleep, mark=sys.argv[2]):
+        os.kill(os.getpid(), kill)
+        sleep(0.2)
+        os.close(os.open(mark, os.O_CREAT | os.O_WRONLY))
+
+preemption = Preemption(SimpleNamespace(rank=0, control_group=None), ["SIGTERM"])
+if sys.argv[1] == "agreed":
+    preemption.said_stop(5, written=False)
+preemption.close()
+late = Late()
+"""
+
+
+def test_a_signal_after_the_agreed_stop_cannot_end_the_rank_with_a_signal_status(tmp_path):
+    """Two groups signalled 100 ms apart stop after the same step; the second group's
+    signal can land while its rank is already exiting, after the interpreter has put
+    SIG_DFL back for Python handlers: the rank (a torchrun worker) must still exit 0,
+    else torchrun reports the job failed. Negative control: a rank that did not stop on
+    the agreement gets its previous handler (SIG_DFL) back, and the same late signal
+    ends it with -SIGTERM."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "late"}
+    for how, code in (("agreed", 0), ("not_stopped", -signal.SIGTERM)):
+        mark = tmp_path / how
+        done = subprocess.run([sys.executable, "-c", LATE_SIGNAL, how, str(mark)], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == code, (how, done.returncode, done.stderr[-2000:])
+        assert mark.exists() == (code == 0), how

@@ -82,13 +82,15 @@ class Preemption:
 
     def close(self):
         """Put the previous handlers back, unless the job stopped on a signal in a
-        torchrun worker (which exits after the loop): then the handlers stay until it
-        exits, so that a signal landing while it finishes (a scheduler signalling node
-        by node, after the ranks or groups agreed to stop) cannot end it with a signal's
-        exit status. One plain process (tests call ``train.main`` in theirs) gets its
+        torchrun worker (which exits after the loop): then the stop signals are ignored
+        until it exits, so that a signal landing while it finishes (a scheduler
+        signalling node by node, after the ranks or groups agreed to stop) cannot end it
+        with a signal's exit status. Ignored, not handled: the interpreter puts SIG_DFL
+        back for every Python handler before it tears its modules down (process groups,
+        torchft's manager: a fraction of a second), and a signal then ended the rank
+        with -15. One plain process (tests call ``train.main`` in theirs) gets its
         handlers back."""
-        if self.stopped and os.environ.get("TORCHELASTIC_RUN_ID"):
-            return
+        keep_out = self.stopped and os.environ.get("TORCHELASTIC_RUN_ID")
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if keep_out else handler)
         self._previous = {}
