@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
 
 from harness import tiers
@@ -49,6 +50,14 @@ SESSION_ENV = "TORCHTITAN_TEST_SESSIONS"
 # test): every process started from here on carries it, and the enclosing sessions' too.
 TOKEN = uuid.uuid4().hex
 os.environ[SESSION_ENV] = ":".join(filter(None, [os.environ.get(SESSION_ENV), TOKEN]))
+
+# One compute thread per test process (unless OMP_NUM_THREADS says otherwise): the suite
+# runs one xdist worker per core, and torch's default of a thread per core in each worker
+# had the workers' OpenMP threads spinning against each other (8 in-process training
+# steps of the debug model, with the other core busy: 0.6 CPU-s on one thread, 2-9 CPU-s
+# on two). train.main and the processes the tests start read the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config):
