@@ -105,6 +105,47 @@ def test_an_unreachable_lighthouse_is_one_line_within_the_quorum_timeout(tmp_pat
         server.shutdown()
 
 
+def test_a_lighthouse_that_dies_mid_run_is_one_line_within_the_quorum_timeout(tmp_path):
+    """The real ReplicaGroup on the real torchft Manager and lighthouse commits a step;
+    then the lighthouse's host dies (its port relayed, and the relay cut: nobody listens,
+    every connection reset). The next step's quorum fails within
+    fault_tolerance.quorum_timeout_seconds (0.5 s) as one FaultToleranceError line naming
+    the address and the setting, no hang. Negative control: the step before the cut, on
+    the same relay, is committed. Catches: the quorum's error said without the address
+    or the setting, or torchft's own exception let through (a traceback)."""
+    from harness.ft_quorum import Relay
+    from torchtitan import parallel
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, ReplicaGroup
+    from torchtitan.tools.ft_launch import start_lighthouse
+
+    server = start_lighthouse()
+    relay = Relay(server.address())
+    cfg = parse_args([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                      relay.address, "--fault_tolerance.quorum_timeout_seconds", "0.5",
+                      "--fault_tolerance.replica_groups", "1", "--job.dump_folder", str(tmp_path),
+                      "--training.seq_len", "15", "--training.batch_size", "2"])  # fmt: skip
+    dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    loader = build_dataloader(cfg, build_tokenizer(cfg.model), 0, 1)
+    model = torch.nn.Linear(2, 1, bias=False)
+    group = ReplicaGroup(cfg, dims, loader, {}, model, TrainState())
+    try:
+        group.next_step()
+        model(torch.ones(2)).sum().backward()
+        assert group.commit(torch.tensor(1.0))  # negative control: a live lighthouse
+        relay.cut()
+        begin = time.monotonic()
+        with pytest.raises(FaultToleranceError) as e:
+            group.next_step()
+        took = time.monotonic() - begin
+    finally:
+        group.close()
+        server.shutdown()
+    line = str(e.value)
+    assert relay.address in line and "fault_tolerance.quorum_timeout_seconds 0.5" in line, line
+    assert "Timeout expired" in line and "\n" not in line and took < 2, took
+
+
 @pytest.mark.slow
 def test_an_unreachable_lighthouse_stops_the_run_with_one_line():
     address = f"http://127.0.0.1:{_port_nobody_listens_on()}"

@@ -239,6 +239,7 @@ class ReplicaGroup:
         self.cfg, self.dims, self.loader, self.model = cfg, dims, loader, model
         self.components, self.train_state = components, train_state
         self.replica_id = ft.replica_id
+        self.lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self.seed = cfg.training.seed
         self._store = None
         if manager is None:
@@ -285,17 +286,29 @@ class ReplicaGroup:
         try:
             self.manager.start_quorum()
         except Exception as e:  # noqa: BLE001 - one line: the lighthouse or the quorum failed
-            raise FaultToleranceError(
-                f"replica group {self.replica_id}: no quorum ({type(e).__name__}: "
-                f"{(str(e).splitlines() or [''])[0][:200]}); is the lighthouse up, and are "
-                "fault_tolerance.min_replica_groups groups alive?"
-            ) from None
+            raise self._no_quorum(e) from None
         self.quorum_s = time.perf_counter() - begin
         participant, self.participants = self.participation()
         split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
         return self.loader.next_step()
+
+    def _no_quorum(self, e: Exception) -> FaultToleranceError:
+        """The one line for a quorum that did not come within its timeout: the lighthouse
+        died or cannot be reached (torchft waits the whole timeout for it, then says
+        ``Timeout expired``), or too few groups are alive; both named, with the setting."""
+        ft = self.cfg.fault_tolerance
+        why = (str(e).splitlines() or [""])[0]
+        if 'message: "' in why:  # a gRPC status: its message alone ("Timeout expired")
+            why = why.split('message: "', 1)[1].split('"', 1)[0]
+        return FaultToleranceError(
+            f"replica group {self.replica_id}: no quorum within "
+            f"fault_tolerance.quorum_timeout_seconds {ft.quorum_timeout_seconds:g} "
+            f"({type(e).__name__}: {why[:160]}): the lighthouse {self.lighthouse} did not answer "
+            f"(restart it, or fix fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE) or fewer "
+            f"than fault_tolerance.min_replica_groups {ft.min_replica_groups} groups are alive"
+        )
 
     def participation(self) -> tuple[int, int]:
         """(this group's index among the step's participants, how many there are)."""
