@@ -16,7 +16,8 @@ Loading executes nothing from the checkpoint: the project's own entries are tens
 (``entries``), every other non-tensor entry is read with torch's weights-only
 unpickler, and a checkpoint of format 2 (pickled loader and RNG entries) is refused.
 
-A start: rank 0 surveys the folder and plans (O(checkpoints) manifest reads), every
+A start: rank 0 surveys the folder (and any peer folders of the job: fault tolerance's
+other replica groups, read only) and plans (O(checkpoints) manifest reads each), every
 rank finishes or removes ``.partial`` folders and verifies the chosen checkpoint's
 files by shares (O(total / ranks) each), then loads its own shard.
 

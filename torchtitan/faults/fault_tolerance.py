@@ -6,7 +6,10 @@ per-step quorum through torchft's ``Manager`` and lighthouse (reached within
 ``quorum_timeout_seconds`` at the start, or one line), the cross-group all-reduce of
 the gradients (and of the loss, for the log, and of the group's stop vote), the commit
 vote, healing a joining group from a live peer (``peer_state``, ``load_peer_state``),
-and the checkpoint manager that writes only in the lowest group (``LowestGroupSaves``).
+and the checkpoint manager that writes only in the lowest group and resumes every group
+from the job's newest checkpoint, in whichever group's folder (``LowestGroupSaves``,
+``group_folders``), and the marker of a finished job that stops a group started after
+it (``job_finished``, ``ReplicaGroup.finish``).
 The decisions it acts on (the split, the rewind of an uncommitted step, who saves, the
 default batch, who stops) are replica_steps.py's, free of torchft.
 
@@ -32,7 +35,10 @@ from those and the step it healed at; they are not sent.
 
 Cost per step: one quorum round trip to the lighthouse and one vote inside the group,
 one all-reduce of the gradients' local shards (one flat buffer) across the groups;
-healing: one transfer of the group rank's shard of the training state.
+healing: one transfer of the group rank's shard of the training state. Per start, on a
+group's rank 0: one listing of the job's folder, O(groups) marker reads, and the
+manifests of every group's checkpoint folder (O(groups x kept checkpoints) small files,
+whatever the data: c4 or FineWeb alike).
 
 Never: choose windows (data/order.py), decide what a checkpoint holds (checkpoint/),
 or train (step.py); the loop calls ``next_step`` and the step calls ``commit``.
