@@ -189,8 +189,9 @@ def test_a_group_started_after_the_job_finished_stops_with_one_line(lives, tmp_p
     """Group 1 started again after its peers finished: ``train.main`` exits 0 at once
     with one line naming the marker, without reaching for the lighthouse (none listens
     at the address it is given) or training from step 0. Negative controls: a longer
-    run (training.steps 10) is not finished, and neither is a job whose marker was never
-    published whole (a kill -9 during its write leaves only the temporary file)."""
+    run (training.steps 10) is not finished, a branch from an older checkpoint
+    (checkpoint.load_step) trains, and a marker never published whole (a kill -9 during
+    its write leaves only the temporary file) is none."""
     job = lives["job"]
     status, log = run_main([*map(str, ARGS), "--fault_tolerance.replica_id", "1",
                             "--fault_tolerance.replica_groups", "3",
@@ -204,6 +205,8 @@ def test_a_group_started_after_the_job_finished_stops_with_one_line(lives, tmp_p
     dims = init_distributed()
     assert fault_tolerance.job_finished(_cfg(job, 1, 3), dims, STEPS)
     assert not fault_tolerance.job_finished(_cfg(job, 1, 3), dims, 10)
+    branch = _cfg(job, 1, 3, "--checkpoint.load_step", 4)  # a new timeline from step-4
+    assert not fault_tolerance.job_finished(branch, dims, STEPS)
     torn = tmp_path / "torn"
     os.makedirs(torn / "replica_0")
     (torn / "replica_0" / ".tmp1234.json").write_text('{"st')  # publish killed mid-write

@@ -203,8 +203,11 @@ def finished_step(cfg) -> tuple[int, str] | None:
 def job_finished(cfg, dims, last_step: int) -> bool:
     """Whether the job this group belongs to has already trained to ``last_step`` (a
     group restarted after its peers finished): then one line says so, and the group
-    exits 0 instead of training alone again. Rank 0 reads, every rank gets its answer."""
-    if not cfg.fault_tolerance.enable:
+    exits 0 instead of training alone again. A command with a recovery option
+    (``checkpoint.load_step``, ``checkpoint.exclude_from_loading``) begins a new timeline
+    from a checkpoint: no marker stops it. Rank 0 reads, every rank gets its answer."""
+    ck = cfg.checkpoint
+    if not cfg.fault_tolerance.enable or ck.load_step >= 0 or ck.exclude_from_loading:
         return False
     found = finished_step(cfg) if dims.is_main else None
     found = parallel.broadcast_from_main(dims, found)
