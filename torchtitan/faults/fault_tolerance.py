@@ -525,10 +525,13 @@ class LowestGroupSaves:
         elastic resume. After a peer's, this group's RNG streams are its own again
         (reseeded for the step, as after a heal). Cost: one listing of the job's folder
         and O(checkpoints) manifest reads per group folder, on rank 0."""
-        loaded = self._checkpoint.load(peer_checkpoint_folders(self._replicas.cfg))
+        replicas = self._replicas  # the peers are surveyed by rank 0 alone (the manager's plan)
+        loaded = self._checkpoint.load(
+            peer_checkpoint_folders(replicas.cfg) if replicas.dims.is_main else []
+        )
         source = self._checkpoint.loaded_from
         if source is not None and storage.dirname(source) not in [f for f, _ in self.tiers]:
-            self._replicas.reseed(self._replicas.train_state.step)
+            replicas.reseed(replicas.train_state.step)
         return loaded
 
     def should_save(self, step: int) -> bool:
