@@ -156,10 +156,13 @@ class Run:
 
     @property
     def last_step(self) -> int:
-        """The step this job stops after: training.steps, or training.stop_at_step before it
-        (the one place it is derived)."""
-        t = self.cfg.training
-        return t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
+        return last_step(self.cfg.training)
+
+
+def last_step(t) -> int:
+    """The step a job stops after: training.steps, or training.stop_at_step before it (the
+    one place it is derived)."""
+    return t.steps if t.stop_at_step < 0 else min(t.steps, t.stop_at_step)
 
 
 def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer) -> Run:
@@ -199,6 +202,8 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
 
 def train(cfg: JobConfig, dims: parallel.ParallelDims):
     dims = parallel.apply_layout(dims, cfg)
+    if fault_tolerance.job_finished(cfg, dims, last_step(cfg.training)):
+        return  # a group restarted after its peers finished: nothing to train, said once
     seed_everything(cfg.training.seed, cfg.training.deterministic)
     tokenizer = build_tokenizer(cfg.model)
     if cfg.checkpoint.create_seed_checkpoint:
@@ -272,6 +277,8 @@ def train_loop(run: Run, preemption: Preemption):
                 break
             profiler.step(state.step)
     run.checkpoint.close()
+    if run.replicas is not None:  # the job's last step: a group started later stops at once
+        run.replicas.finish(state.step, last_step)
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
 

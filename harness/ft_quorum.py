@@ -11,12 +11,20 @@ inside its ``start_quorum`` from the lowest participant at that step (its
 ``_peer_state``, taken in that participant's own ``start_quorum``, between its steps),
 as torchft's quorum does.
 
+``Relay``: a real lighthouse's TCP port relayed on 127.0.0.1, which a test cuts (the
+listener closed, every connection reset): what the groups see of a lighthouse whose
+host died mid-run, without a process to start (an in-process ``LighthouseServer``'s
+``shutdown`` keeps answering on the connections it has).
+
 Never: stand in for the data loader, DCP or a checkpoint.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
+from urllib.parse import urlsplit
 
 import torch
 
@@ -120,3 +128,47 @@ class Manager:
 
     def shutdown(self, wait: bool = False):
         return None
+
+
+class Relay:
+    """``address``'s TCP port relayed on 127.0.0.1 (``.address``: what the groups are
+    given); ``cut()`` makes it look dead: nobody listens, and every relayed connection
+    is reset."""
+
+    def __init__(self, address: str):
+        target = urlsplit(address)
+        self._target = (target.hostname, target.port)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                near, _ = self._server.accept()
+                far = socket.create_connection(self._target)
+            except OSError:  # cut
+                return
+            with self._lock:
+                self._sockets += [near, far]
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self):
+        for s in [self._server, *self._sockets]:
+            try:  # a reset, not a goodbye: SO_LINGER 0
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

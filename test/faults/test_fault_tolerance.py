@@ -105,6 +105,47 @@ def test_an_unreachable_lighthouse_is_one_line_within_the_quorum_timeout(tmp_pat
         server.shutdown()
 
 
+def test_a_lighthouse_that_dies_mid_run_is_one_line_within_the_quorum_timeout(tmp_path):
+    """The real ReplicaGroup on the real torchft Manager and lighthouse commits a step;
+    then the lighthouse's host dies (its port relayed, and the relay cut: nobody listens,
+    every connection reset). The next step's quorum fails within
+    fault_tolerance.quorum_timeout_seconds (0.5 s) as one FaultToleranceError line naming
+    the address and the setting, no hang. Negative control: the step before the cut, on
+    the same relay, is committed. Catches: the quorum's error said without the address
+    or the setting, or torchft's own exception let through (a traceback)."""
+    from harness.ft_quorum import Relay
+    from torchtitan import parallel
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, ReplicaGroup
+    from torchtitan.tools.ft_launch import start_lighthouse
+
+    server = start_lighthouse()
+    relay = Relay(server.address())
+    cfg = parse_args([*CONFIG, "--fault_tolerance.enable", "--fault_tolerance.lighthouse",
+                      relay.address, "--fault_tolerance.quorum_timeout_seconds", "0.5",
+                      "--fault_tolerance.replica_groups", "1", "--job.dump_folder", str(tmp_path),
+                      "--training.seq_len", "15", "--training.batch_size", "2"])  # fmt: skip
+    dims = parallel.ParallelDims(0, 1, 0, torch.device("cpu"), "gloo")
+    loader = build_dataloader(cfg, build_tokenizer(cfg.model), 0, 1)
+    model = torch.nn.Linear(2, 1, bias=False)
+    group = ReplicaGroup(cfg, dims, loader, {}, model, TrainState())
+    try:
+        group.next_step()
+        model(torch.ones(2)).sum().backward()
+        assert group.commit(torch.tensor(1.0))  # negative control: a live lighthouse
+        relay.cut()
+        begin = time.monotonic()
+        with pytest.raises(FaultToleranceError) as e:
+            group.next_step()
+        took = time.monotonic() - begin
+    finally:
+        group.close()
+        server.shutdown()
+    line = str(e.value)
+    assert relay.address in line and "fault_tolerance.quorum_timeout_seconds 0.5" in line, line
+    assert "Timeout expired" in line and "\n" not in line and took < 2, took
+
+
 @pytest.mark.slow
 def test_an_unreachable_lighthouse_stops_the_run_with_one_line():
     address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
@@ -364,19 +405,20 @@ DISK = [*ARGS, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
         "--fault_tolerance.min_replica_groups", 2]  # fmt: skip
 
 
-def _both_groups(tmp, name: str, folders: list, *extra) -> list[str]:
-    """Both groups of 1 rank, every quorum of both (min 2: the same two participants
-    each step, so two runs reduce alike), to their end; their logs."""
+def _both_groups(tmp, name: str, job, *extra, groups: int = 2) -> list[str]:
+    """Every group (2, or ``groups``) of 1 rank, in ``<job>/replica_<i>``, every quorum of
+    all of them (the lighthouse's min_replicas: the same participants each step, so two
+    runs reduce alike), to their end; their logs."""
     from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
 
-    server = start_lighthouse(min_replicas=2)
+    server = start_lighthouse(min_replicas=groups)
     shim = shim_env(tmp / "shim", SHIM)
-    logs = [tmp / f"{name}_g{i}.log" for i in range(2)]
+    logs = [tmp / f"{name}_g{i}.log" for i in range(groups)]
     try:
-        groups = [start_group(group_command(i, 2, 1, server.address(), tmp, [*DISK, *extra],
-                                            folders[i]), logs[i], shim)
-                  for i in range(2)]  # fmt: skip
-        for i, g in enumerate(groups):
+        procs = [start_group(group_command(i, groups, 1, server.address(), job, [*DISK, *extra]),
+                             logs[i], shim)
+                 for i in range(groups)]  # fmt: skip
+        for i, g in enumerate(procs):
             assert _wait(g, f"{name} group {i}") == 0, logs[i].read_text()[-4000:]
     finally:
         server.shutdown()
@@ -384,29 +426,42 @@ def _both_groups(tmp, name: str, folders: list, *extra) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_whole_job_restart_resumes_from_the_lowest_groups_checkpoint_exactly(tmp_path):
-    """Disk checkpoints still work with fault tolerance on: only the lowest live group
-    (group 0) writes them, every 3 steps and where the job stops (step 7, stop_at_step);
-    group 1's folder holds none. The whole job is then started again: group 0 loads its
-    step-7, group 1 (nothing on disk) heals from it at the first quorum, and the rest
-    equals an uninterrupted fault-tolerant run bit for bit: every step's loss, and both
-    groups' final weights (``torch.equal``)."""
+def test_a_whole_job_restart_with_another_group_count_resumes_from_the_newest_checkpoint(tmp_path):
+    """Disk checkpoints with fault tolerance on: only the lowest live group (group 0)
+    writes them, every 3 steps and where the job stops (step 7, stop_at_step); group 1's
+    folder holds none. The whole job is then started again with 3 groups: every group,
+    group 2 (no folder) and group 1 (an empty one) included, loads group 0's step-7 from
+    its folder (none waits for a heal), and every step's tokens over both launches are
+    an uninterrupted 2-group run's, each once (provenance); the losses of the 3-group
+    steps within 1e-4 of it (3 participants sum in another order), the first launch's
+    bit-equal, and the 3 groups' final weights ``torch.equal``. (The same relaunch at 2
+    groups, bit-equal: the preemption test below.)"""
     from torchtitan.checkpoint import complete_steps
+    from torchtitan.tools.ft_launch import group_dump
 
-    ref = [tmp_path / "ref0", tmp_path / "ref1"]
+    ref, job = tmp_path / "ref", tmp_path / "run"
     _both_groups(tmp_path, "ref", ref)
-    run = [tmp_path / "run0", tmp_path / "run1"]
-    _both_groups(tmp_path, "first", run, "--training.stop_at_step", 7)
+    _both_groups(tmp_path, "first", job, "--training.stop_at_step", 7)
+    run = [group_dump(job, i) for i in range(3)]
     assert complete_steps(str(run[0] / "checkpoint"))[-2:] == [6, 7]
     assert not (run[1] / "checkpoint").exists() or complete_steps(str(run[1] / "checkpoint")) == []
-    g0, g1 = _both_groups(tmp_path, "again", run)
-    assert "step-7" in g0.split("loaded checkpoint", 1)[1][:300], g0[-3000:]
-    assert "healed from a live peer" in g1, g1[-3000:]
-    assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
-    reference = torch.load(ref[0] / "final_weights.pt")
-    for folder in run:
-        weights = torch.load(folder / "final_weights.pt")
-        assert all(torch.equal(weights[k], reference[k]) for k in reference), folder
+    first = {folder: losses(folder) for folder in run[:2]}
+    logs = _both_groups(tmp_path, "again", job, groups=3)
+    for log in logs:
+        loaded = log.split("loaded checkpoint", 1)[1][:300]
+        assert f"{run[0] / 'checkpoint' / 'step-7'} " in loaded, log[-3000:]
+        assert "healed from a live peer" not in log, log[-3000:]
+    refs = [group_dump(ref, i) for i in range(2)]
+    expected, steps = _steps_of(*refs), _steps_of(*run)
+    assert sorted(steps) == sorted(expected) == list(range(1, STEPS + 1))
+    for step in expected:
+        assert steps[step] == expected[step], f"step {step}: not the uninterrupted run's tokens"
+    plain = losses(refs[0])
+    assert all(first[f] == {s: plain[s] for s in range(1, 8)} for f in first), first
+    for step, loss in losses(run[2]).items():
+        assert abs(loss - plain[step]) <= 1e-4 * abs(plain[step]), (step, loss, plain[step])
+    weights = [torch.load(folder / "final_weights.pt") for folder in run]
+    assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])
 
 
 def _workers(proc) -> list[int]:
@@ -431,18 +486,24 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     claim one; the relaunch equals an uninterrupted run bit for bit. (Before: the group
     signalled first left alone, the other waited for a quorum that could not come.)"""
     from torchtitan.checkpoint import complete_steps
-    from torchtitan.tools.ft_launch import group_command, kill_group, start_group, start_lighthouse
+    from torchtitan.tools.ft_launch import (
+        group_command,
+        group_dump,
+        kill_group,
+        start_group,
+        start_lighthouse,
+    )
 
-    ref = [tmp_path / "ref0", tmp_path / "ref1"]
+    ref, job = tmp_path / "ref", tmp_path / "run"
     _both_groups(tmp_path, "ref", ref)
-    run = [tmp_path / "run0", tmp_path / "run1"]
+    ref, run = [group_dump(ref, 0)], [group_dump(job, i) for i in range(2)]
     groups = []
     server = start_lighthouse(min_replicas=2)
     shim = shim_env(tmp_path / "shim", SHIM)
     logs = [tmp_path / f"signalled_g{i}.log" for i in range(2)]
     try:
-        groups += [start_group(group_command(i, 2, 1, server.address(), tmp_path, DISK, run[i]),
-                               logs[i], shim) for i in range(2)]  # fmt: skip
+        groups += [start_group(group_command(i, 2, 1, server.address(), job, DISK), logs[i],
+                               shim) for i in range(2)]  # fmt: skip
         deadline = time.monotonic() + 300
         while not _committed(run[0], 4) and time.monotonic() < deadline:
             assert groups[0].poll() is None, logs[0].read_text()[-3000:]
@@ -467,7 +528,7 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     said = [log.read_text() for log in logs]
     assert f"checkpoint step-{stopped[0]} written" in said[0], said[0][-3000:]
     assert "written" not in said[1].split("preempted", 1)[1], said[1][-3000:]
-    _both_groups(tmp_path, "again", run)
+    _both_groups(tmp_path, "again", job)
     assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
     reference = torch.load(ref[0] / "final_weights.pt")
     for folder in run:

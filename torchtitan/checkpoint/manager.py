@@ -16,7 +16,8 @@ Loading executes nothing from the checkpoint: the project's own entries are tens
 (``entries``), every other non-tensor entry is read with torch's weights-only
 unpickler, and a checkpoint of format 2 (pickled loader and RNG entries) is refused.
 
-A start: rank 0 surveys the folder and plans (O(checkpoints) manifest reads), every
+A start: rank 0 surveys the folder (and any peer folders of the job: fault tolerance's
+other replica groups, read only) and plans (O(checkpoints) manifest reads each), every
 rank finishes or removes ``.partial`` folders and verifies the chosen checkpoint's
 files by shares (O(total / ranks) each), then loads its own shard.
 
@@ -186,19 +187,24 @@ class CheckpointManager:
         (writing[0] if writing else self.saver).after_write(self.lease.release)
 
     # ---- loading --------------------------------------------------------------------
-    def load(self) -> list[str]:
+    def load(self, peers: list[str] | tuple = ()) -> list[str]:
         """Load the timeline's resume point into every component; the names of those
         loaded (none without a checkpoint). A run whose train state is not among them
-        (a seed or weights-only checkpoint, or it was excluded) counts from step 0."""
+        (a seed or weights-only checkpoint, or it was excluded) counts from step 0.
+        ``peers``: the checkpoint folders of the same job's other writers (fault
+        tolerance: the other replica groups'), read only: the job's newest checkpoint is
+        resumed from wherever it is (``timeline.resume_order``); nothing in a peer's
+        folder is finished, set aside or removed (its own group does that). Cost: rank 0
+        reads O(checkpoints) manifests in each peer folder too."""
         if not self.enabled:
             return []
         for folder, saver in self.tiers:
             for step in parallel.broadcast_from_main(self.dims, partial_steps(folder)):
                 saver.finish_partial(step)
-        path, exclude = self._choose()
+        path, exclude = self._choose(list(peers))
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch",
-                        " or ".join(folder for folder, _ in self.tiers))  # fmt: skip
+                        " or ".join([folder for folder, _ in self.tiers] + list(peers)))  # fmt: skip
             return []
         begin = time.perf_counter()
         loaded = self._load_from(path, exclude)
@@ -261,31 +267,35 @@ class CheckpointManager:
         survey = timeline.survey(folder)
         return survey, timeline.plan_resume(survey, self.options, self.fingerprint)
 
-    def _choose(self) -> tuple[str | None, list[str]]:
+    def _choose(self, peers: list[str]) -> tuple[str | None, list[str]]:
         """Rank 0 plans (timeline.plan_resume) in each tier, the newer tier wins (the local
-        one only where every rank holds its files); every rank verifies; rank 0 sets newer
-        checkpoints of that tier aside. Returns the path to load and the components not
-        to load."""
+        one only where every rank holds its files), then in each peer folder, the newest
+        step wins (``timeline.resume_order``); every rank verifies; rank 0 sets newer
+        checkpoints of the chosen tier aside (never a peer's). Returns the path to load
+        and the components not to load."""
         plans = None
         if self.dims.is_main:
             plans = [(folder, *self._plan(folder)) for folder, _ in self.tiers]
+            plans += [(peer, *self._plan(peer)) for peer in peers]
         plans = parallel.broadcast_from_main(self.dims, plans)
+        plans, peer_plans = plans[: len(self.tiers)], plans[len(self.tiers) :]
         folder, survey, plan = plans[0]
         if len(plans) > 1 and self._local_tier_wins(plans[0], plans[1]):
             folder, survey, plan = plans[1]
+        order = timeline.resume_order((folder, plan), [(f, p) for f, _, p in peer_plans])
         if self.dims.is_main:
             for note in plan.notes:
                 logger.info("%s", note)
-        if plan.problem:
+        if plan.problem and not order:
             raise CheckpointError(plan.problem)
         chosen = None
-        for i, step in enumerate(plan.candidates):
-            path = step_folder(folder, step)
+        for i, (step, where) in enumerate(order):
+            path = step_folder(where, step)
             problem = self._verify(path)
             if problem is None:
                 chosen = step
                 break
-            older = plan.candidates[i + 1 :]
+            older = [s for s, _ in order[i + 1 :]]
             if not self.fallback_on_corruption or not older:
                 fix = (
                     f"resume from the previous one with --checkpoint.load_step {older[0]}, or set "
@@ -297,6 +307,13 @@ class CheckpointManager:
             logger.warning(
                 "CHECKPOINT %s IS DAMAGED (%s): falling back to an older one", path, problem
             )
+        if chosen is not None and where != folder:  # a peer's: its timeline continues here
+            _, survey, plan = next(p for p in peer_plans if p[0] == where)
+            others = [e for f, entries, _ in plans for e in entries]
+            generation, origin = timeline.generation_for(others + survey, plan, chosen)
+            self.timeline = {"generation": generation, "origin": origin}
+            logger.info("the job's newest checkpoint is a peer's: step-%d in %s", chosen, where)
+            return step_folder(where, chosen), plan.exclude
         # A new generation is newer than any tier's (the chosen tier's entries last: they
         # name the chosen step).
         others = [e for f, entries, _ in plans if f != folder for e in entries]

@@ -150,6 +150,20 @@ def plan_resume(entries: list[Entry], options: dict | None, fingerprint: dict) -
     return Plan([e.step for e in reversed(full)], exclude, branch, options, notes=notes)
 
 
+def resume_order(own: tuple[str, Plan], peers: list[tuple[str, Plan]]) -> list[tuple[int, str]]:
+    """The (step, folder) to try, newest step first, over this job's own folder and its
+    peers' (fault tolerance: the other replica groups' folders, read-only): the job's
+    newest checkpoint wherever it is, this folder's first at a tie (no read of another's
+    then), and the next ones as the fallback. A folder whose plan has a problem (a
+    ``load_step`` it does not hold) offers nothing. O(candidates)."""
+    folder, plan = own
+    found = [] if plan.problem else [(step, folder) for step in plan.candidates]
+    for peer, p in peers:
+        if not p.problem:
+            found += [(step, peer) for step in p.candidates]
+    return sorted(found, key=lambda c: -c[0])  # stable: own first among equal steps
+
+
 def generation_for(entries: list[Entry], plan: Plan, chosen: int | None) -> tuple[int, dict | None]:
     """(generation, origin) that this run's checkpoints record.
 

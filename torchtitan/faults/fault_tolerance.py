@@ -6,7 +6,10 @@ per-step quorum through torchft's ``Manager`` and lighthouse (reached within
 ``quorum_timeout_seconds`` at the start, or one line), the cross-group all-reduce of
 the gradients (and of the loss, for the log, and of the group's stop vote), the commit
 vote, healing a joining group from a live peer (``peer_state``, ``load_peer_state``),
-and the checkpoint manager that writes only in the lowest group (``LowestGroupSaves``).
+and the checkpoint manager that writes only in the lowest group and resumes every group
+from the job's newest checkpoint, in whichever group's folder (``LowestGroupSaves``,
+``group_folders``), and the marker of a finished job that stops a group started after
+it (``job_finished``, ``ReplicaGroup.finish``).
 The decisions it acts on (the split, the rewind of an uncommitted step, who saves, the
 default batch, who stops) are replica_steps.py's, free of torchft.
 
@@ -32,7 +35,10 @@ from those and the step it healed at; they are not sent.
 
 Cost per step: one quorum round trip to the lighthouse and one vote inside the group,
 one all-reduce of the gradients' local shards (one flat buffer) across the groups;
-healing: one transfer of the group rank's shard of the training state.
+healing: one transfer of the group rank's shard of the training state. Per start, on a
+group's rank 0: one listing of the job's folder, O(groups) marker reads, and the
+manifests of every group's checkpoint folder (O(groups x kept checkpoints) small files,
+whatever the data: c4 or FineWeb alike).
 
 Never: choose windows (data/order.py), decide what a checkpoint holds (checkpoint/),
 or train (step.py); the loop calls ``next_step`` and the step calls ``commit``.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -50,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan import parallel
+from torchtitan.checkpoint.store import is_url, store_for
+from torchtitan.checkpoint.store import join as checkpoint_join
 from torchtitan.config import ConfigError
 from torchtitan.faults.replica_steps import (
     StepTry,
@@ -60,6 +69,7 @@ from torchtitan.faults.replica_steps import (
     stop_vote,
     stops_after_step,
 )
+from torchtitan.io import storage
 
 logger = logging.getLogger("torchtitan")
 
@@ -67,6 +77,12 @@ logger = logging.getLogger("torchtitan")
 # spike check's window too (spikes.py), or a joined group would judge a step otherwise
 # than the others and apply an update they drop.
 HEALED = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "spikes")
+
+# A group's dump folder in the job's: <job folder>/replica_<i> (scripts/ft_launch.py).
+GROUP_FOLDER = re.compile(r"replica_(\d+)")
+# What the lowest group writes in its dump folder once the job has trained its last step
+# (and its final checkpoint is durable): {"step": N}. Published whole (storage.publish).
+FINISHED = "fault_tolerance_finished.json"
 
 
 class FaultToleranceError(RuntimeError):
@@ -112,12 +128,98 @@ def check_config(cfg) -> None:
     for broken, key, why in refused:
         if broken:
             raise ConfigError(f"{key} with fault_tolerance.enable: {why}")
+    if cfg.checkpoint.enable_checkpoint:
+        name = _base(cfg.job.dump_folder)
+        if name != f"replica_{ft.replica_id}":
+            raise ConfigError(
+                f"job.dump_folder {cfg.job.dump_folder} with fault_tolerance.enable and "
+                f"checkpoint.enable_checkpoint: name it <job folder>/replica_{ft.replica_id} "
+                "(as scripts/ft_launch.py does), so that a group finds the job's newest "
+                "checkpoint in the other groups' folders beside it"
+            )
+        if is_url(cfg.checkpoint.folder) or os.path.isabs(cfg.checkpoint.folder):
+            raise ConfigError(
+                f"checkpoint.folder {cfg.checkpoint.folder} with fault_tolerance.enable: every "
+                "replica group keeps its own checkpoints under its job.dump_folder; give a "
+                "relative folder (the default, checkpoint)"
+            )
     if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         raise ConfigError(
             "fault_tolerance.enable needs a lighthouse: pass --fault_tolerance.lighthouse "
             "http://host:29510 or set TORCHFT_LIGHTHOUSE (start one with torchft_lighthouse "
             "--min_replicas 1; docs/fault_tolerance.md)"
         )
+
+
+def _base(folder: str) -> str:
+    return str(folder).rstrip("/").rsplit("/", 1)[-1]
+
+
+def group_folders(cfg) -> dict[int, str]:
+    """The dump folders of this job's replica groups, by group index: this group's
+    (``job.dump_folder``) and, where it is named ``replica_<id>`` (check_config asks it
+    of a group that saves), the folders named ``replica_<j>`` beside it, groups an earlier
+    launch had included among them (a relaunch with fewer groups still sees their
+    checkpoints). Cost: one listing of the job's folder at the start, O(groups) names
+    (1,000 groups: 1,000 names), whatever the data (c4, FineWeb alike)."""
+    ft = cfg.fault_tolerance
+    own = str(cfg.job.dump_folder).rstrip("/") or "."
+    folders = {ft.replica_id: own}
+    if _base(own) != f"replica_{ft.replica_id}":
+        return folders
+    parent = storage.dirname(own) or "."
+    for name in store_for(parent).listdir(parent):
+        found = GROUP_FOLDER.fullmatch(name)
+        if found:
+            folders.setdefault(int(found[1]), storage.join(parent, name))
+    return dict(sorted(folders.items()))
+
+
+def peer_checkpoint_folders(cfg) -> list[str]:
+    """The other groups' checkpoint folders (``<job>/replica_<j>/<checkpoint.folder>``),
+    which a start reads (never writes) to resume from the job's newest checkpoint."""
+    own = cfg.fault_tolerance.replica_id
+    return [checkpoint_join(folder, cfg.checkpoint.folder)
+            for group, folder in group_folders(cfg).items() if group != own]  # fmt: skip
+
+
+def finished_step(cfg) -> tuple[int, str] | None:
+    """(step, marker path) of the newest ``FINISHED`` marker among the job's groups'
+    folders, None where none is. A marker is published whole (a kill -9 during its write
+    leaves a stray temporary file, never a torn marker); one that cannot be read as
+    ``{"step": N}`` is no marker. Cost: O(groups) small reads at the start."""
+    found = None
+    for folder in group_folders(cfg).values():
+        path = storage.join(folder, FINISHED)
+        try:
+            step = int(json.loads(storage.read_bytes(path))["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if found is None or step > found[0]:
+            found = (step, path)
+    return found
+
+
+def job_finished(cfg, dims, last_step: int) -> bool:
+    """Whether the job this group belongs to has already trained to ``last_step`` (a
+    group restarted after its peers finished): then one line says so, and the group
+    exits 0 instead of training alone again. A command with a recovery option
+    (``checkpoint.load_step``, ``checkpoint.exclude_from_loading``) begins a new timeline
+    from a checkpoint: no marker stops it. Rank 0 reads, every rank gets its answer."""
+    ck = cfg.checkpoint
+    if not cfg.fault_tolerance.enable or ck.load_step >= 0 or ck.exclude_from_loading:
+        return False
+    found = finished_step(cfg) if dims.is_main else None
+    found = parallel.broadcast_from_main(dims, found)
+    if found is None or found[0] < last_step:
+        return False
+    if dims.is_main:
+        logger.warning(
+            "the job already finished: %s says step %d (this run's last step is %d); "
+            "replica group %d has nothing to train and stops (remove the file to train again)",
+            found[1], found[0], last_step, cfg.fault_tolerance.replica_id,
+        )  # fmt: skip
+    return True
 
 
 def _local(value):
@@ -239,6 +341,7 @@ class ReplicaGroup:
         self.cfg, self.dims, self.loader, self.model = cfg, dims, loader, model
         self.components, self.train_state = components, train_state
         self.replica_id = ft.replica_id
+        self.lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self.seed = cfg.training.seed
         self._store = None
         if manager is None:
@@ -285,17 +388,29 @@ class ReplicaGroup:
         try:
             self.manager.start_quorum()
         except Exception as e:  # noqa: BLE001 - one line: the lighthouse or the quorum failed
-            raise FaultToleranceError(
-                f"replica group {self.replica_id}: no quorum ({type(e).__name__}: "
-                f"{(str(e).splitlines() or [''])[0][:200]}); is the lighthouse up, and are "
-                "fault_tolerance.min_replica_groups groups alive?"
-            ) from None
+            raise self._no_quorum(e) from None
         self.quorum_s = time.perf_counter() - begin
         participant, self.participants = self.participation()
         split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
         return self.loader.next_step()
+
+    def _no_quorum(self, e: Exception) -> FaultToleranceError:
+        """The one line for a quorum that did not come within its timeout: the lighthouse
+        died or cannot be reached (torchft waits the whole timeout for it, then says
+        ``Timeout expired``), or too few groups are alive; both named, with the setting."""
+        ft = self.cfg.fault_tolerance
+        why = (str(e).splitlines() or [""])[0]
+        if 'message: "' in why:  # a gRPC status: its message alone ("Timeout expired")
+            why = why.split('message: "', 1)[1].split('"', 1)[0]
+        return FaultToleranceError(
+            f"replica group {self.replica_id}: no quorum within "
+            f"fault_tolerance.quorum_timeout_seconds {ft.quorum_timeout_seconds:g} "
+            f"({type(e).__name__}: {why[:160]}): the lighthouse {self.lighthouse} did not answer "
+            f"(restart it, or fix fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE) or fewer "
+            f"than fault_tolerance.min_replica_groups {ft.min_replica_groups} groups are alive"
+        )
 
     def participation(self) -> tuple[int, int]:
         """(this group's index among the step's participants, how many there are)."""
@@ -365,12 +480,26 @@ class ReplicaGroup:
         begin = time.perf_counter()
         load_peer_state(self.components, state)
         self.healed_at = self.train_state.step
-        torch.manual_seed(self._stream_seed(self.healed_at))
+        self.reseed(self.healed_at)
         self._event(healed_at=self.healed_at, heal_s=time.perf_counter() - begin)
         logger.warning(
             "replica group %d healed from a live peer at step %d (%.2f s)",
             self.replica_id, self.healed_at, time.perf_counter() - begin,
         )  # fmt: skip
+
+    def reseed(self, step: int):
+        """This group's RNG streams (dropout) for ``step``, after a state that is not its
+        own came in: a heal, or a peer's checkpoint loaded at the start."""
+        torch.manual_seed(self._stream_seed(step))
+
+    def finish(self, step: int, last_step: int):
+        """After the loop, once the checkpoint manager is closed (the final save durable):
+        where the job trained its last step, the lowest group's rank 0 publishes the
+        ``FINISHED`` marker, which a group restarted later reads (``job_finished``)."""
+        if step >= last_step and self.lowest and self.dims.is_main:
+            payload = json.dumps({"step": step}).encode()
+            storage.publish(storage.join(self.cfg.job.dump_folder, FINISHED),
+                            lambda f: f.write(payload))  # fmt: skip
 
     def close(self):
         self.manager.shutdown(wait=False)
@@ -381,11 +510,29 @@ class ReplicaGroup:
 class LowestGroupSaves:
     """The checkpoint manager of a replica group, saving only while this group is the
     quorum's first participant: one durable checkpoint per interval for the job, in that
-    group's folder. Whole-job restart: every group loads its own folder's newest, and the
-    first quorum heals those behind from the group at the highest step."""
+    group's folder. Whole-job restart (with as many groups, more or fewer, and as many
+    ranks per group or not): every group loads the job's newest checkpoint, in whichever
+    group's folder it is (``load``), so every group starts at the same step and nothing
+    waits for a heal; a quorum would heal a group still behind from the highest."""
 
     def __init__(self, checkpoint, replicas: ReplicaGroup):
         self._checkpoint, self._replicas = checkpoint, replicas
+
+    def load(self) -> list[str]:
+        """The job's newest checkpoint, from this group's folder or a peer's (read only:
+        ``peer_checkpoint_folders``); the loader's entry is any rank's (every entry holds
+        the global position), the model and optimizer are resharded by DCP, as in an
+        elastic resume. After a peer's, this group's RNG streams are its own again
+        (reseeded for the step, as after a heal). Cost: one listing of the job's folder
+        and O(checkpoints) manifest reads per group folder, on rank 0."""
+        replicas = self._replicas  # the peers are surveyed by rank 0 alone (the manager's plan)
+        loaded = self._checkpoint.load(
+            peer_checkpoint_folders(replicas.cfg) if replicas.dims.is_main else []
+        )
+        source = self._checkpoint.loaded_from
+        if source is not None and storage.dirname(source) not in [f for f, _ in self.tiers]:
+            replicas.reseed(replicas.train_state.step)
+        return loaded
 
     def should_save(self, step: int) -> bool:
         return self._replicas.lowest and self._checkpoint.should_save(step)

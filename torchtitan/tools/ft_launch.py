@@ -41,7 +41,9 @@ def group_dump(dump: str | Path, replica: int) -> Path:
 
 def group_command(replica: int, groups: int, nproc: int, lighthouse: str, dump: str | Path,
                   args: list[str], dump_folder: str | Path | None = None) -> list[str]:  # fmt: skip
-    """The torchrun command line of replica group ``replica`` of ``groups``."""
+    """The torchrun command line of replica group ``replica`` of ``groups``, in
+    ``<dump>/replica_<replica>`` (where a group that saves must live: its peers find its
+    checkpoints there) or ``dump_folder``."""
     folder = dump_folder or group_dump(dump, replica)
     return torchrun_command(nproc, [
         *map(str, args), "--job.dump_folder", str(folder), "--fault_tolerance.enable",

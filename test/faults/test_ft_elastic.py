@@ -1,0 +1,222 @@
+"""A whole-job relaunch under fault tolerance with another count of replica groups, and a
+group started after the job finished (fast, in one process): the real ``ReplicaGroup``
+on harness/ft_quorum.py's quorum, real loaders, and real DCP checkpoints that
+``LowestGroupSaves`` writes into ``<job>/replica_<i>/checkpoint``.
+
+Three lives of one job: 3 groups (group 2 alone writes step-4), then 2 groups (the
+removed group 2's folder holds the newest; group 0 writes step-6), then 3 groups again
+(group 1's folder is empty, group 2's holds an older step-4). Every group of a relaunch
+resumes from the job's newest checkpoint wherever it is, and every step's windows over
+the three lives are an uninterrupted run's, each once. Each test names the one-line bug
+it catches."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import CONFIG, error_lines, run_main
+
+import train as train_script
+from harness.ft_quorum import Quorum
+from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.checkpoint.stateful import training_components
+from torchtitan.config import parse_args
+from torchtitan.data import build_dataloader
+from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.faults import fault_tolerance
+from torchtitan.faults.fault_tolerance import LowestGroupSaves, ReplicaGroup
+from torchtitan.parallel import init_distributed
+
+pytest.importorskip("torchft")
+
+STEPS = 8
+# Global batch 4, 8 from step 3, 6 from step 6, whatever the groups: comparable steps.
+ARGS = [*CONFIG, "--training.seq_len", "15", "--training.batch_size", "2",
+        "--training.batch_size_schedule", "0:4,3:8,6:6", "--training.steps", STEPS,
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval", "2",
+        "--fault_tolerance.enable", "--fault_tolerance.lighthouse", "http://127.0.0.1:1"]  # fmt: skip
+
+
+def _cfg(job, gid: int, groups: int, *extra):
+    return parse_args([*map(str, ARGS), "--fault_tolerance.replica_id", str(gid),
+                       "--fault_tolerance.replica_groups", str(groups), "--job.dump_folder",
+                       str(job / f"replica_{gid}"), *map(str, extra)])  # fmt: skip
+
+
+class Group:
+    """One replica group of one rank in one life: a real loader and checkpoint manager
+    (``LowestGroupSaves``), the real ``ReplicaGroup`` on the in-process quorum, resumed
+    by train.py's own ``resume``."""
+
+    def __init__(self, quorum: Quorum, job, gid: int, groups: int, tokenizer):
+        self.gid, self.dims = gid, init_distributed()
+        self.cfg = _cfg(job, gid, groups)
+        self.loader = build_dataloader(self.cfg, tokenizer, 0, 1)
+        self.model = torch.nn.Linear(4, 1, bias=False)
+        self.state = TrainState()
+        optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        components = training_components(self.cfg, self.dims, model=self.model,
+                                         optimizer=optimizer, dataloader=self.loader,
+                                         train_state=self.state, fingerprint={})  # fmt: skip
+        self.manager = quorum.manager(gid)
+        self.replicas = ReplicaGroup(self.cfg, self.dims, self.loader, components, self.model,
+                                     self.state, manager=self.manager)  # fmt: skip
+        self.manager.replica = self.replicas
+        self.checkpoint = LowestGroupSaves(
+            CheckpointManager(self.cfg, self.dims, components, {}), self.replicas
+        )
+        self.read: dict[int, list] = {}
+
+    def resume(self):
+        run = SimpleNamespace(cfg=self.cfg, dims=self.dims, model=self.model,
+                              checkpoint=self.checkpoint, dataloader=self.loader,
+                              train_state=self.state)  # fmt: skip
+        train_script.resume(run)
+        self.manager.step = self.state.step  # the step its first quorum request carries
+        return self
+
+    def try_step(self):
+        batches = self.replicas.next_step()
+        self.model.zero_grad()
+        (self.model.weight.sum() * float(len(batches))).backward()
+        if self.replicas.commit(torch.tensor(1.0)):
+            self.state.step += 1
+            self.read[self.state.step] = [row.tolist() for b in batches for row in b["input"]]
+            if self.checkpoint.should_save(self.state.step):
+                self.checkpoint.save(self.state.step)
+
+
+def _life(job, tokenizer, groups: int, rounds: list[list[int]]) -> dict[int, Group]:
+    """A launch of ``groups`` groups, each resumed; ``rounds``: the participants of each
+    step (a group absent from the rest died); every manager closed at the end."""
+    quorum = Quorum()
+    live = {g: Group(quorum, job, g, groups, tokenizer).resume() for g in range(groups)}
+    loaded = {g: (x.state.step, x.loader.position.windows, x.checkpoint.loaded_from)
+              for g, x in live.items()}  # fmt: skip
+    for participants in rounds:
+        quorum.round(participants)
+        quorum.run({g: live[g].try_step for g in participants})
+    for group in live.values():
+        group.checkpoint.close()
+    return {"groups": live, "loaded": loaded}
+
+
+@pytest.fixture(scope="module")
+def lives(tmp_path_factory):
+    job = tmp_path_factory.mktemp("job")
+    cfg = _cfg(job, 0, 3)
+    tokenizer = build_tokenizer(cfg.model)
+    plain = build_dataloader(cfg, tokenizer, 0, 1)
+    expected = [[row.tolist() for b in plain.next_step() for row in b["input"]]
+                for _ in range(STEPS)]  # fmt: skip
+    first = _life(job, tokenizer, 3, [[0, 1, 2], [0, 1, 2], [2], [2]])  # group 2 writes step-4
+    second = _life(job, tokenizer, 2, [[0, 1], [0, 1]])  # group 0 writes step-6
+    third = _life(job, tokenizer, 3, [[0, 1, 2], [0, 1, 2]])
+    for group in third["groups"].values():  # the job's last step: the lowest group marks it
+        group.replicas.finish(group.state.step, STEPS)
+    return {"job": job, "lives": [first, second, third], "expected": expected,
+            "tokenizer": tokenizer}  # fmt: skip
+
+
+def test_a_relaunch_resumes_every_group_from_the_jobs_newest_checkpoint(lives):
+    """2 groups after 3 (the removed group 2's folder holds step-4, the newest), then 3
+    after 2 (group 0's step-6 is the newest; group 2's own folder holds an older step-4,
+    group 1's nothing): every group starts at the newest step, at its loader position.
+    Catches: each group loading its own folder's newest (group 1 from step 0, group 2
+    from step-4), the highest group's folder taken instead of the newest step (step-4),
+    and only groups below replica_groups looked at (the 3 -> 2 relaunch from step-2)."""
+    job = lives["job"]
+    first, second, third = lives["lives"]
+    at_end = {g: (x.state.step, x.loader.position.windows) for g, x in first["groups"].items()}
+    for group, (step, windows, source) in second["loaded"].items():
+        assert (step, windows) == at_end[2], group
+        assert source == str(job / "replica_2" / "checkpoint" / "step-4"), source
+    g0 = second["groups"][0]
+    for group, (step, windows, source) in third["loaded"].items():
+        assert (step, windows) == (6, g0.loader.position.windows), group
+        assert source == str(job / "replica_0" / "checkpoint" / "step-6"), source
+
+
+def test_every_step_over_three_lives_reads_the_uninterrupted_runs_windows_once(lives):
+    """Each committed step's windows, over its participants in order, are the
+    uninterrupted run's, and no step is committed in two lives. Catches: a new group
+    starting from step 0 (it reads step 1's windows again), a resume from an older step
+    (steps read twice)."""
+    committed: dict[int, list] = {}
+    for life in lives["lives"]:
+        steps = sorted({s for g in life["groups"].values() for s in g.read})
+        for step in steps:
+            assert step not in committed, f"step {step} committed twice"
+            readers = sorted((g for g in life["groups"].values() if step in g.read),
+                             key=lambda g: g.gid)  # fmt: skip
+            committed[step] = [w for g in readers for w in g.read[step]]
+    assert sorted(committed) == list(range(1, STEPS + 1))
+    for step, windows in committed.items():
+        assert windows == lives["expected"][step - 1], f"step {step}"
+
+
+def test_a_group_with_its_own_folder_only_would_resume_behind(lives):
+    """Negative control for the two tests above: the same folders read the way a group
+    read them before (its own only) give group 1 nothing and group 2 its older step-4."""
+    job = lives["job"]
+    found = []
+    for gid in (1, 2):
+        cfg = _cfg(job, gid, 3)
+        components = {"train_state": TrainState()}
+        manager = CheckpointManager(cfg, init_distributed(), components, {})
+        try:
+            manager.load()
+        finally:
+            manager.close()
+        found.append(components["train_state"].step)
+    assert found == [0, 4]
+
+
+def test_only_the_lowest_group_marks_the_job_finished(lives):
+    """After the last step the lowest group publishes the marker; the others write none.
+    Catches: a marker from every group (one whose final save was not its to make)."""
+    job = lives["job"]
+    marked = [g for g in range(3) if (job / f"replica_{g}" / fault_tolerance.FINISHED).exists()]
+    assert marked == [0]
+    assert json.loads((job / "replica_0" / fault_tolerance.FINISHED).read_text()) == {"step": STEPS}
+
+
+def test_a_group_started_after_the_job_finished_stops_with_one_line(lives, tmp_path):
+    """Group 1 started again after its peers finished: ``train.main`` exits 0 at once
+    with one line naming the marker, without reaching for the lighthouse (none listens
+    at the address it is given) or training from step 0. Negative controls: a longer
+    run (training.steps 10) is not finished, a branch from an older checkpoint
+    (checkpoint.load_step) trains, and a marker never published whole (a kill -9 during
+    its write leaves only the temporary file) is none."""
+    job = lives["job"]
+    status, log = run_main([*map(str, ARGS), "--fault_tolerance.replica_id", "1",
+                            "--fault_tolerance.replica_groups", "3",
+                            "--fault_tolerance.quorum_timeout_seconds", "0.5",
+                            "--job.dump_folder", str(job / "replica_1")])  # fmt: skip
+    said = [line for line in log.splitlines() if "the job already finished" in line]
+    assert status == 0 and len(said) == 1 and not error_lines(log), log[-2000:]
+    assert str(job / "replica_0" / fault_tolerance.FINISHED) in said[0]
+    assert not (job / "replica_1" / "metrics.jsonl").exists()  # nothing trained
+
+    dims = init_distributed()
+    assert fault_tolerance.job_finished(_cfg(job, 1, 3), dims, STEPS)
+    assert not fault_tolerance.job_finished(_cfg(job, 1, 3), dims, 10)
+    branch = _cfg(job, 1, 3, "--checkpoint.load_step", 4)  # a new timeline from step-4
+    assert not fault_tolerance.job_finished(branch, dims, STEPS)
+    torn = tmp_path / "torn"
+    os.makedirs(torn / "replica_0")
+    (torn / "replica_0" / ".tmp1234.json").write_text('{"st')  # publish killed mid-write
+    assert not fault_tolerance.job_finished(_cfg(torn, 1, 3), dims, STEPS)
+
+
+def test_a_group_that_saves_must_live_in_a_replica_folder(tmp_path):
+    """Catches: a group whose folder its peers cannot find (its checkpoints would be
+    missed by a relaunch) accepted; the folder ft_launch.py makes is (control)."""
+    status, log = run_main([*map(str, ARGS), "--job.dump_folder", str(tmp_path / "run0")])
+    lines = error_lines(log)
+    assert status != 0 and len(lines) == 1 and "name it <job folder>/replica_0" in lines[0], log
+    parse_args([*map(str, ARGS), "--job.dump_folder", str(tmp_path / "replica_0")])
