@@ -2,7 +2,8 @@
 reference, routing that reads only a token's own row, the gate weights free of the
 balancing bias, the balancing rule, the balancing state in the model's state dict and
 through a resume, the flavors' sizes. Each test names its negative control.
-(Expert parallelism over ranks: test_expert_parallel.py, slow tier.)"""
+The expert gradient at EP 2 on two forked gloo ranks is here too; the whole
+expert-parallel training step over ranks: test_expert_parallel.py, slow tier."""
 
 import shutil
 
@@ -336,3 +337,83 @@ def test_expert_parallel_dispatch_computes_what_one_rank_computes():
         assert torch.equal(out, full(batches[r]))
     wrong = two_rank_outputs(full, batches, regroup=False)
     assert not all(torch.equal(out, full(b)) for out, b in zip(wrong, batches))
+
+
+# ---- the expert gradient over two real expert-parallel ranks (forked, gloo) --------------
+
+
+class _OneLayer(torch.nn.Module):
+    """What parallel/expert_parallel.apply reads of a model: its MoE layers."""
+
+    def __init__(self, layer: MoE):
+        super().__init__()
+        self.layer = layer
+
+    def moe_layers(self) -> list[MoE]:
+        return [self.layer]
+
+
+def _ep_rank(rank: int, store: str, out) -> None:
+    """One of 2 ranks: the layer at EP 2 over a real gloo group, this rank's batch, its
+    own mean loss backward; reports the gradients of the experts it holds, as the
+    layer computes them and (the negative control) left undivided."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.parallel import expert_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        layer = moe_layer()
+        expert_parallel.apply(_OneLayer(layer), init_device_mesh("cpu", (2,)))
+        e, grads = layer.experts, {}
+        for case, divisor in (("applied", e.grad_divisor), ("undivided", 1)):
+            e.grad_divisor = divisor
+            layer.zero_grad()
+            layer(inputs(2, 64, seed=1 + rank)).square().mean().backward()
+            # As arrays: a tensor would travel as shared memory that ends with this process.
+            grads[case] = {
+                n: getattr(e, n).grad.to_local().numpy().copy() for n in ("w1", "w2", "w3")
+            }
+        out.put((rank, grads))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ep_gradients(tmp_path) -> dict:
+    import multiprocessing
+
+    import torch._dynamo  # noqa: F401  (DTensor's first use imports it: once here, not per rank)
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_ep_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    grads = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return grads
+
+
+def test_an_experts_gradient_at_ep_2_is_the_mean_over_the_ranks_as_fsdp_gives_the_rest(tmp_path):
+    """Two forked ranks at EP 2 (real all-to-alls on gloo), each with its own batch and
+    its own mean loss: the rank holding an expert applies the gradient of the mean of
+    both ranks' losses (what FSDP's average gives every other weight), the one-process
+    gradient to float rounding (rows summed in another order). Negative control: the
+    expert gradient left undivided (``grad_divisor`` 1: the sum over the ranks) is twice
+    that. (The whole training step at EP 2 against EP 1: test_expert_parallel.py, slow
+    tier.)"""
+    full = moe_layer()
+    loss = sum(full(inputs(2, 64, seed=1 + r)).square().mean() for r in range(2)) / 2
+    loss.backward()
+    local = full.n_experts // 2
+    grads = _ep_gradients(tmp_path)
+    for case, scale in (("applied", 1.0), ("undivided", 2.0)):
+        for rank in range(2):
+            for name, grad in grads[rank][case].items():
+                reference = getattr(full.experts, name).grad[rank * local : (rank + 1) * local]
+                torch.testing.assert_close(torch.from_numpy(grad), reference * scale,
+                                           rtol=1e-5, atol=1e-8)  # fmt: skip
