@@ -307,24 +307,27 @@ def with_workers(request, tmp_path_factory):
     tokenizer = build_tokenizer(cfg.model)
     quorum = Quorum()
     g0, g1 = Group(quorum, 0, cfg, tokenizer), Group(quorum, 1, cfg, tokenizer)
-    pids = []
-    for groups, dies, fails in [([g0, g1], (), False), ([g0, g1], (), True),
-                                ([g0, g1], (), False), ([g0, g1], (1,), False),
-                                ([g0], (), False), ([g0], (), False)]:  # fmt: skip
-        _round(quorum, groups, dies=dies, fails=fails)
-        pids.append(g0.loader.worker_pids())
-    again = Group(quorum, 1, cfg, tokenizer)
-    for _ in range(2):  # heals at step 4; steps 5 and 6 by both
-        _round(quorum, [g0, again])
-        pids.append(g0.loader.worker_pids())
+    groups, pids = [g0, g1], []
+    try:
+        for live, dies, fails in [([g0, g1], (), False), ([g0, g1], (), True),
+                                  ([g0, g1], (), False), ([g0, g1], (1,), False),
+                                  ([g0], (), False), ([g0], (), False)]:  # fmt: skip
+            _round(quorum, live, dies=dies, fails=fails)
+            pids.append(g0.loader.worker_pids())
+        again = Group(quorum, 1, cfg, tokenizer)
+        groups.append(again)
+        for _ in range(2):  # heals at step 4; steps 5 and 6 by both
+            _round(quorum, [g0, again])
+            pids.append(g0.loader.worker_pids())
+    finally:
+        # Closed together: a worker forked after another loader's holds that loader's
+        # workers' exit pipes, and a close joins its own workers on theirs.
+        closing = [threading.Thread(target=g.loader.close) for g in groups]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
     plain_cfg = _cfg(tmp_path_factory.mktemp("w0"), *SCHEDULE)
-    # Closed together: a worker forked after another loader's holds that loader's
-    # workers' exit pipes, and a close joins its own workers on theirs.
-    closing = [threading.Thread(target=g.loader.close) for g in (g0, g1, again)]
-    for t in closing:
-        t.start()
-    for t in closing:
-        t.join()
     return {"groups": [g0, g1, again], "pids": pids, "workers": workers,
             "plain": _plain_steps(plain_cfg, tokenizer, 6)}  # fmt: skip
 
