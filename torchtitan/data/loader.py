@@ -188,7 +188,9 @@ class Requests:
     (made before they fork): a generation number, bumped by each request, and the
     request pickled (it crosses between the processes of one rank, never to disk). A
     worker reads the generation, one shared integer, before each micro-batch it makes.
-    Cost: one copy of a few hundred bytes per request; nothing per batch."""
+    Cost: one pickle and copy of the request per change (a few hundred bytes: it grows
+    with the sources' lanes and the skips, never with the corpus, the same at c4's 365 M
+    documents as at FineWeb's 15 T tokens); nothing per batch but the integer's read."""
 
     def __init__(self, capacity: int):
         ctx = multiprocessing.get_context()
