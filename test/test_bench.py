@@ -159,6 +159,17 @@ def check_ft_sim(r: dict):
     assert positive(sim["rewind_us_median"], r["split"]["unchanged_us"], r["split"]["changed_us"])
 
 
+def check_ft_loader(r: dict):
+    w = r["waits"]
+    assert r["same_windows"] and set(w) == {f"{n} {how}" for n in (1, 2)
+                                            for how in ("request", "restart")}  # fmt: skip
+    assert all(positive(x["changed_ms"], x["steady_ms"], x["changes"]) for x in w.values())
+    for n in (1, 2):
+        assert w[f"{n} request"]["cost_ms"] < w[f"{n} restart"]["cost_ms"], (
+            "a change must cost the workers less than their restart"
+        )
+
+
 def check_firstpass(r: dict):
     med = r["medians"]
     for row in ("cold 0", "warm 0", "map ours"):
@@ -201,6 +212,7 @@ CHECKS = {
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,
     "bench_ft_sim.py": check_ft_sim,
+    "bench_ft_loader.py": check_ft_loader,
     "bench_data.py": check_data,
     "bench_order.py": check_order,
     "bench_pretokenized.py": check_pretokenized,
@@ -314,6 +326,11 @@ NONSENSE = [
                                    "rewind_us_median": 1.0},
                     "split": {"unchanged_us": 1.0, "changed_us": 1.0}},
      "the run went through faults"),
+    (check_ft_loader, {"same_windows": True, "waits": {
+        f"{n} {how}": {"changed_ms": 5.0, "steady_ms": 1.0, "changes": 3,
+                       "cost_ms": 4.0 if how == "request" else 3.0}
+        for n in (1, 2) for how in ("request", "restart")}},
+     "a change must cost the workers less than their restart"),
     (check_firstpass, {"medians": {row: {"first_s": 1.0, "window_tps": 1.0, "pass_tps": 1.0,
                                          "memory_first": 1.0, "tokenized_over_read": 2.0}
                                    for row in ("cold 0", "warm 0", "map ours")},

@@ -383,6 +383,37 @@ def test_workers_give_the_batches_of_the_main_process(
     assert_workers_give_the_main_batches(heavy_corpus, tokenizer, workers, monkeypatch)
 
 
+def test_a_request_that_outgrows_the_shared_buffer_restarts_the_workers(
+    tiny_corpus, tokenizer, monkeypatch
+):
+    """A seek or new skips reach running workers as a request in a shared buffer; one
+    that no longer fits (hundreds of skips) starts the workers again with a larger one,
+    and the batches stay the 0-worker loader's. Negative control: a request that fits
+    keeps the same workers."""
+    import torchtitan.data.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "REQUEST_BYTES", 0)  # 4 x the first request's size
+    skips = [(1000 + 2 * i, 1) for i in range(400)]  # far ahead: no step read here meets one
+    steps = []
+    for workers in (0, 1):
+        loader = build_dataloader(cfg(tiny_corpus, global_batch_size=8, num_workers=workers),
+                                  tokenizer, 0, 1)  # fmt: skip
+        try:
+            read = [loader.next_step()]
+            first = loader.worker_pids()
+            loader.seek(loader.position)  # a request that fits
+            read.append(loader.next_step())
+            kept = loader.worker_pids()
+            loader.add_skips(skips)  # one that does not
+            read.append(loader.next_step())
+            again = loader.worker_pids()
+            steps.append([[row.tolist() for b in step for row in b["input"]] for step in read])
+        finally:
+            loader.close()
+    assert steps[1] == steps[0]
+    assert len(first) == len(again) == 1 and kept == first and again != first
+
+
 @pytest.mark.time_limit(20)  # the bug it guards against hangs the close
 def test_closing_a_loader_ends_a_worker_that_does_not_stop(tiny_corpus, tokenizer, monkeypatch,
                                                            tmp_path):  # fmt: skip

@@ -256,7 +256,11 @@ def next_step(self):
     flag = HOLD.get(str(self.train_state.step))
     while flag and not os.path.exists(flag):
         time.sleep(0.05)
-    return _next(self)
+    batches = _next(self)
+    if os.environ.get("FT_PIDS") and self.dims.rank == 0:  # the loader's workers, each try
+        with open(os.environ["FT_PIDS"], "a") as f:
+            print(*sorted(self.loader.worker_pids()), file=f)
+    return batches
 def commit(self, loss):
     if os.environ.get("FT_KILL_AT") and self.train_state.step + 1 >= int(os.environ["FT_KILL_AT"]):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -280,6 +284,15 @@ ARGS = [*CONFIG, "--training.steps", STEPS, "--training.global_batch_size", 8,
         "--metrics.data_provenance", "--metrics.log_freq", 1]  # fmt: skip
 
 
+# The live scenario's run also validates every 3 steps (held-out data, 2 batches a rank)
+# and saves every 4 steps with async saves (the lowest group only): group 1 dies during
+# step 5, while group 0's step-4 save may still be written.
+LIVE = [*ARGS, "--validation.enable", "--validation.freq", 3, "--validation.steps", 2,
+        "--checkpoint.enable_checkpoint", "--checkpoint.interval", 4,
+        "--checkpoint.async_mode", "async"]  # fmt: skip
+SAVED = [4, 8, 12, STEPS]
+
+
 def _wait(proc, what: str, timeout: float = 300) -> int:
     try:
         return proc.wait(timeout=timeout)
@@ -290,8 +303,10 @@ def _wait(proc, what: str, timeout: float = 300) -> int:
 
 
 def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
-    """2 groups; group 1 dies at KILL_AT, group 0 trains on alone, group 1 starts again
-    and heals; returns the folders of the three lives."""
+    """2 groups of ``nproc`` ranks, each rank with ``nproc`` loader workers; group 1 dies
+    at KILL_AT, group 0 trains on alone, group 1 starts again and heals; returns the
+    folders of the three lives."""
+    args = [*LIVE, "--training.num_workers", nproc]
     from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
 
     server = start_lighthouse()
@@ -300,11 +315,16 @@ def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
     lives = {"g0": tmp / "g0", "g1": tmp / "g1", "g1_again": tmp / "g1_again"}
     try:
         g0 = start_group(
-            group_command(0, 2, nproc, server.address(), tmp, ARGS, lives["g0"]),
+            group_command(0, 2, nproc, server.address(), tmp, args, lives["g0"]),
             tmp / "g0.log",
-            {**shim, "FT_HOLD": f"0={up1},{PAUSE_AT}={rejoined}", "FT_UP_FLAG": str(up0)},
+            {
+                **shim,
+                "FT_HOLD": f"0={up1},{PAUSE_AT}={rejoined}",
+                "FT_UP_FLAG": str(up0),
+                "FT_PIDS": str(tmp / "g0_workers.txt"),
+            },
         )
-        g1 = start_group(group_command(1, 2, nproc, server.address(), tmp, ARGS, lives["g1"]),
+        g1 = start_group(group_command(1, 2, nproc, server.address(), tmp, args, lives["g1"]),
                          tmp / "g1.log", {**shim, "FT_KILL_AT": str(KILL_AT),
                                            "FT_UP_FLAG": str(up1), "FT_HOLD": f"0={up0}"})  # fmt: skip
         assert _wait(g1, "group 1") != 0  # SIGKILLed
@@ -314,7 +334,7 @@ def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
             assert g0.poll() is None, (tmp / "g0.log").read_text()[-3000:]
             time.sleep(0.2)
         again = start_group(
-            group_command(1, 2, nproc, server.address(), tmp, ARGS, lives["g1_again"]),
+            group_command(1, 2, nproc, server.address(), tmp, args, lives["g1_again"]),
             tmp / "g1_again.log", {**shim, "FT_UP_FLAG": str(rejoined)},
         )  # fmt: skip
         assert _wait(g0, "group 0") == 0, (tmp / "g0.log").read_text()[-4000:]
@@ -351,7 +371,7 @@ def _steps_of(*folders) -> dict[int, list]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     dump = tmp_path_factory.mktemp("plain")
-    proc = torchrun([*ARGS, "--job.dump_folder", dump], nproc=1)
+    proc = torchrun([*LIVE, "--job.dump_folder", dump], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dump
 
@@ -371,6 +391,16 @@ def _assert_exactly_once(lives, uninterrupted):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_group_dies_the_other_trains_on_and_it_heals_exactly_once(tmp_path, uninterrupted, nproc):
+    """2 groups x ``nproc`` ranks, ``nproc`` loader workers a rank, validation and async
+    saves on (LIVE). Group 1 dies during step 5, group 0 trains on alone (its split 2 ->
+    1, the step retried), group 1 starts again, heals and rejoins (1 -> 2): every
+    committed step's tokens are the uninterrupted (0-worker) run's, once; group 0's
+    workers are the ones it started with (the changes reached them as requests); both
+    groups log the same validation loss; only group 0 saves, and every async save it
+    started (one in flight when group 1 died) is complete and verifies."""
+    from torchtitan.checkpoint import complete_steps, verify_checkpoint
+    from torchtitan.records.runs import validation_losses
+
     lives = _faulted_run(tmp_path, nproc, per_group=False)
     _assert_exactly_once(lives, uninterrupted)
     # group 0 trained on alone (1 participant) with no restart, and group 1 healed from it
@@ -388,6 +418,25 @@ def test_a_group_dies_the_other_trains_on_and_it_heals_exactly_once(tmp_path, un
     w0 = torch.load(lives["g0"] / "final_weights.pt")
     w1 = torch.load(lives["g1_again"] / "final_weights.pt")
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    # Loader workers: started once, never restarted by a change of the participants.
+    tries = (tmp_path / "g0_workers.txt").read_text().splitlines()
+    assert len(tries) > STEPS and len(set(tries)) == 1 and len(tries[0].split()) == nproc, tries
+    # Validation: the same held-out data and weights on both groups, the same loss (==),
+    # before the death (step 3), alone (6), after the rejoin (12, 14).
+    v0, v1, v1_again = (validation_losses(lives[k]) for k in ("g0", "g1", "g1_again"))
+    assert {6, 9, 12, STEPS} <= set(v0) and sorted(v1_again) == [12, STEPS], (v0, v1_again)
+    for v in (v1, v1_again):
+        assert v == {s: v0[s] for s in v}, (v0, v)
+    if nproc == 1:  # the uninterrupted run's held-out batches are the same ones
+        for step, loss in validation_losses(uninterrupted).items():
+            assert abs(v0[step] - loss) <= 1e-4 * abs(loss), (step, v0[step], loss)
+    # Async saves: the lowest group's, each complete; none in group 1's folders.
+    folder = str(lives["g0"] / "checkpoint")
+    assert complete_steps(folder) == SAVED, complete_steps(folder)
+    assert all(verify_checkpoint(f"{folder}/step-{s}") is None for s in SAVED)
+    for life in ("g1", "g1_again"):
+        ck = lives[life] / "checkpoint"
+        assert not ck.exists() or complete_steps(str(ck)) == [], life
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ bug it catches (issue #49's mutants among them)."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -289,3 +290,87 @@ def test_each_group_rank_reads_its_own_share_of_the_step(participants, group_wor
     ranks = [replica_steps.step_rank(p, participants, r, group_world)
              for p in range(participants) for r in range(group_world)]  # fmt: skip
     assert ranks == [(i, participants * group_world) for i in range(participants * group_world)]
+
+
+# ---- loader workers ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
+def with_workers(request, tmp_path_factory):
+    """Two groups whose loaders have ``params`` workers per rank: 2 participants, a vote
+    that fails (both rewind), group 1 dies during step 3 (group 0 rewinds and trains it
+    alone: the split changes 2 -> 1), group 1 starts afresh, heals and joins (1 -> 2).
+    Group 0's worker pids are recorded after each of its tries."""
+    workers = request.param
+    cfg = _cfg(tmp_path_factory.mktemp(f"w{workers}"), *SCHEDULE, "--training.num_workers",
+               str(workers))  # fmt: skip
+    tokenizer = build_tokenizer(cfg.model)
+    quorum = Quorum()
+    g0, g1 = Group(quorum, 0, cfg, tokenizer), Group(quorum, 1, cfg, tokenizer)
+    groups, pids = [g0, g1], []
+    try:
+        for live, dies, fails in [([g0, g1], (), False), ([g0, g1], (), True),
+                                  ([g0, g1], (), False), ([g0, g1], (1,), False),
+                                  ([g0], (), False), ([g0], (), False)]:  # fmt: skip
+            _round(quorum, live, dies=dies, fails=fails)
+            pids.append(g0.loader.worker_pids())
+        again = Group(quorum, 1, cfg, tokenizer)
+        groups.append(again)
+        for _ in range(2):  # heals at step 4; steps 5 and 6 by both
+            _round(quorum, [g0, again])
+            pids.append(g0.loader.worker_pids())
+    finally:
+        # Closed together: a worker forked after another loader's holds that loader's
+        # workers' exit pipes, and a close joins its own workers on theirs.
+        closing = [threading.Thread(target=g.loader.close) for g in groups]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join()
+    plain_cfg = _cfg(tmp_path_factory.mktemp("w0"), *SCHEDULE)
+    return {"groups": [g0, g1, again], "pids": pids, "workers": workers,
+            "plain": _plain_steps(plain_cfg, tokenizer, 6)}  # fmt: skip
+
+
+def test_with_loader_workers_a_participant_change_is_a_seek_not_a_restart(with_workers):
+    """With 1 and 2 workers per rank, every committed step's windows are the 0-worker
+    loader's (through 2 -> 1 -> 2 participants, a rewind and a heal), and group 0's
+    workers are the ones it started with: the split, the rewind and the heal reached
+    them as requests. Catches: the split not forwarded to running workers (they read the
+    old split), the request's step or position one step early, a restart per change."""
+    groups, plain = with_workers["groups"], with_workers["plain"]
+    g0 = groups[0]
+    for step in range(1, 7):
+        got = [w for g in groups if step in g.read for w in g.read[step]]
+        assert got == plain[step - 1], f"step {step}: {[g.gid for g in groups if step in g.read]}"
+    assert sorted(g0.read) == list(range(1, 7))
+    assert [t[1] for t in g0.tries] == [True, False, True, False, True, True, True, True]
+    first = with_workers["pids"][0]
+    assert len(first) == with_workers["workers"]
+    assert all(p == first for p in with_workers["pids"]), with_workers["pids"]
+
+
+def test_a_worker_left_on_the_old_split_reads_other_windows(tmp_path, monkeypatch):
+    """Negative control of the test above: workers that keep the request they started
+    with (the split never reaches them) hand out the old split's windows after a change."""
+    from torchtitan.data import loader as loader_module
+
+    cfg = _cfg(tmp_path, *SCHEDULE, "--training.num_workers", "1")
+    tokenizer = build_tokenizer(cfg.model)
+    plain = _plain_steps(_cfg(tmp_path, *SCHEDULE), tokenizer, 2)
+    publish, first = loader_module.Requests.publish, {}
+
+    def stale(self, payload):  # every later request is the first one again
+        return publish(self, first.setdefault(id(self), payload))
+
+    monkeypatch.setattr(loader_module.Requests, "publish", stale)
+    loader = build_dataloader(cfg, tokenizer, 0, 1)
+    try:
+        replica_steps.split_loader(loader, 0, 2, 0, 1)  # half of step 1
+        half = [row.tolist() for b in loader.next_step() for row in b["input"]]
+        assert half == plain[0][: len(half)]
+        replica_steps.split_loader(loader, 0, 1, 0, 1)  # alone from step 2: all of it
+        got = [row.tolist() for b in loader.next_step() for row in b["input"]]
+        assert got != plain[1]
+    finally:
+        loader.close()

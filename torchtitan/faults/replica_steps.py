@@ -10,8 +10,9 @@ writes the job's checkpoints (``saves``); the default global batch over the grou
 (``stop_vote``, ``leaving_groups``, ``stops_after_step``).
 
 Cost: O(1) a step for each (the split: a seek when the participant count changes,
-nothing otherwise; a rewind: one seek, which restarts the loader's workers if it has
-any).
+nothing otherwise; a rewind: one seek). With loader workers either is a request the
+running workers follow from their next micro-batch (data/loader.py), not a restart:
+what they had made ahead for the old plan is dropped.
 
 Never: talk to torchft, the lighthouse or a process group (fault_tolerance.py does),
 choose windows (data/order.py) or split a step's windows (data/schedule.py).
