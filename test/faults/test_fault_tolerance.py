@@ -312,7 +312,11 @@ def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
     server = start_lighthouse()
     shim = shim_env(tmp / "shim", SHIM, **({"FT_PER_GROUP": "1"} if per_group else {}))
     up0, up1, rejoined = tmp / "up0.flag", tmp / "up1.flag", tmp / "rejoined.flag"
-    lives = {"g0": tmp / "g0", "g1": tmp / "g1", "g1_again": tmp / "g1_again"}
+    # The job's groups live in <job>/replica_<i> (where a group that saves must: its peers
+    # look for its checkpoints there); group 1's second life in another job folder, so
+    # that its first life's records stay (it heals from group 0 live, not from disk).
+    lives = {"g0": tmp / "job" / "replica_0", "g1": tmp / "job" / "replica_1",
+             "g1_again": tmp / "again" / "replica_1"}  # fmt: skip
     try:
         g0 = start_group(
             group_command(0, 2, nproc, server.address(), tmp, args, lives["g0"]),
