@@ -614,6 +614,10 @@ class SourceCounts:
         self._keep_tokens(unit, tokens)
         return tokens
 
+    def has_tokens(self, unit) -> bool:
+        """Whether this process keeps measured tokens of ``unit`` (a piece of it)."""
+        return any(key[0] == unit for key in self._unit_tokens)
+
     def let_go(self, units: list, sidecars: list):
         """``units``' measured tokens leave this process's memory, and the sidecars of
         ``sidecars`` are deleted: the stream calls it as it plans, for the units its lanes
