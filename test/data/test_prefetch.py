@@ -82,8 +82,9 @@ def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
     the row groups it fetched (those of its STEPS + depth steps planned) are the bytes the
     loader without prefetch fetches reading STEPS + depth steps: nothing fetched twice,
     nothing the steps do not read. Every block fetched ahead was taken by a read or is
-    one of the steps planned beyond the last read. Negative controls: without prefetch
-    nothing is fetched ahead, and its STEPS steps alone fetch fewer bytes."""
+    one of the steps planned beyond the last read, and a seek drops those. Negative
+    controls: without prefetch nothing is fetched ahead, and its STEPS steps alone fetch
+    fewer bytes; before the seek blocks are held."""
     url, counts, traffic = store
     depth = loader_module.PREFETCH_STEPS
     traffic.reset()
@@ -99,6 +100,12 @@ def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
     assert prefetch.fetched > 0 and prefetch.dropped == 0
     assert prefetch.taken + len(prefetch._held) == prefetch.fetched
     assert _parquet_bytes(traffic) == needed
+    # A seek (a restart elsewhere) drops what was fetched for the steps left behind.
+    held = len(prefetch._held)
+    assert held > 0
+    fetching.seek()
+    assert len(prefetch._held) == 0 and prefetch.dropped == held
+    assert _same([fetching.next_step()], reference[:1])
     traffic.reset()
     short = _loader(url, counts, 0)
     [short.next_step() for _ in range(STEPS)]
@@ -107,9 +114,8 @@ def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
 
 def test_a_resume_mid_run_fetching_ahead_gives_the_same_batches(store):
     """The state after 3 steps, loaded into a fresh loader fetching ahead, gives the steps
-    after it of an uninterrupted run without prefetch; a loader with 2 workers (each
-    fetching what it reads) gives the same. Negative control: the state after 2 steps
-    does not."""
+    after it of an uninterrupted run without prefetch. Negative control: the state after
+    2 steps does not."""
     url, counts, _ = store
     reference = [_loader(url, counts, 0) for _ in range(1)][0]
     steps, states = [], []
@@ -122,9 +128,19 @@ def test_a_resume_mid_run_fetching_ahead_gives_the_same_batches(store):
     other = _loader(url, counts, 2)
     other.load_state_dict(states[2])
     assert not _same([other.next_step() for _ in range(3)], steps[3:])
+
+
+def test_loader_workers_fetching_ahead_give_the_same_batches(store):
+    """With 2 loader workers, each fetching ahead the blocks of the micro-batches it
+    makes, the batches are those of a loader without workers or prefetch. Negative
+    control: a worker's prefetch is its own (the rank's process fetches nothing)."""
+    url, counts, _ = store
+    plain = _loader(url, counts, 0)
+    reference = [plain.next_step() for _ in range(4)]
     workers = _loader(url, counts, 2, num_workers=2)
     try:
-        assert _same([workers.next_step() for _ in range(STEPS)], steps)
+        assert _same([workers.next_step() for _ in range(4)], reference)
+        assert workers.stream.sources[0].prefetch.fetched == 0
     finally:
         workers.close()
 
