@@ -159,8 +159,9 @@ def plan_steps(stream: TokenStream, schedule: BatchSchedule, rank: int, step: in
 
 
 def fetching_ahead(plans, stream: TokenStream, depth: int, mine=lambda m: True):
-    """``plans``, each handed out once the ``depth`` steps after it are planned and the
-    blocks this process will decode in them are asked of their sources
+    """``plans``, each handed out once the ``depth`` steps after it are planned (fewer for
+    the first ``depth`` steps: step ``k`` plans ``k`` ahead) and the blocks this process
+    will decode in them are asked of their sources
     (``StreamSource.fetch_ahead``), which fetch them while this step is read. ``mine(m)``:
     whether this process makes micro-batch ``m`` (counted from the first plan): a loader
     worker fetches only what it reads. What a step asked and left untaken is dropped
@@ -178,11 +179,14 @@ def fetching_ahead(plans, stream: TokenStream, depth: int, mine=lambda m: True):
     stream.planned_ahead = depth  # the measured tokens let go are those of steps read
     seen = [OrderedDict() for _ in stream.sources]  # units this process read, by source
     ahead: deque = deque()
-    m = 0
+    m = handed = 0
     for plan in plans:
         m = _ask_ahead(stream, plan, mine, m, seen)
         ahead.append(plan)
-        if len(ahead) > depth:
+        # One plan more ahead each step up to ``depth``: the first step waits for its own
+        # plan only (on a corpus's first pass planning measures, tokenizing units).
+        if len(ahead) > min(depth, handed):
+            handed += 1
             done = ahead.popleft()
             yield done
             for src in _fetching_sources(stream):  # the step was read whole
