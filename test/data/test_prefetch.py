@@ -165,3 +165,45 @@ def test_blocks_held_and_fetches_in_flight_stay_bound(store, monkeypatch):
     assert held <= 2 and in_flight <= 1
     held, in_flight = peaks(64, 4)
     assert held > 2 and in_flight > 1
+
+
+def test_count_files_in_a_bucket_are_read_ahead_once(tmp_path):
+    """Counts in the bucket: the loader reads the count files of the units the order
+    reaches next ahead (index.SourceCounts.read_ahead), each once (the server sent each
+    object's bytes once), and the batches are those of reading them in line. Negative
+    control: with the read-ahead off, no file is read before its lane takes its unit
+    (fewer files read for the same steps)."""
+    import s3fs
+
+    folder, _ = distinct_parquet(tmp_path / "c", 4, 40, 10,
+                                 lambda f, i: f"File {f}, row {i}: " + "a verse. " * (3 + i % 7))  # fmt: skip
+    traffic = s3.Traffic(log=[])
+    with s3.local_s3(traffic) as (bucket, _):
+        fs = s3fs.S3FileSystem()
+        fs.put(str(folder), f"{bucket}/corpus", recursive=True)
+        url, counts = f"s3://{bucket}/corpus", f"s3://{bucket}/counts"
+        # measured into a local folder, then copied up (the files are named by content)
+        prepare(_cfg(url, str(tmp_path / "k")).training, TOKENIZER, num_proc=1, progress=False)
+        fs.put(str(tmp_path / "k"), f"{bucket}/counts", recursive=True)
+        sizes = {"/" + p: fs.size(p) for p in fs.find(f"{bucket}/counts")}
+
+        def run(ahead: bool) -> tuple[list, dict]:
+            with traffic.lock:
+                traffic.log.clear()
+            loader = _loader(url, counts, 0)
+            for order in loader.stream.orders:
+                order.counts.reads_ahead = ahead
+            steps = [loader.next_step() for _ in range(3)]
+            time.sleep(0.2)
+            got: dict[str, int] = {}
+            with traffic.lock:
+                for _, kind, path, sent in traffic.log:
+                    if kind.startswith("GET") and path.endswith(".npz"):
+                        got[path] = got.get(path, 0) + sent
+            return steps, got
+
+        in_line, read_in_line = run(False)
+        ahead, read_ahead = run(True)
+        assert _same(ahead, in_line)
+        assert all(read_ahead[n] == sizes[n] for n in read_ahead), (read_ahead, sizes)
+        assert len(read_ahead) > len(read_in_line)
