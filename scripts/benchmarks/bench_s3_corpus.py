@@ -54,6 +54,8 @@ argv = ["--job.config_file", "train_configs/debug_model.toml", "--training.datas
         "--training.num_workers", "0", "--training.streaming", "true"]
 loader = build_dataloader(parse_args(argv), Tokenizer(args["tokenizer"]), 0, 1)
 loader.prefetch_steps = args["prefetch"]
+for order in loader.stream.orders:
+    order.counts.reads_ahead &= args["count_ahead"]
 digest = hashlib.sha1()
 def take():
     batch = next(loader)
@@ -110,7 +112,7 @@ def run(corpus: str, counts: str, args) -> dict:
     return bench.run_program(PROGRAM, {
         "corpus": corpus, "counts": counts, "seq": SEQ, "batch": BATCH,
         "batches": args.batches, "tokenizer": TOKENIZER, "launched": time.time(),
-        "prefetch": args.prefetch},
+        "prefetch": args.prefetch, "count_ahead": not args.no_count_ahead},
         pythonpath=str(REPO), cwd=REPO, what=f"the loader over {corpus}")  # fmt: skip
 
 
@@ -174,6 +176,7 @@ def summarize(runs: dict, corpus: dict, args) -> dict:
         "same_batches": len({d for ds in digests.values() for d in ds}) == 1,
         "measured": max(r["measured"] for side in warm for r in runs[side]),
         "rounds": args.rounds, "batches": args.batches, "prefetch_steps": args.prefetch,
+        "count_ahead": not args.no_count_ahead,
         "s3_requests_last_round": runs["s3"][-1]["requests"],
         "s3_requests_per_step": sum(runs["s3"][-1]["requests"].values()) / (args.batches + 1),
         "s3_prefetch_last_round": runs["s3"][-1]["prefetch"],
