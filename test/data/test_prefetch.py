@@ -194,6 +194,8 @@ def test_count_files_in_a_bucket_are_read_ahead_once(tmp_path):
             for order in loader.stream.orders:
                 order.counts.reads_ahead = ahead
             steps = [loader.next_step() for _ in range(3)]
+            for order in loader.stream.orders:  # what was read ahead and taken is let go
+                assert not set(order.counts._ahead) & set(order.counts._mem)
             time.sleep(0.2)
             got: dict[str, int] = {}
             with traffic.lock:
