@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=100, help="batches after the first")
     parser.add_argument("--prefetch", type=int, default=PREFETCH_STEPS,
                         help="steps the loader fetches ahead (0: none)")  # fmt: skip
+    parser.add_argument("--no-count-ahead", action="store_true",
+                        help="count files in the bucket read in line, not ahead")  # fmt: skip
     parser.add_argument(
         "--cold",
         action="store_true",
