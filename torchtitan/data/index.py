@@ -41,6 +41,10 @@ process that needs counts.
   unreadable or of another length than the counts says nothing, and the document is read
   and tokenized as before.
 
+- **Read ahead from a bucket.** Where the folder is a bucket, a process that looks up
+  a unit's counts starts reading the count files of the units the order reaches next
+  (``read_ahead``), so a lane that takes one finds it read; each is read once.
+
 Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs
 that share the folder (twice at worst, when a claim is taken over); on the first pass,
 its windows read those tokens instead of tokenizing again (a pass after the first
