@@ -29,20 +29,31 @@ def _tokenizer(tokenizer):
     TOKENIZER = tokenizer
 
 
-@pytest.fixture
-def store(tmp_path):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer):
     """A bucket holding 4 parquet files of 40 documents in row groups of 10, their counts
-    measured beforehand into a local folder (warm); yields (corpus URL, counts, traffic)."""
+    measured beforehand into a local folder (warm), shared by this module's tests (a
+    server and its corpus take seconds); yields (corpus URL, counts, traffic)."""
     import s3fs
 
-    folder, _ = distinct_parquet(tmp_path / "c", 4, 40, 10,
+    tmp = tmp_path_factory.mktemp("prefetch")
+    folder, _ = distinct_parquet(tmp / "c", 4, 40, 10,
                                  lambda f, i: f"File {f}, row {i}: " + "a verse. " * (3 + i % 7))  # fmt: skip
     traffic = s3.Traffic(log=[])
     with s3.local_s3(traffic) as (bucket, _):
         s3fs.S3FileSystem().put(str(folder), f"{bucket}/corpus", recursive=True)
-        url, counts = f"s3://{bucket}/corpus", str(tmp_path / "counts")
-        prepare(_cfg(url, counts).training, TOKENIZER, num_proc=1, progress=False)
+        url, counts = f"s3://{bucket}/corpus", str(tmp / "counts")
+        prepare(_cfg(url, counts).training, tokenizer, num_proc=1, progress=False)
+        # the same counts in the bucket too (the files are named by content)
+        s3fs.S3FileSystem().put(counts, f"{bucket}/counts", recursive=True)
         yield url, counts, traffic
+
+
+@pytest.fixture
+def store(served):
+    """``served``, its request counts reset for this test."""
+    served[2].reset()
+    return served
 
 
 def _cfg(url: str, counts: str, **kw):
@@ -167,7 +178,7 @@ def test_blocks_held_and_fetches_in_flight_stay_bound(store, monkeypatch):
     assert held > 2 and in_flight > 1
 
 
-def test_count_files_in_a_bucket_are_read_ahead_once(tmp_path):
+def test_count_files_in_a_bucket_are_read_ahead_once(store):
     """Counts in the bucket: the loader reads the count files of the units the order
     reaches next ahead (index.SourceCounts.read_ahead), each once (the server sent each
     object's bytes once), and the batches are those of reading them in line. Negative
@@ -175,37 +186,30 @@ def test_count_files_in_a_bucket_are_read_ahead_once(tmp_path):
     (fewer files read for the same steps)."""
     import s3fs
 
-    folder, _ = distinct_parquet(tmp_path / "c", 4, 40, 10,
-                                 lambda f, i: f"File {f}, row {i}: " + "a verse. " * (3 + i % 7))  # fmt: skip
-    traffic = s3.Traffic(log=[])
-    with s3.local_s3(traffic) as (bucket, _):
-        fs = s3fs.S3FileSystem()
-        fs.put(str(folder), f"{bucket}/corpus", recursive=True)
-        url, counts = f"s3://{bucket}/corpus", f"s3://{bucket}/counts"
-        # measured into a local folder, then copied up (the files are named by content)
-        prepare(_cfg(url, str(tmp_path / "k")).training, TOKENIZER, num_proc=1, progress=False)
-        fs.put(str(tmp_path / "k"), f"{bucket}/counts", recursive=True)
-        sizes = {"/" + p: fs.size(p) for p in fs.find(f"{bucket}/counts")}
+    url, _, traffic = store
+    bucket = url.split("/")[2]
+    counts, fs = f"s3://{bucket}/counts", s3fs.S3FileSystem()
+    sizes = {"/" + p: fs.size(p) for p in fs.find(f"{bucket}/counts")}
 
-        def run(ahead: bool) -> tuple[list, dict]:
-            with traffic.lock:
-                traffic.log.clear()
-            loader = _loader(url, counts, 0)
-            for order in loader.stream.orders:
-                order.counts.reads_ahead = ahead
-            steps = [loader.next_step() for _ in range(3)]
-            for order in loader.stream.orders:  # what was read ahead and taken is let go
-                assert not set(order.counts._ahead) & set(order.counts._mem)
-            time.sleep(0.2)
-            got: dict[str, int] = {}
-            with traffic.lock:
-                for _, kind, path, sent in traffic.log:
-                    if kind.startswith("GET") and path.endswith(".npz"):
-                        got[path] = got.get(path, 0) + sent
-            return steps, got
+    def run(ahead: bool) -> tuple[list, dict]:
+        with traffic.lock:
+            traffic.log.clear()
+        loader = _loader(url, counts, 0)
+        for order in loader.stream.orders:
+            order.counts.reads_ahead = ahead
+        steps = [loader.next_step() for _ in range(3)]
+        for order in loader.stream.orders:  # what was read ahead and taken is let go
+            assert not set(order.counts._ahead) & set(order.counts._mem)
+        time.sleep(0.2)
+        got: dict[str, int] = {}
+        with traffic.lock:
+            for _, kind, path, sent in traffic.log:
+                if kind.startswith("GET") and path.endswith(".npz"):
+                    got[path] = got.get(path, 0) + sent
+        return steps, got
 
-        in_line, read_in_line = run(False)
-        ahead, read_ahead = run(True)
-        assert _same(ahead, in_line)
-        assert all(read_ahead[n] == sizes[n] for n in read_ahead), (read_ahead, sizes)
-        assert len(read_ahead) > len(read_in_line)
+    in_line, read_in_line = run(False)
+    ahead, read_ahead = run(True)
+    assert _same(ahead, in_line)
+    assert all(read_ahead[n] == sizes[n] for n in read_ahead), (read_ahead, sizes)
+    assert len(read_ahead) > len(read_in_line)
