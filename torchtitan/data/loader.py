@@ -221,7 +221,7 @@ def _ask_ahead(stream: TokenStream, plan: StepPlan, mine, m: int, seen: list) ->
     for s, units in enumerate(first):
         fetch_ahead = getattr(stream.sources[s], "fetch_ahead", None)
         if units and fetch_ahead is not None:
-            fetch_ahead(units, plan.step - 1)
+            fetch_ahead(units, plan.step)
     return m
 
 
