@@ -38,6 +38,7 @@ from bench_firstpass import TOKENIZER, build_corpus
 
 from harness import bench, s3
 from torchtitan import REPO_ROOT as REPO
+from torchtitan.data.loader import PREFETCH_STEPS
 
 SEQ, BATCH = 2048, 8
 
@@ -52,6 +53,9 @@ argv = ["--job.config_file", "train_configs/debug_model.toml", "--training.datas
         str(args["seq"]), "--training.batch_size", str(args["batch"]),
         "--training.num_workers", "0", "--training.streaming", "true"]
 loader = build_dataloader(parse_args(argv), Tokenizer(args["tokenizer"]), 0, 1)
+loader.prefetch_steps = args["prefetch"]
+for order in loader.stream.orders:
+    order.counts.reads_ahead &= args["count_ahead"]
 digest = hashlib.sha1()
 def take():
     batch = next(loader)
@@ -63,8 +67,11 @@ for _ in range(args["batches"]):
     take()
 seconds = time.perf_counter() - begin
 measured = sum(o.counts.measured for o in loader.stream.orders)
+prefetch = [s.prefetch for s in loader.stream.sources if getattr(s, "prefetch", None)]
+fetched = {k: sum(getattr(p, k) for p in prefetch) for k in ("fetched", "taken", "dropped")}
 print("RESULT", json.dumps({"first_s": first_s, "tps": args["batches"] * args["seq"]
-      * args["batch"] / seconds, "digest": digest.hexdigest(), "measured": measured}))
+      * args["batch"] / seconds, "digest": digest.hexdigest(), "measured": measured,
+      "prefetch": fetched}))
 """
 
 
@@ -104,7 +111,8 @@ class Requests(logging.Handler):
 def run(corpus: str, counts: str, args) -> dict:
     return bench.run_program(PROGRAM, {
         "corpus": corpus, "counts": counts, "seq": SEQ, "batch": BATCH,
-        "batches": args.batches, "tokenizer": TOKENIZER, "launched": time.time()},
+        "batches": args.batches, "tokenizer": TOKENIZER, "launched": time.time(),
+        "prefetch": args.prefetch, "count_ahead": not args.no_count_ahead},
         pythonpath=str(REPO), cwd=REPO, what=f"the loader over {corpus}")  # fmt: skip
 
 
@@ -113,6 +121,15 @@ def main(argv=None) -> int:
                              work="")  # fmt: skip
     parser.add_argument("--mb", type=float, default=32, help="MB of text in the corpus")
     parser.add_argument("--batches", type=int, default=100, help="batches after the first")
+    parser.add_argument("--prefetch", type=int, default=PREFETCH_STEPS,
+                        help="steps the loader fetches ahead (0: none)")  # fmt: skip
+    parser.add_argument("--no-count-ahead", action="store_true",
+                        help="count files in the bucket read in line, not ahead")  # fmt: skip
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="also runs whose counts are measured as they read (a fresh folder)",
+    )
     args = parser.parse(argv)
     reason = s3.missing()
     if reason:
@@ -130,11 +147,16 @@ def main(argv=None) -> int:
                  "s3": (f"s3://{bucket}/corpus", f"s3://{bucket}/counts")}  # fmt: skip
         for where, counts in sides.values():
             prepare_counts(where, counts)
+        if args.cold:  # the same corpus, its counts measured by the run itself
+            sides.update({
+                "local cold": (corpus["path"], str(work / "cold-{round}")),
+                "s3 cold": (f"s3://{bucket}/corpus", f"s3://{bucket}/cold-{{round}}")})  # fmt: skip
         runs: dict[str, list] = {side: [] for side in sides}
         for r in range(args.rounds):
             for side, (where, counts) in sides.items():
                 requests.seen = {}
-                runs[side].append({**run(where, counts, args), "requests": requests.seen})
+                result = run(where, counts.format(round=r), args)
+                runs[side].append({**result, "requests": requests.seen})
             print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     result = summarize(runs, corpus, args)
     result["about"] = bench.about(argv, commit=True)
@@ -146,14 +168,20 @@ def summarize(runs: dict, corpus: dict, args) -> dict:
     med = {side: {k: statistics.median(r[k] for r in rs) for k in ("first_s", "tps")}
            for side, rs in runs.items()}  # fmt: skip
     digests = {side: sorted({r["digest"] for r in rs}) for side, rs in runs.items()}
+    warm = [side for side in runs if not side.endswith("cold")]
     return {
         "corpus": {k: v for k, v in corpus.items() if k not in ("files", "path")},
         "medians": med, "s3_over_local": med["s3"]["tps"] / med["local"]["tps"],
+        "cold_s3_over_local": (med["s3 cold"]["tps"] / med["local cold"]["tps"]
+                               if "s3 cold" in med else None),
         "first_batch_s3_over_local": med["s3"]["first_s"] / med["local"]["first_s"],
-        "same_batches": digests["local"] == digests["s3"] and len(digests["s3"]) == 1,
-        "measured": max(r["measured"] for rs in runs.values() for r in rs),
-        "rounds": args.rounds, "batches": args.batches,
+        "same_batches": len({d for ds in digests.values() for d in ds}) == 1,
+        "measured": max(r["measured"] for side in warm for r in runs[side]),
+        "rounds": args.rounds, "batches": args.batches, "prefetch_steps": args.prefetch,
+        "count_ahead": not args.no_count_ahead,
         "s3_requests_last_round": runs["s3"][-1]["requests"],
+        "s3_requests_per_step": sum(runs["s3"][-1]["requests"].values()) / (args.batches + 1),
+        "s3_prefetch_last_round": runs["s3"][-1]["prefetch"],
     }  # fmt: skip
 
 
@@ -165,8 +193,12 @@ def print_report(result: dict):
     print(f"\ns3 / local tok/s {result['s3_over_local']:.2f}, first batch "
           f"{result['first_batch_s3_over_local']:.2f}; same batches: {result['same_batches']}; "
           f"units measured by the timed runs: {result['measured']}")  # fmt: skip
+    if result["cold_s3_over_local"] is not None:
+        print(f"cold counts: s3 / local tok/s {result['cold_s3_over_local']:.2f}")
     print(f"requests of the last s3 run (first batch included): "
-          f"{result['s3_requests_last_round']}")  # fmt: skip
+          f"{result['s3_requests_last_round']}, {result['s3_requests_per_step']:.2f} a step; "
+          f"fetched ahead ({result['prefetch_steps']} steps): "
+          f"{result['s3_prefetch_last_round']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ process that needs counts.
   unreadable or of another length than the counts says nothing, and the document is read
   and tokenized as before.
 
+- **Read ahead from a bucket.** Where the folder is a bucket, a process that looks up
+  a unit's counts starts reading the count files of the units the order reaches next
+  (``read_ahead``), so a lane that takes one finds it read; each is read once.
+
 Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs
 that share the folder (twice at worst, when a claim is taken over); on the first pass,
 its windows read those tokens instead of tokenizing again (a pass after the first
@@ -116,6 +120,10 @@ PIECE_GROWTH = 4
 # ahead of it, so such a wait ends as soon as they start: seconds at most).
 DEFER_S = 5.0
 PROGRESS_EVERY_S = 30.0  # how often a waiting or measuring process says how far it is
+# Count files in a bucket read ahead (SourceCounts.read_ahead): the next units of the order,
+# at most this many reads held or in flight, on this many threads, per source and process.
+READ_AHEAD_FILES = 64
+READ_AHEAD_THREADS = 4
 
 
 @dataclass
@@ -343,12 +351,52 @@ class SourceCounts:
         # blocks of its own (streaming.KEEP_BLOCK_BYTES a process).
         self.keeps_tokens = True
         self.measures = True
+        # Count files read ahead (a folder in a bucket): unit -> its read in flight or done;
+        # off once one is missing (a corpus measured as it is read has none ahead).
+        self._ahead: OrderedDict[tuple, object] = OrderedDict()
+        self._ahead_pool, self._ahead_pid = None, -1
+        self.reads_ahead = storage.is_remote(folder)
 
     def __getstate__(self):
         # A worker reads its own, and holds no claim of its parent's.
         return {**self.__dict__, "_mem": OrderedDict(), "measured": 0, "_tokens": {},
                 "_unit_tokens": OrderedDict(), "_unit_token_bytes": 0,
-                "_no_tokens": OrderedDict(), "_sidecars": set()}  # fmt: skip
+                "_no_tokens": OrderedDict(), "_sidecars": set(), "_ahead": OrderedDict(),
+                "_ahead_pool": None, "_ahead_pid": -1}  # fmt: skip
+
+    def read_ahead(self, units):
+        """Start reading the count files of ``units`` (those the order reaches next) where
+        the folder is a bucket, so that a lane taking one finds it read: one GET each, on
+        ``READ_AHEAD_THREADS`` threads, at most ``READ_AHEAD_FILES`` held or in flight (the
+        oldest dropped past that: ~4 KB each, O(lookahead) per source and process, whatever
+        the corpus). Off for the rest of the process once a file read ahead is missing (a
+        corpus measured as it is read: its next units have none yet). Each file read ahead is
+        read once: ``_load`` takes it."""
+        if not self.reads_ahead:
+            return
+        if self._ahead_pid != os.getpid():  # a forked worker reads with its own threads
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._ahead_pool = ThreadPoolExecutor(READ_AHEAD_THREADS, "count-read-ahead")
+            self._ahead_pid, self._ahead = os.getpid(), OrderedDict()
+        for unit in units:
+            unit = tuple(int(x) for x in unit)
+            if unit in self._mem or unit in self._ahead:
+                continue
+            while len(self._ahead) >= READ_AHEAD_FILES:
+                self._ahead.popitem(last=False)[1].cancel()
+            self._ahead[unit] = self._ahead_pool.submit(_read_or_none, self.path(unit))
+
+    def _read_ahead_bytes(self, unit) -> bytes | None:
+        """The bytes of ``unit``'s count file read ahead, once; None: read it now."""
+        future = self._ahead.pop(unit, None) if self._ahead_pid == os.getpid() else None
+        if future is None or future.cancelled():
+            return None
+        data = future.result()
+        if data is None:  # missing (or the store did not answer): read in line, ahead no more
+            self.reads_ahead = False
+            self._ahead.clear()
+        return data
 
     def _measure_unit(self, unit, heartbeat=None, **piece):
         return measure_unit(self.source, self.tokenizer, unit, self.bad_data, heartbeat,
@@ -387,6 +435,8 @@ class SourceCounts:
         if hit is not None and hit.covers(upto):
             self._mem.move_to_end(unit)
             return hit
+        if self.reads_ahead and ahead:
+            self.read_ahead(ahead() if callable(ahead) else ahead)
         found = self._follow(unit, hit)
         if not found.covers(upto):
             ahead = ahead() if callable(ahead) else ahead
@@ -463,9 +513,10 @@ class SourceCounts:
 
     def _load(self, unit) -> UnitCounts | None:
         path = self.path(unit)
-        data = None
+        data = self._read_ahead_bytes(unit) if self._ahead else None
         try:
-            data = storage.read_bytes(path)
+            if data is None:
+                data = storage.read_bytes(path)
             with np.load(io.BytesIO(data)) as z:
                 lengths = z["lengths"]
                 ats = z["ats"] if "ats" in z.files else unit[1] + np.arange(len(lengths))
@@ -614,6 +665,10 @@ class SourceCounts:
         self._keep_tokens(unit, tokens)
         return tokens
 
+    def has_tokens(self, unit) -> bool:
+        """Whether this process keeps measured tokens of ``unit`` (a piece of it)."""
+        return any(key[0] == unit for key in self._unit_tokens)
+
     def let_go(self, units: list, sidecars: list):
         """``units``' measured tokens leave this process's memory, and the sidecars of
         ``sidecars`` are deleted: the stream calls it as it plans, for the units its lanes
@@ -747,3 +802,12 @@ class _Progress:
 
 def _remove(path: str):
     storage.remove(path)
+
+
+def _read_or_none(path: str) -> bytes | None:
+    """A file's bytes, or None where it is missing or the store did not answer (the read
+    in line then says why)."""
+    try:
+        return storage.read_bytes(path)
+    except Exception:  # noqa: BLE001 - the read in line raises it, on the main thread
+        return None

@@ -124,6 +124,16 @@ class DocumentReader:
         unit_tokens = getattr(self.order.counts, "unit_tokens", None)
         return unit_tokens(unit, counts, row) if unit_tokens is not None else None
 
+    def reads_text(self, unit: tuple, counts) -> bool:
+        """Whether reading ``unit`` (whose counts are ``counts``) decodes its text: not
+        where the tokens its measuring kept may serve it (here, or in a sidecar)."""
+        if not self.share_measured:
+            return True
+        if getattr(counts, "sidecars", ()):
+            return False
+        has_tokens = getattr(self.order.counts, "has_tokens", None)
+        return has_tokens is None or not has_tokens(unit)
+
     def let_go(self, units: list, sidecars: list):
         """The measured tokens of ``units`` leave this process, and ``sidecars``' files go
         (index.SourceCounts.let_go)."""
@@ -197,8 +207,10 @@ class TokenStream:
             for src, order in zip(sources, self.orders)
         ]
         self._last = None  # the last advance: (its key, its result)
-        # Per plan, per source: the units the plan's lanes finished (the last two plans').
+        # Per plan, per source: the units the plan's lanes finished (the last two plans',
+        # and those planned ahead of the step read: ``planned_ahead``, the loader's).
         self._finishing: list[list[list]] = []
+        self.planned_ahead = 0
 
     def __getstate__(self):
         return {**self.__dict__, "_last": None, "_finishing": []}
@@ -242,12 +254,15 @@ class TokenStream:
         their measured tokens (that step is read: this process planned the next one), and
         their sidecars go a step later still (every process of the job plans every step;
         a loader worker or a rank a step behind may still read one). Every process does
-        it, so one that measured a unit and read none of it lets go as well. Cost: one
-        unlink a unit, a step later."""
-        if not self._finishing:
+        it, so one that measured a unit and read none of it lets go as well. A process that
+        plans ``planned_ahead`` steps beyond the one it reads (the loader fetching ahead)
+        lets go that many plans later: what is let go is what was read. Cost: one unlink a
+        unit, a step later."""
+        lag = self.planned_ahead
+        if len(self._finishing) <= lag:
             return
-        newest = self._finishing[-1]
-        oldest = self._finishing.pop(0) if len(self._finishing) == 2 else None
+        newest = self._finishing[-1 - lag]
+        oldest = self._finishing.pop(0) if len(self._finishing) == 2 + lag else None
         for s, reader in enumerate(self.readers):
             reader.let_go(newest[s], oldest[s] if oldest is not None else [])
 
