@@ -188,6 +188,11 @@ class ObjectStore(LocalStore):
             self.remove(join(path, first))
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
+        if storage.on_s3(path):  # a killed save's multipart uploads: space, never a name
+            from torchtitan.checkpoint.store_writer import abort_uploads
+
+            with contextlib.suppress(Exception):  # best effort: the folder is gone already
+                abort_uploads(path)
 
     def move_folder(self, src: str, dst: str, last: str):
         """Copy every object (server side) with ``last`` (the manifest) copied last, then
@@ -239,8 +244,15 @@ class ObjectStore(LocalStore):
         return FsspecReader(path, use_listings_cache=False)
 
     def writer(self, path: str):
+        """On S3 the project's own writer (store_writer.py: objects of at most 64 MiB,
+        up to 8 requests at once, parallel parts for a larger entry); DCP's fsspec writer
+        on other stores."""
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        if storage.on_s3(path):
+            from torchtitan.checkpoint.store_writer import StoreWriter
+
+            return StoreWriter(path)
         # sync_files would call os.sync() (a store stream has no fileno): the whole
         # machine's dirty pages, for nothing: a PUT is durable when it returns.
         # WRITE_FILES files per rank, uploaded at once (DCP's threads, entries spread by
