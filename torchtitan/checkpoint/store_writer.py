@@ -163,12 +163,15 @@ class Uploader:
     def submit(self, size: int, fn, *args, **kwargs) -> Future:
         """Run ``fn(*args, **kwargs)`` (a request carrying ``size`` bytes) on the pool once the bytes
         fit the budget (at once when nothing is held: an entry larger than the budget goes
-        alone); the first failure stops later submissions."""
+        alone); after the first failure a submission is not sent, its future holds the
+        failure (raising here, inside torch.save's write, would be masked by its own error)."""
         with self.room:
             while self.held and self.held + size > self.budget and self.failure is None:
                 self.room.wait()
-            if self.failure is not None:
-                raise self.failure
+            if self.failure is not None:  # not raised here: torch.save is mid-write
+                failed: Future = Future()
+                failed.set_exception(self.failure)
+                return failed
             self.held += size
             self.peak = max(self.peak, self.held)
         future = self.pool.submit(fn, *args, **kwargs)
@@ -326,6 +329,8 @@ class StoreWriter(FsspecWriter):
                         data = data.detach().cpu()  # staged already on CPU (async)
                     results.append(_write_item(self.transforms, stream, data, item, name,
                                                self.serialization_format))  # fmt: skip
+                    if uploader.failure is not None:  # stop at the first failed request
+                        raise uploader.failure
                 put = stream.finish()
                 if put is not None:
                     puts.append(put)
