@@ -113,7 +113,7 @@ def one_line(error: BaseException, url: str, bucket: str) -> str:
     if code == "NoSuchBucket":
         return (f"bucket {bucket} does not exist (writing {url}; a store restarted empty "
                 "loses its buckets): create it, or set --checkpoint.folder to an existing "
-                "one, and resume from the last complete checkpoint")  # fmt: skip
+                "one")  # fmt: skip
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
         return (f"the store refused to write {url} ({code}): set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY to credentials that may write it")  # fmt: skip
