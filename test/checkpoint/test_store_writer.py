@@ -231,26 +231,27 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     assert not equal(blank(state()), state()), "negative control"
 
 
-def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatch):
-    """Every part refused (404 NoSuchBucket, as from a server restarted empty): the save
-    fails with the writer's one line naming the bucket, the object and the fix, and no
-    multipart upload is left behind. Negative control: the same save with the server
-    answering leaves a complete object and no upload either."""
+@pytest.mark.parametrize("only", ["", "__0_3.distcp"])
+def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatch, only):
+    """Every PUT refused (404 NoSuchBucket, as from a server restarted empty), or only the
+    single PUT of one small object: the save fails with the writer's one line naming the
+    bucket, the object and the fix, and no multipart upload is left behind. Negative
+    control: the same save with the server answering leaves a complete checkpoint."""
     bucket, traffic = server
-    url = f"s3://{bucket}/refused"
+    url = f"s3://{bucket}/refused{len(only)}"
     client = Recorded(store_reader._s3_client(), delay=0.0)
     traffic.fail_next, traffic.fail_status, traffic.fail_kinds = 10_000, 404, ("PUT",)
-    traffic.fail_within = "/refused/"
+    traffic.fail_within, traffic.fail_suffix = f"/refused{len(only)}/", only
     try:
         with pytest.raises(BaseException) as raised:
             save(url, client, monkeypatch)
     finally:
-        traffic.fail_next, traffic.fail_status, traffic.fail_within = 0, 503, ""
-        traffic.fail_kinds = ("GET", "GET range")
+        traffic.fail_next, traffic.fail_status = 0, 503
+        traffic.fail_within, traffic.fail_suffix, traffic.fail_kinds = "", "", ("GET", "GET range")
     text = str(raised.value)
-    assert f"bucket {bucket} does not exist (writing {url}/__0_" in text, text[-2000:]
+    assert f"bucket {bucket} does not exist (writing {url}/__0_{only[4:]}" in text, text[-2000:]
     assert "create it, or set --checkpoint.folder" in text
-    uploads = client.client.list_multipart_uploads(Bucket=bucket, Prefix="refused/")
+    uploads = client.client.list_multipart_uploads(Bucket=bucket, Prefix=f"refused{len(only)}/")
     assert not uploads.get("Uploads"), "a failed save aborts its multipart upload"
     save(url, client, monkeypatch)
     assert ".metadata" in store_for(url).listdir(url)

@@ -187,7 +187,7 @@ class Uploader:
                 self.sent += size
             self.room.notify_all()
 
-    def put(self, name: str, body: bytes) -> Future:
+    def put(self, name: str, body: bytes | bytearray) -> Future:
         return self.submit(len(body), self.call, name, "put_object", Body=body)
 
     def close(self):
@@ -227,17 +227,17 @@ class ObjectStream(io.RawIOBase):
             self.upload_id = reply["UploadId"]
         if self.upload_id is not None:
             while len(self.buffer) >= self.part:
-                self._send_part(bytes(self.buffer[: self.part]))
+                self._send_part(self.buffer[: self.part])  # a copy (a bytearray's slice)
                 del self.buffer[: self.part]
         return n
 
-    def _send_part(self, body: bytes):
+    def _send_part(self, body: bytearray):
         number = len(self.parts) + 1
         future = self.uploader.submit(len(body), self._upload_part, number, body)
         self.parts.append((number, self.offset, future))
         self.offset += len(body)
 
-    def _upload_part(self, number: int, body: bytes) -> str:
+    def _upload_part(self, number: int, body: bytearray) -> str:
         reply = self.uploader.call(self.name, "upload_part", UploadId=self.upload_id,
                                    PartNumber=number, Body=body)  # fmt: skip
         return reply["ETag"]
@@ -245,11 +245,11 @@ class ObjectStream(io.RawIOBase):
     def finish(self) -> Future | None:
         """Send what is left: the object's one PUT (its future), or the last part and the
         completion (done here, after every part: None)."""
-        if self.upload_id is None:
-            body, self.buffer = bytes(self.buffer), bytearray()
+        if self.upload_id is None:  # the buffer itself is the body: no copy
+            body, self.buffer = self.buffer, bytearray()
             return self.uploader.put(self.name, body)
         if self.buffer or not self.parts:
-            self._send_part(bytes(self.buffer))
+            self._send_part(self.buffer)
             self.buffer = bytearray()
         try:
             etags = [(number, future.result()) for number, _, future in self.parts]
