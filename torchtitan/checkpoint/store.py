@@ -26,7 +26,8 @@ a data file except ``signature``/``check`` of a local file or a CRC32-signed obj
 
 ``torchtitan.io.storage`` owns single objects (claims, leases, counts: conditional writes);
 this module owns what a checkpoint needs on top: folders, DCP's reader and writer,
-signatures.
+signatures. On ``s3://`` the reader and writer are the project's own (store_reader.py,
+store_writer.py: each rank's bytes in parallel requests, bounded memory).
 
 Never: decide what a name means (``folder``) or which checkpoint to use (``timeline``).
 """
