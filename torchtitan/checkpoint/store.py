@@ -47,7 +47,8 @@ from torchtitan.io import storage
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
 CHECKSUM_CHUNK = 64 << 20
-# Files each rank writes to an object store, uploaded in parallel (ObjectStore.writer).
+# Files each rank writes to an object store other than S3 (gs://, ...: DCP's fsspec writer),
+# uploaded in parallel (ObjectStore.writer); S3 has its own writer (store_writer.py).
 WRITE_FILES = 4
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
