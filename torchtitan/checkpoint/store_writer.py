@@ -24,8 +24,9 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   ``OBJECT_MAX + PART``: a single PUT up to there, or one entry's bytes for an entry larger than that:
   ``torch.save`` hands over a tensor's storage in one write). A rank's staged state
   (async) or its live tensors (sync) are DCP's, not counted here.
-- **Verified.** botocore sends a CRC32 of every request's body (its flexible checksums,
-  on by default) and the store refuses a body that does not match; a multipart upload
+- **Verified.** botocore sends a CRC32 of every request's body (``x-amz-checksum-crc32``,
+  its flexible checksums, on by default: seen on each PUT and part) and S3 refuses a
+  body that does not match (the local server, moto, accepts a wrong one); a multipart upload
   is completed with the ETag of each of its parts, in part order; the finalizer records
   each object's size and ETag (a HEAD) in the manifest, and the reader's GETs are
   conditional on that ETag.
