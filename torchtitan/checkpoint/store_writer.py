@@ -182,8 +182,10 @@ class Uploader:
     def _release(self, size: int, future: Future):
         with self.room:
             self.held -= size
-            if future.exception() is not None and self.failure is None:
-                self.failure = future.exception()
+            if future.cancelled():  # close() after a failure: never sent
+                pass
+            elif future.exception() is not None:
+                self.failure = self.failure or future.exception()
             else:
                 self.sent += size
             self.room.notify_all()
