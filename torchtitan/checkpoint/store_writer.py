@@ -132,6 +132,9 @@ class Uploader:
         self.client, self.bucket, self.prefix = client, bucket, prefix
         self.in_flight, self.budget = in_flight, budget
         self.pool = ThreadPoolExecutor(in_flight, thread_name_prefix="store-write")
+        # Completions wait for their parts, so not on the pool the parts need; off the
+        # serializer's thread, which goes on with the next object meanwhile.
+        self.completer = ThreadPoolExecutor(2, thread_name_prefix="store-complete")
         self.room = threading.Condition()
         self.held = 0  # bytes submitted and not yet acknowledged
         self.peak = 0  # the most ever held (a test checks the bound)
@@ -194,6 +197,7 @@ class Uploader:
         return self.submit(len(body), self.call, name, "put_object", Body=body)
 
     def close(self):
+        self.completer.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -245,15 +249,18 @@ class ObjectStream(io.RawIOBase):
                                    PartNumber=number, Body=body)  # fmt: skip
         return reply["ETag"]
 
-    def finish(self) -> Future | None:
-        """Send what is left: the object's one PUT (its future), or the last part and the
-        completion (done here, after every part: None)."""
+    def finish(self) -> Future:
+        """Send what is left: the object's one PUT, or the last part and then (on the
+        completer, once every part is acknowledged) the completion; the future of either."""
         if self.upload_id is None:  # the buffer itself is the body: no copy
             body, self.buffer = self.buffer, bytearray()
             return self.uploader.put(self.name, body)
         if self.buffer or not self.parts:
             self._send_part(self.buffer)
             self.buffer = bytearray()
+        return self.uploader.completer.submit(self._complete)
+
+    def _complete(self):
         try:
             etags = [(number, future.result()) for number, _, future in self.parts]
         except BaseException:
@@ -262,7 +269,6 @@ class ObjectStream(io.RawIOBase):
         parts = [{"PartNumber": number, "ETag": etag} for number, etag in etags]
         self.uploader.call(self.name, "complete_multipart_upload", UploadId=self.upload_id,
                            MultipartUpload={"Parts": parts})  # fmt: skip
-        return None
 
     def abort(self):
         """Drop the multipart upload (best effort: a kill leaves it to abort_uploads)."""
@@ -334,9 +340,7 @@ class StoreWriter(FsspecWriter):
                                                self.serialization_format))  # fmt: skip
                     if uploader.failure is not None:  # stop at the first failed request
                         raise uploader.failure
-                put = stream.finish()
-                if put is not None:
-                    puts.append(put)
+                puts.append(stream.finish())
             for put in puts:
                 put.result()
         except BaseException:
