@@ -12,7 +12,8 @@ and fsspec's cached file systems dropped at the end.
 it answered (requests and body bytes by method, ranged GETs apart: the independent count a
 reader's own figures are checked against) and answers the first ``traffic.fail_next``
 requests of ``traffic.fail_kinds`` with ``traffic.fail_status`` (503 SlowDown: throttling;
-403 InvalidAccessKeyId: wrong credentials, which moto's server does not check itself) or by closing the connection unanswered (``status`` 0: a dropped
+403 InvalidAccessKeyId: wrong credentials, which moto's server does not check itself; 404
+NoSuchBucket: a server restarted empty, for the objects under ``traffic.fail_within`` only) or by closing the connection unanswered (``status`` 0: a dropped
 connection), to test a client's retries.
 
 ``missing()`` says why the server cannot run here (moto or s3fs not installed: the
@@ -52,7 +53,8 @@ def _drop_cached_filesystems():
 # What the server says with each injected status.
 _FAULTS = {503: ("SlowDown", "Please reduce your request rate."),
            403: ("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist "
-                 "in our records.")}  # fmt: skip
+                 "in our records."),
+           404: ("NoSuchBucket", "The specified bucket does not exist")}  # fmt: skip
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Traffic:
     fail_next: int = 0  # how many more requests to fail
     fail_kinds: tuple = ("GET", "GET range")
     fail_suffix: str = ""  # only objects whose name ends so
+    fail_within: str = ""  # only objects whose path holds this (``/step-4/``)
     fail_status: int = 503  # 0: drop the connection without an answer
     failed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,7 +83,8 @@ class Traffic:
             with self.lock:
                 name = environ.get("PATH_INFO", "").rstrip("/").rsplit("/", 1)[-1]
                 fail = (self.fail_next > 0 and kind in self.fail_kinds
-                        and name.endswith(self.fail_suffix))  # fmt: skip
+                        and name.endswith(self.fail_suffix)
+                        and self.fail_within in environ.get("PATH_INFO", ""))  # fmt: skip
                 if fail:
                     self.fail_next -= 1
                     self.failed += 1

@@ -91,7 +91,9 @@ def rank_main(args) -> dict:
 
             state = TrainState()
             manager = manager_for(state)
-            blocked, durable, steps_s = 0.0, [], []
+            blocked, durable, steps_s, writers = 0.0, [], [], []
+            capturing = contextlib.ExitStack()
+            capturing.enter_context(capture_writers(writers))
             while state.step < cfg.training.steps:
                 begin = time.perf_counter()
                 logits = model(tokens[:, :-1])
@@ -110,8 +112,15 @@ def rank_main(args) -> dict:
                     blocked += time.perf_counter() - t
                     durable.append(time.perf_counter() - t)
             manager.close()
+            capturing.close()
             if mode == "async":  # the last save, from its call until its manifest is written
                 durable = [manager.saver.last_write_s]
+            upload = {}
+            if where == "s3":  # the limit of the upload, in the same run: a parallel PUT
+                upload = upload_limit(dims, target, args.interval * args.saves)
+                # the store writer's own time (serialize and upload, write_data) in the last save
+                last = [w.stats.get("seconds", 0.0) for w in writers[-1:] if hasattr(w, "stats")]
+                upload["writer_s"] = max(parallel.all_gather_objects(dims, sum(last)))
             resumed = TrainState()
             again = manager_for(resumed)
             readers = []
@@ -124,10 +133,11 @@ def rank_main(args) -> dict:
             again.close()
             assert resumed.step == state.step, "the resume must load the last save"
             extra = {}
-            if where == "s3" and mode == "disabled":  # the old reader and the limit, once
+            if where == "s3" and mode == "disabled" and not args.upload_only:
+                # the old reader and the read limits, once
                 extra = against_the_limit(dims, lambda: manager_for(TrainState()), readers,
                                           windows)  # fmt: skip
-            rows.append({**extra, "windows": windows,
+            rows.append({**extra, **upload, "windows": windows,
                 "flavor": args.flavor, "parameters": params, "ranks": dims.world_size,
                 "folder": where, "mode": "sync" if mode == "disabled" else "async",
                 "interval": args.interval, "saves": args.saves,
@@ -155,6 +165,24 @@ def capture_readers(readers: list):
         yield
     finally:
         ObjectStore.reader = make
+
+
+@contextlib.contextmanager
+def capture_writers(writers: list):
+    """The store writers the manager makes (their figures: objects, requests, seconds)."""
+    from torchtitan.checkpoint.store import ObjectStore
+
+    make = ObjectStore.writer
+
+    def writer(self, path):
+        writers.append(make(self, path))
+        return writers[-1]
+
+    ObjectStore.writer = writer
+    try:
+        yield
+    finally:
+        ObjectStore.writer = make
 
 
 @contextlib.contextmanager
@@ -215,6 +243,27 @@ def put_all(bucket: str, prefix: str, size: int, threads: int) -> float:
     return time.perf_counter() - begin
 
 
+def upload_limit(dims, folder: str, step: int) -> dict:
+    """This rank's bytes of ``folder``'s ``step-N`` (the files it wrote), written again by
+    a plain parallel client (16 threads of single 64 MiB PUTs), every rank at once: the
+    upload's limit, measured right after the saves it is set against."""
+    from torchtitan import parallel
+    from torchtitan.checkpoint.store import store_for as store_for_url
+
+    url = f"{folder}/step-{step}"
+    store = store_for_url(url)
+    own = f"__{dims.rank}_"
+    names = [n for n in store.listdir(url) if n.startswith(own)]
+    size = sum(store.size(f"{url}/{n}") for n in names)
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    parallel.barrier(dims)
+    seconds = put_all(bucket, f"put-limit/{dims.rank}", size, 16)
+    parallel.barrier(dims)
+    return {"limit_put_s": max(parallel.all_gather_objects(dims, seconds)),
+            "own_bytes": parallel.all_gather_objects(dims, size),
+            "own_objects": parallel.all_gather_objects(dims, len(names))}  # fmt: skip
+
+
 def against_the_limit(dims, make_manager, readers, windows) -> dict:
     """The same load through DCP's fsspec reader, and the limit: this rank's bytes fetched
     by a plain parallel client (16 threads) as the reader's own spans, as 16 MiB ranged
@@ -258,9 +307,6 @@ def against_the_limit(dims, make_manager, readers, windows) -> dict:
         "limit_spans_s": timed("limit_spans", lambda: fetch_all(spans, 16)),
         "limit_16mib_s": timed("limit_16mib", lambda: fetch_all(parts, 16)),
         "limit_whole_s": timed("limit_whole", lambda: fetch_all(whole, 16)),
-        "limit_put_s": timed(
-            "limit_put", lambda: put_all(bucket, f"put-limit/{dims.rank}", stats["needed_own"], 16)
-        ),
     }
 
 
@@ -268,7 +314,7 @@ def run_job(args, root: Path, url: str) -> list[dict]:
     out = root / "result.json"
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", str(root),
-            "--url", url, "--json", str(out)]  # fmt: skip
+            "--url", url, "--json", str(out)] + (["--upload-only"] if args.upload_only else [])  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.ranks))}
     script = "scripts/benchmarks/bench_s3_checkpoint.py"
     proc = subprocess.run(torchrun_command(args.ranks, argv, script=script), cwd=REPO_ROOT,
@@ -286,6 +332,11 @@ def main(argv=None) -> int:
     p.add_argument("--saves", type=int, default=2)
     p.add_argument("--interval", type=int, default=4, help="steps between saves")
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument(
+        "--upload-only",
+        action="store_true",
+        help="skip DCP's fsspec reader and the read limits (the upload's figures)",
+    )
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -321,6 +372,7 @@ def main(argv=None) -> int:
          f"{r['blocked_per_save_s']:.3f}", f"{r['resume_s']:.2f}"]
         for r in rows])  # fmt: skip
     report_limit(rows)
+    report_upload(rows)
     return bench.save(args, rows)
 
 
@@ -372,11 +424,19 @@ def report_limit(rows: list):
             f"server sent {old[1] / 1e6:.1f} MB in {old[0]} GETs "
             f"({old[1] / r['checkpoint_bytes']:.2f}x the checkpoint)"
         )
-        print(
-            f"  upload (sync save) {r['durable_s']:.2f} s against a parallel PUT of the same "
-            f"bytes (16 threads, 64 MiB objects) {r['limit_put_s']:.2f} s: "
-            f"{r['durable_s'] / r['limit_put_s']:.2f}"
-        )
+
+
+def report_upload(rows: list):
+    """Each save to the store against a parallel PUT of the same bytes, measured after it."""
+    for r in rows:
+        if "limit_put_s" in r:
+            print(
+                f"upload ({r['mode']} save, {r['ranks']} rank(s), {sum(r['own_bytes']) / 1e6:.0f} MB "
+                f"in {sum(r['own_objects'])} objects) {r['durable_s']:.2f} s against a parallel "
+                f"PUT of the same bytes (16 threads, 64 MiB objects) {r['limit_put_s']:.2f} s: "
+                f"{r['durable_s'] / r['limit_put_s']:.2f}; the writer's write_data (last save, "
+                f"slowest rank) {r['writer_s']:.2f} s: {r['writer_s'] / r['limit_put_s']:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -200,14 +200,20 @@ KILL_SHIM = """
 import os, signal
 from torch.distributed.checkpoint import filesystem
 
-_finish = filesystem.FileSystemWriter.finish
+from torchtitan.checkpoint import store_writer
 
-def finish(self, metadata, results):
-    if str(self.path).rstrip("/").endswith(os.environ["KILL_SAVE"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _finish(self, metadata, results)
+def killing(writer):
+    _finish = writer.finish
 
-filesystem.FileSystemWriter.finish = finish
+    def finish(self, metadata, results):
+        if str(self.path).rstrip("/").endswith(os.environ["KILL_SAVE"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _finish(self, metadata, results)
+
+    writer.finish = finish
+
+killing(filesystem.FileSystemWriter)
+killing(store_writer.StoreWriter)  # the writer on s3:// (store_writer.py)
 """
 
 

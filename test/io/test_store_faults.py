@@ -147,3 +147,34 @@ def test_a_checkpoint_read_that_keeps_failing_is_one_line(server, env, tmp_path)
         train_here(tmp_path / "again", "--training.steps", 4, *ckpt)
     finally:
         traffic.fail_next, traffic.fail_suffix = 0, ""
+
+
+@pytest.mark.parametrize("scope", ["", ".distcp"])
+def test_a_bucket_gone_mid_run_is_one_line_and_the_last_checkpoint_stays(server, env, tmp_path,
+                                                                         scope):  # fmt: skip
+    """The server answers 404 NoSuchBucket (a restart that lost its buckets) to every write
+    of step-4, after step-2 was saved: one line naming the store, the object and the fix,
+    no traceback, and step-2 is still the checkpoint a resume chooses. ``scope``: every
+    write of step-4 (the first is rank 0's pending manifest), or only its data objects
+    (the store writer's parts and PUTs). Negative control (with the second): the same run
+    without the fault saves step-4."""
+    from torchtitan.checkpoint.folder import complete_steps
+
+    bucket, _, traffic = server
+    url = f"s3://{bucket}/gone{scope.strip('.')}"
+    args = ["--training.steps", 4, *CKPT, "--checkpoint.folder", url]
+    traffic.fail_next, traffic.fail_status, traffic.fail_kinds = 10_000, 404, ("PUT", "POST")
+    traffic.fail_within, traffic.fail_suffix = "/step-4/", scope
+    try:
+        status, log = train_here(tmp_path / "gone", *args, expect_ok=False)
+    finally:
+        traffic.fail_next, traffic.fail_status, traffic.fail_kinds = 0, 503, ("GET", "GET range")
+        traffic.fail_within = traffic.fail_suffix = ""
+    errors = error_lines(log)
+    assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    line = errors[0]
+    assert f"{url}/step-4/" in line and "does not exist" in line and "create it" in line, line
+    assert complete_steps(url) == [2]
+    if scope:  # the negative control, once
+        train_here(tmp_path / "control", *args[:-1], f"{url}-control")
+        assert complete_steps(f"{url}-control") == [2, 4]

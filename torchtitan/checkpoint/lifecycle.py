@@ -49,6 +49,8 @@ from torchtitan.checkpoint.folder import (
     write_json,
 )
 from torchtitan.checkpoint.store import join, store_for
+from torchtitan.checkpoint.store_writer import StoreWriteError
+from torchtitan.io import storage
 
 logger = logging.getLogger("torchtitan")
 # DCP notes on every call of a single process (no process group) that it assumes one;
@@ -98,11 +100,12 @@ class Saver:
         self.wait()
         partial = save_folder(self.folder, step)
         if self.dims.is_main:
-            if self.store.in_place:  # written in place: an older timeline's step-N goes first
-                timeline.make_room(self.folder, step)
-            remove_checkpoint(partial)
-            self.store.makedirs(partial)
-            write_json(join(partial, PENDING), manifest)
+            with self._save_errors(step):  # rank 0 alone: train.main tells the others
+                if self.store.in_place:  # written in place: an older timeline's step-N first
+                    timeline.make_room(self.folder, step)
+                remove_checkpoint(partial)
+                self.store.makedirs(partial)
+                _write_pending(join(partial, PENDING), manifest)
         parallel.barrier(self.dims)
         begin = time.perf_counter()
         if self.async_mode == "async":
@@ -216,6 +219,11 @@ class Saver:
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             remove_checkpoint(save_folder(self.folder, step))
             done = complete_steps(self.folder)
+            last = ("step-" + str(done[-1])) if done else "none"
+            store = store_problem(e)
+            if store is not None:  # names the object and the fix already
+                raise CheckpointError(f"saving checkpoint step-{step} in {self.folder} failed: "
+                                      f"{store} (last complete checkpoint: {last})") from e  # fmt: skip
             raise CheckpointError(
                 f"saving checkpoint step-{step} in {self.folder} failed: {root_cause(e)}; free "
                 f"space or set --checkpoint.folder elsewhere, then resume (last complete "
@@ -339,6 +347,35 @@ class Saver:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _write_pending(path: str, manifest: dict):
+    """The pending manifest; a store's fault is one line naming the object."""
+    try:
+        write_json(path, manifest)
+    except OSError as e:
+        fault = storage.store_fault(e)
+        if fault is None:
+            raise
+        raise StoreWriteError(f"writing {path}: {fault}") from None
+
+
+def store_problem(e: BaseException) -> str | None:
+    """The line of a store writer's error behind ``e`` (its chain, or any rank's failure
+    that DCP gathered into a CheckpointException), naming the object and the fix; None if
+    the save failed otherwise."""
+    todo, seen = [e], set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, StoreWriteError):
+            return str(error)
+        if isinstance(error, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in error.failures.values())
+        todo.extend([error.__cause__, error.__context__])
+    return None
 
 
 def root_cause(e: BaseException) -> str:

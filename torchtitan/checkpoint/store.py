@@ -26,7 +26,8 @@ a data file except ``signature``/``check`` of a local file or a CRC32-signed obj
 
 ``torchtitan.io.storage`` owns single objects (claims, leases, counts: conditional writes);
 this module owns what a checkpoint needs on top: folders, DCP's reader and writer,
-signatures.
+signatures. On ``s3://`` the reader and writer are the project's own (store_reader.py,
+store_writer.py: each rank's bytes in parallel requests, bounded memory).
 
 Never: decide what a name means (``folder``) or which checkpoint to use (``timeline``).
 """
@@ -46,7 +47,8 @@ from torchtitan.io import storage
 # Files are checksummed in chunks, in parallel threads (zlib and file reads release the
 # GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
 CHECKSUM_CHUNK = 64 << 20
-# Files each rank writes to an object store, uploaded in parallel (ObjectStore.writer).
+# Files each rank writes to an object store other than S3 (gs://, ...: DCP's fsspec writer),
+# uploaded in parallel (ObjectStore.writer); S3 has its own writer (store_writer.py).
 WRITE_FILES = 4
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
@@ -188,6 +190,11 @@ class ObjectStore(LocalStore):
             self.remove(join(path, first))
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
+        if storage.on_s3(path):  # a killed save's multipart uploads: space, never a name
+            from torchtitan.checkpoint.store_writer import abort_uploads
+
+            with contextlib.suppress(Exception):  # best effort: the folder is gone already
+                abort_uploads(path)
 
     def move_folder(self, src: str, dst: str, last: str):
         """Copy every object (server side) with ``last`` (the manifest) copied last, then
@@ -239,8 +246,15 @@ class ObjectStore(LocalStore):
         return FsspecReader(path, use_listings_cache=False)
 
     def writer(self, path: str):
+        """On S3 the project's own writer (store_writer.py: objects of at most 64 MiB,
+        up to 8 requests at once, parallel parts for a larger entry); DCP's fsspec writer
+        on other stores."""
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        if storage.on_s3(path):
+            from torchtitan.checkpoint.store_writer import StoreWriter
+
+            return StoreWriter(path)
         # sync_files would call os.sync() (a store stream has no fileno): the whole
         # machine's dirty pages, for nothing: a PUT is durable when it returns.
         # WRITE_FILES files per rank, uploaded at once (DCP's threads, entries spread by
