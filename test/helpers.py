@@ -380,3 +380,22 @@ def read_unit(source, unit) -> list[tuple[int, str, object]]:
         docs, at, _ = source.read(unit, at)
         rows += [(start, doc_id, value) for start, _, doc_id, value in docs]
     return rows
+
+
+@contextlib.contextmanager
+def served_bucket():
+    """A module's local S3 server (harness/s3.py), its request log quiet: ``(bucket,
+    traffic)``; the module's tests are skipped, with the reason, where it cannot run."""
+    import logging
+
+    import pytest
+
+    from harness.s3 import Traffic, local_s3, missing
+
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    traffic = Traffic()
+    with local_s3(traffic) as (bucket, _):
+        yield bucket, traffic

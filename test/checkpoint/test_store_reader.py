@@ -10,28 +10,22 @@ object stops the load; a fault that persists is one line.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import served_bucket
 from torch.distributed.checkpoint.api import CheckpointException
 
-from harness.s3 import Traffic, local_s3, missing
 from torchtitan.checkpoint import store_reader
 from torchtitan.checkpoint.store import store_for, upload_folder
 
 
 @pytest.fixture(scope="module")
 def server():
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    traffic = Traffic()
-    with local_s3(traffic) as (bucket, _):
-        yield bucket, traffic
+    with served_bucket() as served:
+        yield served
 
 
 def state() -> dict:

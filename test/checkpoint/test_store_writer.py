@@ -9,7 +9,6 @@ completion, an unbounded budget that exceeds the bound, a zeroed state that is n
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -17,9 +16,9 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import served_bucket
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from harness.s3 import Traffic, local_s3, missing
 from torchtitan.checkpoint import store_reader, store_writer
 from torchtitan.checkpoint.store import store_for
 from torchtitan.checkpoint.store_writer import Uploader, plan_objects
@@ -101,13 +100,8 @@ def test_an_item_larger_than_the_budget_goes_alone():
 # ---- saves on the local server -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    reason = missing()
-    if reason:
-        pytest.skip(reason)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    traffic = Traffic()
-    with local_s3(traffic) as (bucket, _):
-        yield bucket, traffic
+    with served_bucket() as served:
+        yield served
 
 
 MIB = 1 << 20
