@@ -33,7 +33,7 @@ from pathlib import Path
 from torchtitan import REPO_ROOT as REPO
 from torchtitan.records.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
-from torchtitan.tools.launch import DEBUG_CONFIG, run_env
+from torchtitan.tools.launch import DEBUG_CONFIG, launcher_workers, run_env
 
 
 @dataclass
@@ -54,17 +54,6 @@ def command(args, dump: Path, extra: list[str]) -> list[str]:
         "--checkpoint.interval", str(args.interval), "--metrics.log_freq", "1",
         "--metrics.data_provenance", *extra,
     ]  # fmt: skip
-
-
-def workers_of(pid: int) -> list[int]:
-    """The rank processes: torchrun's children."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return children
 
 
 def last_step(dump: Path) -> int:
@@ -102,7 +91,7 @@ def run_until(proc: subprocess.Popen, dump: Path, kind: str, at_step: int, timeo
 
 
 def kill(proc: subprocess.Popen, target: str, rng: random.Random):
-    ranks = workers_of(proc.pid)
+    ranks = launcher_workers(proc.pid)
     if target == "one" and ranks:
         os.kill(rng.choice(ranks), signal.SIGKILL)
     else:

@@ -19,6 +19,7 @@ from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.faults.fault_tolerance import split_loader
 from torchtitan.records.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.tools.launch import launcher_workers
 
 pytest.importorskip("torchft")
 
@@ -517,19 +518,6 @@ def test_a_whole_job_restart_with_another_group_count_resumes_from_the_newest_ch
     assert all(torch.equal(w[k], weights[0][k]) for w in weights[1:] for k in weights[0])
 
 
-def _workers(proc) -> list[int]:
-    """The train.py processes of a group's torchrun (children in sessions of their own)."""
-    from pathlib import Path
-
-    pids = []
-    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
-        try:
-            pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return pids
-
-
 @pytest.mark.slow
 def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit_equal(tmp_path):
     """SIGTERM to group 0's rank, and 100 ms later to group 1's (a scheduler signalling
@@ -562,7 +550,7 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
             assert groups[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.05)
         for i, group in enumerate(groups):
-            for pid in _workers(group):
+            for pid in launcher_workers(group.pid):
                 os.kill(pid, signal.SIGTERM)
             if i == 0:
                 time.sleep(0.1)

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from torchtitan import REPO_ROOT
-from torchtitan.tools.launch import run_env, torchrun_command
+from torchtitan.tools.launch import launcher_workers, run_env, torchrun_command
 
 # join_timeout_ms: how long a quorum waits for a live (heartbeating) group that has not
 # asked yet; long, so a group that is slower than its peer between two steps is waited
@@ -64,13 +64,7 @@ def kill_group(proc: subprocess.Popen):
     session of its own, so a signal to torchrun's process group misses them)."""
     import signal
 
-    children = []
-    for task in Path(f"/proc/{proc.pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    for pid in [*children, proc.pid]:
+    for pid in [*launcher_workers(proc.pid), proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
