@@ -305,3 +305,102 @@ def test_a_planted_checkpoint_import_in_the_data_package_is_found(tmp_path):
     (pkg / "data" / "loader.py").write_text("")
     (pkg / "data" / "plan.py").write_text("")
     assert data_reaching_checkpoint(import_graph(pkg), "planted") == {}
+
+
+def defined_names(tree: ast.Module) -> set[str] | None:
+    """Names a module defines at its top level (in ``if``/``try`` blocks too), or None
+    when it cannot be known statically (``import *``, a module ``__getattr__``)."""
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            return None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+            targets = node.targets if isinstance(node, ast.Assign) else [
+                getattr(node, "target", None), *[i.optional_vars for i in getattr(node, "items", [])]]  # fmt: skip
+            for target in filter(None, targets):
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.While)):
+            for block in ("body", "orelse", "finalbody"):
+                todo.extend(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                todo.extend(handler.body)
+    return names
+
+
+def _local_module(dotted: str, roots: list[Path]) -> Path | None:
+    """The file a dotted name imports from the first root holding it, or None (a module
+    from outside the repository)."""
+    for root in roots:
+        base = root.joinpath(*dotted.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path
+    return None
+
+
+def missing_imported_names(files: list[Path], repo: Path) -> list[str]:
+    """'file:line module.name' for each ``from module import name`` where ``module`` is the
+    repository's (resolved as Python would for that file: its own folder first for a
+    script, then the repository's root and test/) and defines no ``name`` and has no
+    submodule ``name``: an ImportError waiting for the first run. Ruff checks one file at
+    a time and cannot see it; a script the slow tier alone runs would show it only in CI."""
+    found, parsed = [], {}
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        roots = [path.parent, repo, repo / "test"]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            source = _local_module(node.module, roots)
+            if source is None:
+                continue
+            if source not in parsed:
+                parsed[source] = defined_names(ast.parse(source.read_text(), str(source)))
+            names = parsed[source]
+            for alias in node.names:
+                if names is None or alias.name in names or alias.name == "*":
+                    continue
+                if _local_module(f"{node.module}.{alias.name}", roots) is None:
+                    found.append(
+                        f"{path.relative_to(repo)}:{node.lineno} {node.module}.{alias.name}"
+                    )
+    return found
+
+
+def repository_python(repo: Path) -> list[Path]:
+    """Every Python file of the product, its scripts, tests and test support."""
+    folders = ("torchtitan", "scripts", "test", "harness")
+    return [repo / "train.py", *(p for f in folders for p in sorted((repo / f).rglob("*.py")))]
+
+
+def test_every_name_imported_from_the_repository_exists():
+    """A campaign script imported a helper renamed elsewhere; only the slow tier ran it,
+    so CI found it after 17 minutes. Every ``from <repository module> import name`` in
+    the product, the scripts and the tests names something that module defines."""
+    files = repository_python(REPO_ROOT)
+    assert len(files) > 150
+    assert missing_imported_names(files, REPO_ROOT) == []
+
+
+def test_a_name_imported_from_a_sibling_script_that_it_lacks_is_found(tmp_path):
+    """Negative control: a script importing a name its sibling does not define (the CI
+    failure's shape), beside imports that do resolve: a function, a name bound in a
+    ``try``, a submodule, and a module from outside the repository."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub.py").write_text("")
+    (tmp_path / "tools.py").write_text(
+        "def command(): pass\ntry:\n    import json as codec\nexcept ImportError:\n    codec = None\n"
+    )
+    (tmp_path / "run.py").write_text(
+        "from tools import command, codec, workers_of\nfrom pkg import sub\nfrom os import path\n"
+    )
+    assert missing_imported_names([tmp_path / "run.py"], tmp_path) == ["run.py:1 tools.workers_of"]

@@ -37,13 +37,13 @@ import sys
 import time
 from pathlib import Path
 
-from fault_injection import command, last_step, saving, workers_of
+from fault_injection import command, last_step, saving
 
 from torchtitan import REPO_ROOT
 from torchtitan.checkpoint import complete_steps
 from torchtitan.records.runs import losses
 from torchtitan.tools.check_provenance import main as check_provenance
-from torchtitan.tools.launch import DEBUG_CONFIG, run_env
+from torchtitan.tools.launch import DEBUG_CONFIG, launcher_workers, run_env
 
 LAYOUTS = [
     (workers, mode, parallel)
@@ -86,7 +86,7 @@ def wait_for(proc, dump: Path, moment: str, at_step: int, timeout: float) -> boo
 
 def send(proc, sig: int, target: str, rng: random.Random) -> list[int]:
     """Signal every rank (SIGTERM: the whole process group, as torchrun forwards it) or one."""
-    ranks = workers_of(proc.pid)
+    ranks = launcher_workers(proc.pid)
     if target == "one":
         os.kill(rng.choice(ranks), sig)
     elif sig == signal.SIGTERM:
