@@ -7,13 +7,16 @@ Three lives of one job: 3 groups (group 2 alone writes step-4), then 2 groups (t
 removed group 2's folder holds the newest; group 0 writes step-6), then 3 groups again
 (group 1's folder is empty, group 2's holds an older step-4). Every group of a relaunch
 resumes from the job's newest checkpoint wherever it is, and every step's windows over
-the three lives are an uninterrupted run's, each once. Each test names the one-line bug
-it catches."""
+the three lives are an uninterrupted run's, each once. Then three lives whose groups
+change size (2 groups x 1 rank, x 2 ranks in two forked gloo processes, x 1 rank
+again): every rank resumes from the newest checkpoint, whichever size wrote it, and
+every step's windows are read once. Each test names the one-line bug it catches."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -48,14 +51,15 @@ def _cfg(job, gid: int, groups: int, *extra):
 
 
 class Group:
-    """One replica group of one rank in one life: a real loader and checkpoint manager
+    """One replica group's rank (of one rank, unless ``dims`` says otherwise) in one life:
+    a real loader and checkpoint manager
     (``LowestGroupSaves``), the real ``ReplicaGroup`` on the in-process quorum, resumed
     by train.py's own ``resume``."""
 
-    def __init__(self, quorum: Quorum, job, gid: int, groups: int, tokenizer):
-        self.gid, self.dims = gid, init_distributed()
+    def __init__(self, quorum: Quorum, job, gid: int, groups: int, tokenizer, dims=None):
+        self.gid, self.dims = gid, dims or init_distributed()
         self.cfg = _cfg(job, gid, groups)
-        self.loader = build_dataloader(self.cfg, tokenizer, 0, 1)
+        self.loader = build_dataloader(self.cfg, tokenizer, self.dims.dp_rank, self.dims.dp_world)
         self.model = torch.nn.Linear(4, 1, bias=False)
         self.state = TrainState()
         optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
@@ -90,11 +94,13 @@ class Group:
                 self.checkpoint.save(self.state.step)
 
 
-def _life(job, tokenizer, groups: int, rounds: list[list[int]]) -> dict[int, Group]:
-    """A launch of ``groups`` groups, each resumed; ``rounds``: the participants of each
-    step (a group absent from the rest died); every manager closed at the end."""
+def _life(job, tokenizer, groups: int, rounds: list[list[int]], dims=None) -> dict[int, Group]:
+    """A launch of ``groups`` groups, each resumed (one after the other); ``rounds``: the
+    participants of each step (a group absent from the rest died); every manager closed
+    at the end. ``dims``: each group's (this process is one rank of each), else one rank."""
     quorum = Quorum()
-    live = {g: Group(quorum, job, g, groups, tokenizer).resume() for g in range(groups)}
+    live = {g: Group(quorum, job, g, groups, tokenizer, dims and dims[g]).resume()
+            for g in range(groups)}  # fmt: skip
     loaded = {g: (x.state.step, x.loader.position.windows, x.checkpoint.loaded_from)
               for g, x in live.items()}  # fmt: skip
     for participants in rounds:
@@ -220,3 +226,141 @@ def test_a_group_that_saves_must_live_in_a_replica_folder(tmp_path):
     lines = error_lines(log)
     assert status != 0 and len(lines) == 1 and "name it <job folder>/replica_0" in lines[0], log
     parse_args([*map(str, ARGS), "--job.dump_folder", str(tmp_path / "replica_0")])
+
+
+# ---- another group size: 2 groups x 1 rank -> x 2 ranks -> x 1 rank -----------------------
+
+
+def _group_rank(rank: int, store: str, job: str, out) -> None:
+    """Group rank ``rank`` of 2 in every group of the job's second life: one forked
+    process per group rank, both groups' ranks in it (threads), as torchft pairs the same
+    group rank of every group; each group's own gloo groups over the two processes carry
+    its collectives (its checkpoint's load and save, its stop vote). Reports each
+    group's load and the windows it read at each committed step."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchtitan.parallel import ParallelDims
+
+    timeout = timedelta(seconds=20)  # a peer that failed ends this one soon after
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timeout)  # fmt: skip
+    try:
+        torch.set_num_threads(1)
+        dims = {}
+        for g in (0, 1):  # the same order in both processes
+            cpu = dist.new_group(backend="gloo", timeout=timeout)
+            control = dist.new_group(backend="gloo", timeout=timeout)
+            dims[g] = ParallelDims(rank, 2, rank, torch.device("cpu"), "gloo", cpu_group=cpu,
+                                   control_group=control)  # fmt: skip
+        cfg = _cfg(Path(job), 0, 2)
+        life = _life(Path(job), build_tokenizer(cfg.model), 2, [[0, 1], [1]], dims=dims)
+        out.put((rank, {"loaded": life["loaded"],
+                        "read": {g: x.read for g, x in life["groups"].items()}}))  # fmt: skip
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        out.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_rank_life(job, tmp) -> dict:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_group_rank, args=(r, str(tmp / "store"), str(job), out))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    failed = [f"group rank {r}: {v}" for r, v in sorted(got.items()) if isinstance(v, str)]
+    assert not failed, "\n".join(failed)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return got
+
+
+@pytest.fixture(scope="module")
+def sizes(tmp_path_factory):
+    """Three lives of one job whose groups change size: 2 groups x 1 rank (group 0 writes
+    step-4), then 2 groups x 2 ranks (forked, ``_group_rank``: both load step-4, step 5
+    by both, step 6 by group 1 alone, which writes step-6 from its 2 ranks into its own
+    folder), then 2 groups x 1 rank again (both load group 1's step-6)."""
+    tmp = tmp_path_factory.mktemp("sizes")
+    job = tmp / "job"
+    cfg = _cfg(job, 0, 2)
+    tokenizer = build_tokenizer(cfg.model)
+    plain = build_dataloader(cfg, tokenizer, 0, 1)
+    expected = [[row.tolist() for b in plain.next_step() for row in b["input"]]
+                for _ in range(STEPS)]  # fmt: skip
+    first = _life(job, tokenizer, 2, [[0, 1]] * 4)
+    second = _two_rank_life(job, tmp)
+    third = _life(job, tokenizer, 2, [[0, 1]] * 2)
+    return {"job": job, "first": first, "second": second, "third": third,
+            "expected": expected}  # fmt: skip
+
+
+def _step_windows(sizes) -> dict[int, list]:
+    """Each committed step's windows over the three lives: its participants in quorum
+    order, each group's ranks in rank order; a step committed twice fails."""
+    committed: dict[int, list] = {}
+
+    def add(step, windows):
+        assert step not in committed or committed[step] is None, f"step {step} committed twice"
+        committed[step] = windows
+
+    for life in (sizes["first"], sizes["third"]):
+        for step in sorted({s for g in life["groups"].values() for s in g.read}):
+            add(step, [w for _, g in sorted(life["groups"].items()) if step in g.read
+                       for w in g.read[step]])  # fmt: skip
+    second = sizes["second"]
+    for step in sorted({s for r in second.values() for g in r["read"].values() for s in g}):
+        add(step, [w for g in (0, 1) for r in (0, 1) for w in second[r]["read"][g].get(step, [])])
+    return committed
+
+
+def test_a_relaunch_with_another_group_size_resumes_from_the_newest_checkpoint(sizes):
+    """Groups of 2 ranks after groups of 1: both ranks of both groups load group 0's
+    step-4 (written by one rank: rank 1 reads the first loader entry) at its position;
+    groups of 1 rank after groups of 2: both load group 1's step-6 (written by two ranks,
+    in group 1's folder). Catches: a rank of the larger group finding no loader entry of
+    its own and starting the data over, and the newest checkpoint missed where a group of
+    another size wrote it."""
+    job, first, third = sizes["job"], sizes["first"], sizes["third"]
+    at_four = first["groups"][0].loader.position.windows
+    for rank, got in sizes["second"].items():
+        for group, (step, windows, source) in got["loaded"].items():
+            assert (step, windows) == (4, at_four), (rank, group)
+            assert source == str(job / "replica_0" / "checkpoint" / "step-4"), source
+    for group, (step, _, source) in third["loaded"].items():
+        assert step == 6 and source == str(job / "replica_1" / "checkpoint" / "step-6"), group
+    assert len({w for _, w, _ in third["loaded"].values()}) == 1
+
+
+def test_every_step_across_group_sizes_reads_the_uninterrupted_runs_windows_once(sizes):
+    """1 rank, then 2 ranks a group (step 6 by group 1's two ranks alone), then 1 again:
+    each committed step's windows are the uninterrupted run's, each step once. Catches:
+    a group's ranks reading as if the group had one rank (both read the same slice), a
+    split of the step over the groups but not over a group's ranks, and a resume at the
+    wrong position or step after a change of size."""
+    committed = _step_windows(sizes)
+    assert sorted(committed) == list(range(1, STEPS + 1))
+    for step, windows in committed.items():
+        assert windows == sizes["expected"][step - 1], f"step {step}"
+
+
+def test_a_larger_group_that_did_not_load_the_position_would_read_other_windows(sizes):
+    """Negative control for the two tests above: the 2-rank group's step 5 read by loaders
+    of that layout that never loaded step-4's position (the schedule's step set alone)
+    is step 1's windows, not step 5's."""
+    cfg = _cfg(sizes["job"], 1, 2)
+    tokenizer = build_tokenizer(cfg.model)
+    got = []
+    for rank in (0, 1):
+        loader = build_dataloader(cfg, tokenizer, rank, 2)
+        loader.set_step(4)
+        got += [row.tolist() for b in loader.next_step() for row in b["input"]]
+    assert got != sizes["expected"][4] and got[0] == sizes["expected"][0][0]
