@@ -56,9 +56,10 @@ class Group:
     (``LowestGroupSaves``), the real ``ReplicaGroup`` on the in-process quorum, resumed
     by train.py's own ``resume``."""
 
-    def __init__(self, quorum: Quorum, job, gid: int, groups: int, tokenizer, dims=None):
+    def __init__(self, quorum: Quorum, job, gid: int, groups: int, tokenizer, dims=None,
+                 extra=()):  # fmt: skip
         self.gid, self.dims = gid, dims or init_distributed()
-        self.cfg = _cfg(job, gid, groups)
+        self.cfg = _cfg(job, gid, groups, *extra)
         self.loader = build_dataloader(self.cfg, tokenizer, self.dims.dp_rank, self.dims.dp_world)
         self.model = torch.nn.Linear(4, 1, bias=False)
         self.state = TrainState()
@@ -94,12 +95,14 @@ class Group:
                 self.checkpoint.save(self.state.step)
 
 
-def _life(job, tokenizer, groups: int, rounds: list[list[int]], dims=None) -> dict[int, Group]:
+def _life(job, tokenizer, groups: int, rounds: list[list[int]], dims=None,
+          extra=()) -> dict[int, Group]:  # fmt: skip
     """A launch of ``groups`` groups, each resumed (one after the other); ``rounds``: the
     participants of each step (a group absent from the rest died); every manager closed
-    at the end. ``dims``: each group's (this process is one rank of each), else one rank."""
+    at the end. ``dims``: each group's (this process is one rank of each), else one rank;
+    ``extra``: more command-line arguments."""
     quorum = Quorum()
-    live = {g: Group(quorum, job, g, groups, tokenizer, dims and dims[g]).resume()
+    live = {g: Group(quorum, job, g, groups, tokenizer, dims and dims[g], extra).resume()
             for g in range(groups)}  # fmt: skip
     loaded = {g: (x.state.step, x.loader.position.windows, x.checkpoint.loaded_from)
               for g, x in live.items()}  # fmt: skip

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan import parallel
+from torchtitan.checkpoint.folder import complete_steps
 from torchtitan.checkpoint.store import is_url, store_for
 from torchtitan.checkpoint.store import join as checkpoint_join
 from torchtitan.config import ConfigError
@@ -517,6 +518,45 @@ class LowestGroupSaves:
 
     def __init__(self, checkpoint, replicas: ReplicaGroup):
         self._checkpoint, self._replicas = checkpoint, replicas
+        self._saver = False  # this group was the lowest at the last step asked about
+
+    def job_checkpoint_folders(self) -> list[str]:
+        """Every group's checkpoint folder, this group's first."""
+        cfg = self._replicas.cfg
+        own = checkpoint_join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        return [own, *peer_checkpoint_folders(cfg)]
+
+    def newest_complete(self) -> int:
+        """The job's newest complete checkpoint step in any group's folder (0: none).
+        Cost: O(groups) folder listings and one manifest test per step folder, whatever
+        the data (c4, FineWeb alike); paid on rank 0 once per change of saver."""
+        steps = [s for folder in self.job_checkpoint_folders() for s in complete_steps(folder)]
+        return max(steps, default=0)
+
+    def _takes_over(self, step: int) -> bool:
+        """Whether this group, the saver from ``step`` on and not at the step before (the
+        lowest group died or left: its save of the last due step may never have become
+        durable, a kill -9 mid-way), writes ``step`` now: where no group's folder holds a
+        complete checkpoint of the last due step (every ``checkpoint.interval``), the steps
+        since would otherwise be lost to a whole-job restart until the next due step.
+        Every rank of the group decides alike (rank 0 looks, the group is told)."""
+        interval = self._checkpoint.interval
+        due = step - step % interval
+        if not self._checkpoint.enabled or due == step or due == 0:
+            return False
+        dims = self._replicas.dims
+        newest = parallel.broadcast_from_main(
+            dims, self.newest_complete() if dims.is_main else None
+        )
+        if newest >= due:
+            return False
+        if dims.is_main:
+            logger.warning(
+                "replica group %d now writes the job's checkpoints, and the newest complete one "
+                "is step-%d, older than the due step-%d (its writer left before it was "
+                "durable): step-%d is written now", self._replicas.replica_id, newest, due, step,
+            )  # fmt: skip
+        return True
 
     def load(self) -> list[str]:
         """The job's newest checkpoint, from this group's folder or a peer's (read only:
@@ -535,7 +575,12 @@ class LowestGroupSaves:
         return loaded
 
     def should_save(self, step: int) -> bool:
-        return self._replicas.lowest and self._checkpoint.should_save(step)
+        """Due and this group's to write; or this group has just become the saver and the
+        job lacks the last due step's checkpoint (``_takes_over``)."""
+        was, self._saver = self._saver, self._replicas.lowest
+        if not self._saver:
+            return False
+        return self._checkpoint.should_save(step) or (not was and self._takes_over(step))
 
     def save(self, step: int, **kw) -> bool:
         """Save ``step`` if this group is the one that writes; whether it wrote."""

@@ -1,0 +1,216 @@
+"""Who writes the job's checkpoint when the group that writes it is gone (fast, in one
+process): the real ``ReplicaGroup`` and ``LowestGroupSaves`` on harness/ft_quorum.py's
+quorum, real loaders and real DCP checkpoints in ``<job>/replica_<i>/checkpoint``, and
+train.py's own ``save_if_due`` and ``stop_with_checkpoint`` after each committed step.
+
+- The lowest group (the saver) killed, or preempted, before the others are: the groups
+  left stop at an agreed step, and the lowest of them writes it; the others write
+  nothing and say so; a relaunch resumes from it, every step's windows once.
+- The saver dies before its due save is durable (a kill -9 during an async save leaves
+  ``step-N.partial``): the group that becomes the saver writes at once, instead of at
+  the next due step. Each test names the one-line bug it catches."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+from test_ft_elastic import STEPS, Group, _cfg, _life
+
+import train as train_script
+from harness.ft_quorum import Quorum
+from torchtitan.checkpoint import complete_steps
+from torchtitan.data import build_dataloader
+from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.faults.preemption import Preemption
+
+pytest.importorskip("torchft")
+
+LEAST_2 = ["--fault_tolerance.min_replica_groups", "2"]
+
+
+class Looped(Group):
+    """A group rank stepped as train.py's loop steps it: after a committed step, the due
+    save (``save_if_due``), then the agreed stop (``stop_with_checkpoint``: its save and
+    its log line, recorded per group)."""
+
+    def __init__(self, *a, said: dict, **k):
+        super().__init__(*a, **k)
+        self.said, self.stopped = said, None
+        self.preemption = Preemption(self.dims, [])
+
+    def try_step(self, dies: bool = False, asked: bool = False):
+        threading.current_thread().name = f"group {self.gid}"  # whose log line
+        self.replicas.asked_to_stop = lambda: asked
+        batches = self.replicas.next_step()
+        if dies:  # killed before the all-reduce
+            return
+        self.model.zero_grad()
+        (self.model.weight.sum() * float(len(batches))).backward()
+        if not self.replicas.commit(self.model.weight.sum().detach()):
+            return
+        self.state.step += 1
+        self.read[self.state.step] = [row.tolist() for b in batches for row in b["input"]]
+        run = SimpleNamespace(checkpoint=self.checkpoint, cfg=self.cfg)
+        saved = train_script.save_if_due(run, self.state.step, self.cfg.training.steps)
+        if self.replicas.stop_agreed:
+            train_script.stop_with_checkpoint(self.checkpoint, self.preemption,
+                                              self.state.step, saved)  # fmt: skip
+            self.stopped = self.state.step
+
+
+class Said(logging.Handler):
+    """The stop's log lines, by the group whose thread logged them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: dict[str, list[str]] = {}
+
+    def emit(self, record):
+        self.lines.setdefault(record.threadName, []).append(record.getMessage())
+
+
+def _said():
+    handler, logger = Said(), logging.getLogger("torchtitan")
+    logger.addHandler(handler)
+    return handler, logger
+
+
+def _step(quorum, groups: dict, live: list[int], dies=(), asked=()):
+    quorum.round(live, dies=dies)
+    quorum.run({g: (lambda g=g: groups[g].try_step(g in dies, g in asked)) for g in live})
+
+
+def _expected(job, tokenizer, *extra) -> list[list]:
+    plain = build_dataloader(_cfg(job, 0, 1, *extra), tokenizer, 0, 1)
+    return [[row.tolist() for b in plain.next_step() for row in b["input"]]
+            for _ in range(STEPS)]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["killed", "preempted"])
+def saver_gone(request, tmp_path_factory):
+    """3 groups, min_replica_groups 2, a save every 2 steps. Group 0, the saver, is
+    killed during step 3 (``killed``: groups 1 and 2 try step 3 again) or signalled at
+    step 2 (``preempted``: it leaves after step 2, which it writes; 2 groups are left,
+    enough to train on). Group 2 is signalled at step 5: 1 of 2 leaves, too few are left,
+    so groups 1 and 2 stop after step 5, and group 1, now the lowest, writes it. Then the
+    whole job is launched again (3 groups, steps 6-8)."""
+    job = tmp_path_factory.mktemp(f"saver_{request.param}") / "job"
+    tokenizer = build_tokenizer(_cfg(job, 0, 3).model)
+    quorum, said = Quorum(), {}
+    groups = {g: Looped(quorum, job, g, 3, tokenizer, extra=LEAST_2, said=said).resume()
+              for g in range(3)}  # fmt: skip
+    handler, logger = _said()
+    try:
+        if request.param == "killed":
+            _step(quorum, groups, [0, 1, 2])
+            _step(quorum, groups, [0, 1, 2])
+            _step(quorum, groups, [0, 1, 2], dies=(0,))  # not committed
+        else:
+            _step(quorum, groups, [0, 1, 2])
+            _step(quorum, groups, [0, 1, 2], asked=(0,))
+        _step(quorum, groups, [1, 2])  # step 3
+        _step(quorum, groups, [1, 2])  # step 4
+        _step(quorum, groups, [1, 2], asked=(2,))  # step 5: both stop
+    finally:
+        logger.removeHandler(handler)
+        for group in groups.values():
+            group.checkpoint.close()
+    again = _life(job, tokenizer, 3, [[0, 1, 2]] * 3, extra=LEAST_2)
+    return {"job": job, "case": request.param, "groups": groups, "said": handler.lines,
+            "again": again, "expected": _expected(job, tokenizer)}  # fmt: skip
+
+
+def _stop_line(said: dict, gid: int) -> str:
+    lines = [line for line in said.get(f"group {gid}", []) if line.startswith("preempted")]
+    assert len(lines) == 1, said
+    return lines[0]
+
+
+def test_when_the_saver_is_gone_the_lowest_group_left_writes_the_agreed_stop(saver_gone):
+    """Groups 1 and 2 stop after step 5; group 1 writes step-5 (complete, in its own
+    folder) and says so; group 2 writes nothing and says that. Negative control: the
+    group that is not the lowest has no checkpoint and no line claiming one. Catches:
+    the saver pinned to group 0 (the lowest at the start: nobody writes step-5), every
+    group writing at the stop, and a stop line that claims a checkpoint nobody wrote."""
+    job, groups, said = saver_gone["job"], saver_gone["groups"], saver_gone["said"]
+    assert (groups[1].stopped, groups[2].stopped) == (5, 5)
+    assert complete_steps(str(job / "replica_1" / "checkpoint"))[:2] == [4, 5]
+    assert "checkpoint step-5 written" in _stop_line(said, 1)
+    assert not (job / "replica_2" / "checkpoint").exists() or not complete_steps(
+        str(job / "replica_2" / "checkpoint")
+    )
+    line = _stop_line(said, 2)
+    assert "written" not in line and "no checkpoint from this replica group" in line, line
+    if saver_gone["case"] == "preempted":  # group 0 left after step 2: the lowest, it wrote it
+        assert groups[0].stopped == 2 and "checkpoint step-2 written" in _stop_line(said, 0)
+    before = [s for s in complete_steps(str(job / "replica_0" / "checkpoint")) if s <= 5]
+    assert before == [2]  # (the relaunch's group 0 writes steps 6 and 8)
+
+
+def test_the_relaunch_resumes_from_the_stop_and_reads_every_step_once(saver_gone):
+    """Catches: the stop's checkpoint missing (the relaunch from step-4 or step-2 reads
+    steps again) or torn."""
+    job, again = saver_gone["job"], saver_gone["again"]
+    for group, (step, _, source) in again["loaded"].items():
+        assert (step, source) == (5, str(job / "replica_1" / "checkpoint" / "step-5")), group
+    committed: dict[int, list] = {}
+    for life in (saver_gone["groups"], again["groups"]):
+        for step in sorted({s for g in life.values() for s in g.read}):
+            assert step not in committed, f"step {step} committed twice"
+            committed[step] = [w for _, g in sorted(life.items()) if step in g.read
+                               for w in g.read[step]]  # fmt: skip
+    assert sorted(committed) == list(range(1, STEPS + 1))
+    for step, windows in committed.items():
+        assert windows == saver_gone["expected"][step - 1], f"step {step}"
+
+
+# ---- the saver dies before its due save is durable ------------------------------------------
+
+EVERY_4 = ["--checkpoint.interval", "4", "--training.steps", "10"]
+
+
+@pytest.fixture(scope="module", params=["torn", "durable"])
+def taken_over(request, tmp_path_factory):
+    """2 groups, a save every 4 steps, 10 steps. Group 0 writes step-4 and step-8, then
+    dies; with ``torn``, its step-8 is left as a kill -9 during the async save leaves it
+    (``step-8.partial``, no manifest). Group 1 trains steps 9 and 10 alone."""
+    job = tmp_path_factory.mktemp(f"takeover_{request.param}") / "job"
+    tokenizer = build_tokenizer(_cfg(job, 0, 2).model)
+    quorum = Quorum()
+    groups = {g: Looped(quorum, job, g, 2, tokenizer, extra=EVERY_4, said={}).resume()
+              for g in range(2)}  # fmt: skip
+    handler, logger = _said()
+    try:
+        for _ in range(8):
+            _step(quorum, groups, [0, 1])
+        groups[0].checkpoint.close()
+        if request.param == "torn":
+            folder = job / "replica_0" / "checkpoint"
+            os.rename(folder / "step-8", folder / "step-8.partial")
+            os.remove(folder / "step-8.partial" / "manifest.json")
+        for _ in range(2):
+            _step(quorum, groups, [1])
+    finally:
+        logger.removeHandler(handler)
+        groups[1].checkpoint.close()
+    return {"job": job, "case": request.param, "said": handler.lines.get("group 1", [])}
+
+
+def test_a_new_saver_writes_at_once_where_the_last_due_save_is_not_durable(taken_over):
+    """torn: group 1, the saver from step 9, finds no complete step-8 in any group's
+    folder and writes step-9 at once (and says why), then step-10 (the last). Negative
+    control, durable: step-8 complete in group 0's folder, group 1 writes step-10 only.
+    Catches: the new saver waiting for the next due step (a whole-job restart before it
+    would lose steps 5-9), and a take-over that ignores the other groups' folders (it
+    would write step-9 in the durable case too)."""
+    folder = str(taken_over["job"] / "replica_1" / "checkpoint")
+    took = [line for line in taken_over["said"] if "now writes the job's checkpoints" in line]
+    if taken_over["case"] == "torn":
+        assert complete_steps(folder) == [9, 10]
+        assert len(took) == 1 and "step-4, older than the due step-8" in took[0], took
+    else:
+        assert complete_steps(folder) == [10] and not took
