@@ -6,7 +6,8 @@ per-step quorum through torchft's ``Manager`` and lighthouse (reached within
 ``quorum_timeout_seconds`` at the start, or one line), the cross-group all-reduce of
 the gradients (and of the loss, for the log, and of the group's stop vote), the commit
 vote, healing a joining group from a live peer (``peer_state``, ``load_peer_state``),
-and the checkpoint manager that writes only in the lowest group and resumes every group
+and the checkpoint manager that writes only in the lowest group (a group that becomes the
+lowest writes at once where the job lacks its last due checkpoint) and resumes every group
 from the job's newest checkpoint, in whichever group's folder (``LowestGroupSaves``,
 ``group_folders``), and the marker of a finished job that stops a group started after
 it (``job_finished``, ``ReplicaGroup.finish``).
