@@ -250,7 +250,11 @@ def train_loop(run: Run, preemption: Preemption):
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
         while state.step < last_step:
             begin = time.perf_counter()
-            batches, data_wait_s = next_batches(feed)
+            try:
+                batches, data_wait_s = next_batches(feed)
+            except fault_tolerance.StoppedWaiting:  # asked to stop; no quorum can come
+                stop_with_checkpoint(run.checkpoint, preemption, state.step, False, alone=True)
+                break
             loss, grad_norm, lr = step(batches)
             if loss is None:  # fault tolerance: not committed; retried with the same windows
                 continue
@@ -325,11 +329,14 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
         )  # fmt: skip
 
 
-def stop_with_checkpoint(checkpoint, preemption: Preemption, step: int, saved: bool):
+def stop_with_checkpoint(checkpoint, preemption: Preemption, step: int, saved: bool,
+                         alone: bool = False):  # fmt: skip
     """The preemption's stop after ``step``: its checkpoint (unless this step's save
     already wrote it), the manager closed, and a log line that says whether this
-    process's group wrote it (fault tolerance: only the lowest live group does)."""
-    written = saved or checkpoint.save(step) is not False
+    process's group wrote it (fault tolerance: only the lowest live group does; a group
+    that stopped waiting for a quorum, ``alone``, writes its own)."""
+    save = checkpoint.save_alone if alone else checkpoint.save
+    written = saved or save(step) is not False
     checkpoint.close()
     preemption.said_stop(step, written)
 

@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from datetime import timedelta
 
@@ -87,9 +88,22 @@ GROUP_FOLDER = re.compile(r"replica_(\d+)")
 FINISHED = "fault_tolerance_finished.json"
 
 
+# How often the loop's thread looks at the stop flag while torchft waits for a quorum.
+QUORUM_POLL_S = 0.1
+
+
 class FaultToleranceError(RuntimeError):
     """A fault-tolerance step that cannot go on (no quorum within its timeout, a heal
     that failed): one line, the group stops."""
+
+
+class StoppedWaiting(Exception):
+    """This group, asked to stop, gave up waiting for a quorum (too few live groups):
+    it stops after ``step``, its last committed step, which it writes itself."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped waiting for a quorum after step {step}")
+        self.step = step
 
 
 def check_config(cfg) -> None:
@@ -364,6 +378,10 @@ class ReplicaGroup:
         # too few groups would be left after those that were).
         self.asked_to_stop = lambda: False
         self.stop_agreed = False
+        # A heal writes the state in torchft's quorum thread: a group that gives up
+        # waiting (``_quorum_or_stop``) does so between heals, never during one.
+        self._heal_lock = threading.Lock()
+        self._gave_up = False
         # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
         self._events = None
         if dims.is_main:
@@ -387,16 +405,59 @@ class ReplicaGroup:
             self.manager.load_state_dict({"step": self.train_state.step, "batches_committed": 0})
             self._synced = True
         begin = time.perf_counter()
-        try:
-            self.manager.start_quorum()
-        except Exception as e:  # noqa: BLE001 - one line: the lighthouse or the quorum failed
-            raise self._no_quorum(e) from None
+        if not self._quorum_or_stop():
+            raise StoppedWaiting(self.train_state.step)
         self.quorum_s = time.perf_counter() - begin
         participant, self.participants = self.participation()
         split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
         return self.loader.next_step()
+
+    def _quorum_or_stop(self) -> bool:
+        """torchft's ``start_quorum`` (a heal included) in a thread of its own, while the
+        loop's thread looks every ``QUORUM_POLL_S`` whether the group was asked to stop:
+        True once every rank of the group has its quorum; False where the group, asked to
+        stop, has waited ``fault_tolerance.timeout_seconds`` (the longest a live peer may
+        lag: a collective with it would fail after that): its peers are gone, too few are
+        left for a quorum, and it stops after its last committed step instead of waiting
+        ``quorum_timeout_seconds`` for nothing. The ranks of the group decide alike (the
+        flags travel in the group's control all-reduce). Cost: one 4-byte all-reduce
+        inside the group per look, one per step where the quorum is quick."""
+        done, failed = threading.Event(), []
+        device = self.dims.device
+
+        def quorum():
+            try:
+                if device.type == "cuda":  # the heal's tensors land on this rank's device
+                    torch.cuda.set_device(device)
+                self.manager.start_quorum()
+            except Exception as e:  # noqa: BLE001 - raised in the loop's thread below
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=quorum, name="ft-quorum", daemon=True).start()
+        begin, patience = time.monotonic(), self.cfg.fault_tolerance.timeout_seconds
+        while True:
+            done.wait(QUORUM_POLL_S)
+            if not parallel.any_rank(self.dims, not done.is_set()):
+                break
+            waited = time.monotonic() - begin >= patience
+            if parallel.any_rank(self.dims, waited and self.asked_to_stop()):
+                with self._heal_lock:  # a heal under way finishes first; none starts after
+                    self._gave_up = True
+                if self.dims.is_main:
+                    logger.warning(
+                        "replica group %d: asked to stop, and no quorum within "
+                        "fault_tolerance.timeout_seconds %g (too few live groups): it stops "
+                        "after step %d, its last committed step", self.replica_id, patience,
+                        self.train_state.step,
+                    )  # fmt: skip
+                return False
+        if failed:  # one line: the lighthouse or the quorum failed
+            raise self._no_quorum(failed[0]) from None
+        return True
 
     def _no_quorum(self, e: Exception) -> FaultToleranceError:
         """The one line for a quorum that did not come within its timeout: the lighthouse
@@ -477,8 +538,14 @@ class ReplicaGroup:
         return peer_state(self.components)
 
     def _heal(self, state: dict):
-        """Load a peer's state (torchft calls it in the loop's thread, inside
-        ``start_quorum``), then reseed this group's RNG streams for the step healed at."""
+        """Load a peer's state (torchft calls it inside ``start_quorum``, in the quorum
+        thread while the loop's waits), then reseed this group's RNG streams for the step
+        healed at. Nothing, once the group gave up waiting (it is saving its own state)."""
+        with self._heal_lock:
+            if not self._gave_up:
+                self._load_healed(state)
+
+    def _load_healed(self, state: dict):
         begin = time.perf_counter()
         load_peer_state(self.components, state)
         self.healed_at = self.train_state.step
@@ -527,12 +594,15 @@ class LowestGroupSaves:
         own = checkpoint_join(cfg.job.dump_folder, cfg.checkpoint.folder)
         return [own, *peer_checkpoint_folders(cfg)]
 
+    def job_complete_steps(self) -> set[int]:
+        """The steps with a complete checkpoint in any group's folder. Cost: O(groups)
+        folder listings and one manifest test per step folder, whatever the data (c4,
+        FineWeb alike); paid on rank 0 once per change of saver, and at a stop alone."""
+        return {s for folder in self.job_checkpoint_folders() for s in complete_steps(folder)}
+
     def newest_complete(self) -> int:
-        """The job's newest complete checkpoint step in any group's folder (0: none).
-        Cost: O(groups) folder listings and one manifest test per step folder, whatever
-        the data (c4, FineWeb alike); paid on rank 0 once per change of saver."""
-        steps = [s for folder in self.job_checkpoint_folders() for s in complete_steps(folder)]
-        return max(steps, default=0)
+        """The job's newest complete checkpoint step in any group's folder (0: none)."""
+        return max(self.job_complete_steps(), default=0)
 
     def _takes_over(self, step: int) -> bool:
         """Whether this group, the saver from ``step`` on and not at the step before (the
@@ -582,6 +652,25 @@ class LowestGroupSaves:
         if not self._saver:
             return False
         return self._checkpoint.should_save(step) or (not was and self._takes_over(step))
+
+    def save_alone(self, step: int) -> bool:
+        """The stop of a group that gave up waiting for a quorum (``StoppedWaiting``): no
+        quorum says who writes, so it writes its last committed ``step`` in its own
+        folder, unless some group's folder holds it complete already (its due save);
+        whether the job has it. Every group that stops so writes the same state (the
+        groups are equal after every commit). Not where the group's ranks stand at other
+        steps (a heal that reached some of them): nothing consistent to write."""
+        dims = self._replicas.dims
+        if len(set(parallel.all_gather_objects(dims, step))) > 1:
+            return False
+        if step == 0 or not self._checkpoint.enabled:
+            return False
+        held = parallel.broadcast_from_main(
+            dims, step in self.job_complete_steps() if dims.is_main else None
+        )
+        if not held:
+            self._checkpoint.save(step)
+        return True
 
     def save(self, step: int, **kw) -> bool:
         """Save ``step`` if this group is the one that writes; whether it wrote."""
