@@ -4,7 +4,9 @@ and stop agreement) runs in a fast test, with no lighthouse and no process group
 
 A test decides each round (``Quorum.round``): who takes part, who dies during the step
 (it never reaches the all-reduce: nobody commits, as when torchft's all-reduce
-breaks), and whether the vote fails anyway. Each group's try runs in a thread of its
+breaks), whether the vote fails anyway, and whether the quorum stalls (too few live
+groups: it comes when the test calls ``release``, or fails after ``stall`` seconds as
+torchft's does after its quorum timeout). Each group's try runs in a thread of its
 own (``Quorum.run``): the all-reduce waits for every live participant's buffer and
 averages them, as torchft's does. A group behind the quorum's highest step heals
 inside its ``start_quorum`` from the lowest participant at that step (its
@@ -43,9 +45,11 @@ class Quorum:
         self.managers[group] = Manager(self, group)
         return self.managers[group]
 
-    def round(self, participants: list[int], dies: tuple = (), fails: bool = False):
+    def round(self, participants: list[int], dies: tuple = (), fails: bool = False,
+              stall: float = 0.0):  # fmt: skip
         """The next quorum: ``participants`` (group ids, in the order torchft ranks them),
-        ``dies`` of them never reach the all-reduce, and ``fails``: the vote says no."""
+        ``dies`` of them never reach the all-reduce, ``fails``: the vote says no, and
+        ``stall``: the quorum waits for ``release`` that long, then fails."""
         live = [g for g in participants if g not in dies]
         top = max(self.managers[g].step for g in participants)
         self._round = {
@@ -55,7 +59,12 @@ class Quorum:
             "source": min(g for g in participants if self.managers[g].step == top),
             "behind": any(self.managers[g].step < top for g in participants),
             "sent": None, "ready": threading.Event(),
+            "stall": stall, "released": threading.Event(),
         }  # fmt: skip
+
+    def release(self):
+        """The stalled quorum comes (the groups it waited for are back)."""
+        self._round["released"].set()
 
     def run(self, tries: dict):
         """Run ``{group: fn}`` each in its own thread (one try of a step); re-raise the
@@ -91,6 +100,8 @@ class Manager:
 
     def start_quorum(self):
         r = self.quorum._round
+        if r["stall"] and not r["released"].wait(timeout=r["stall"]):
+            raise TimeoutError("Timeout expired")  # as torchft says it after its quorum timeout
         if r["behind"] and self.group == r["source"]:  # sends its state from its quorum
             r["sent"] = self.replica._peer_state()
             r["ready"].set()

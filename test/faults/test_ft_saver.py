@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from harness.ft_quorum import Quorum
 from torchtitan.checkpoint import complete_steps
 from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.faults.fault_tolerance import FaultToleranceError, StoppedWaiting
 from torchtitan.faults.preemption import Preemption
 
 pytest.importorskip("torchft")
@@ -45,7 +47,13 @@ class Looped(Group):
     def try_step(self, dies: bool = False, asked: bool = False):
         threading.current_thread().name = f"group {self.gid}"  # whose log line
         self.replicas.asked_to_stop = lambda: asked
-        batches = self.replicas.next_step()
+        try:
+            batches = self.replicas.next_step()
+        except StoppedWaiting:  # asked to stop, and no quorum came: train.py's stop alone
+            train_script.stop_with_checkpoint(self.checkpoint, self.preemption,
+                                              self.state.step, False, alone=True)  # fmt: skip
+            self.stopped = self.state.step
+            return
         if dies:  # killed before the all-reduce
             return
         self.model.zero_grad()
@@ -214,3 +222,80 @@ def test_a_new_saver_writes_at_once_where_the_last_due_save_is_not_durable(taken
         assert len(took) == 1 and "step-4, older than the due step-8" in took[0], took
     else:
         assert complete_steps(folder) == [10] and not took
+
+
+# ---- a group left alone below min_replica_groups, then signalled -----------------------------
+
+
+def _left_alone(tmp_path, *, asked: bool, patience: float, stall: float, release_after=None):
+    """2 groups, min_replica_groups 2, a save every 4 steps. Steps 1-3 by both; group 0
+    dies during step 4; group 1's next quorum stalls (too few live groups), ``asked``
+    to stop or not, its patience ``fault_tolerance.timeout_seconds``; the quorum comes
+    after ``release_after`` seconds, or never (it fails after ``stall``)."""
+    job = tmp_path / "job"
+    extra = [*LEAST_2, *EVERY_4, "--fault_tolerance.timeout_seconds", patience]
+    tokenizer = build_tokenizer(_cfg(job, 0, 2).model)
+    quorum, said = Quorum(), {}
+    groups = {g: Looped(quorum, job, g, 2, tokenizer, extra=extra, said=said).resume()
+              for g in range(2)}  # fmt: skip
+    handler, logger = _said()
+    error, took = None, None
+    try:
+        for _ in range(3):
+            _step(quorum, groups, [0, 1])
+        _step(quorum, groups, [0, 1], dies=(0,))  # step 4: group 0 killed
+        groups[0].checkpoint.close()
+        quorum.round([1], stall=stall)
+        if release_after is not None:
+            threading.Timer(release_after, quorum.release).start()
+        begin = time.monotonic()
+        try:
+            quorum.run({1: lambda: groups[1].try_step(asked=asked)})
+        except FaultToleranceError as e:
+            error = str(e)
+        took = time.monotonic() - begin
+    finally:
+        quorum.release()  # a quorum thread still waiting ends
+        logger.removeHandler(handler)
+        groups[1].checkpoint.close()
+    return {"job": job, "group": groups[1], "said": handler.lines.get("group 1", []),
+            "error": error, "took": took}  # fmt: skip
+
+
+def test_a_signalled_group_left_below_min_groups_writes_its_last_step_and_stops(tmp_path):
+    """Group 1, signalled while it waits for a quorum that cannot come (group 0 died,
+    min_replica_groups 2), gives up after fault_tolerance.timeout_seconds (0.3 s), not
+    the quorum's own timeout (5 s): it stops after step 3, its last committed step, and
+    writes step-3 in its own folder (no quorum says who writes), and says so; a
+    relaunch resumes from it. Catches: the wait that never looks at the flag (it fails
+    after 5 s, without a save), a stop alone that writes nothing, or one that claims a
+    checkpoint it did not write."""
+    got = _left_alone(tmp_path, asked=True, patience=0.3, stall=5.0)
+    assert got["error"] is None and got["group"].stopped == 3 and got["took"] < 2, got
+    assert complete_steps(str(got["job"] / "replica_1" / "checkpoint")) == [3]
+    assert any("stops after step 3" in line for line in got["said"]), got["said"]
+    assert "checkpoint step-3 written" in _stop_line({"group 1": got["said"]}, 1)
+    again = _life(got["job"], build_tokenizer(_cfg(got["job"], 0, 2).model), 2, [[0, 1]],
+                  extra=[*LEAST_2, *EVERY_4])  # fmt: skip
+    step_3 = str(got["job"] / "replica_1" / "checkpoint" / "step-3")
+    assert [(step, source) for step, _, source in again["loaded"].values()] == [(3, step_3)] * 2
+
+
+def test_a_group_left_alone_without_a_signal_fails_on_the_quorum_timeout(tmp_path):
+    """Negative control: the same stalled quorum without a signal ends as before, with
+    the quorum's one-line error after its timeout (1 s), and no checkpoint."""
+    got = _left_alone(tmp_path, asked=False, patience=0.3, stall=1.0)
+    assert got["error"] and "no quorum" in got["error"] and got["took"] >= 1, got
+    assert got["group"].stopped is None
+    assert not complete_steps(str(got["job"] / "replica_1" / "checkpoint"))
+
+
+def test_a_signalled_group_waits_for_a_quorum_that_comes(tmp_path):
+    """Negative control: a signalled group whose quorum comes within its patience (the
+    peers were slower, not gone) trains the step and stops after it as agreed, the
+    lowest writing it (step-4). Catches: giving up at once on a signal (a group would
+    leave a quorum that its live peers are about to complete)."""
+    got = _left_alone(tmp_path, asked=True, patience=3.0, stall=5.0, release_after=0.3)
+    assert got["error"] is None and got["group"].stopped == 4, got
+    assert complete_steps(str(got["job"] / "replica_1" / "checkpoint")) == [4]
+    assert not any("stops after step" in line for line in got["said"]), got["said"]
