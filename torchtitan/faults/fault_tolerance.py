@@ -3,7 +3,8 @@
 Owns: the ``[fault_tolerance]`` section's own rules (``check_config``: torchft present,
 the layouts it fits), this replica group's place in the job (``ReplicaGroup``): the
 per-step quorum through torchft's ``Manager`` and lighthouse (reached within
-``quorum_timeout_seconds`` at the start, or one line), the cross-group all-reduce of
+``quorum_timeout_seconds`` at the start, or one line; given up by a group asked to stop
+whose peers are gone, ``StoppedWaiting``), the cross-group all-reduce of
 the gradients (and of the loss, for the log, and of the group's stop vote), the commit
 vote, healing a joining group from a live peer (``peer_state``, ``load_peer_state``),
 and the checkpoint manager that writes only in the lowest group (a group that becomes the
