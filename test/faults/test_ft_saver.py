@@ -299,3 +299,67 @@ def test_a_signalled_group_waits_for_a_quorum_that_comes(tmp_path):
     assert got["error"] is None and got["group"].stopped == 4, got
     assert complete_steps(str(got["job"] / "replica_1" / "checkpoint")) == [4]
     assert not any("stops after step" in line for line in got["said"]), got["said"]
+
+
+def _refused(tmp_path, *, asked: bool, lone: bool) -> dict:
+    """2 groups, min_replica_groups 2, a lighthouse whose --min_replicas is 1: steps 1-3
+    by both; then (``lone``) group 0 dies and group 1 gets quorums of itself alone whose
+    commits torchft refuses, or (not ``lone``) both take part and a vote fails; group 1
+    ``asked`` to stop or not; three more rounds."""
+    job = tmp_path / "job"
+    extra = [*LEAST_2, *EVERY_4]
+    tokenizer = build_tokenizer(_cfg(job, 0, 2).model)
+    quorum, said = Quorum(), {}
+    groups = {g: Looped(quorum, job, g, 2, tokenizer, extra=extra, said=said).resume()
+              for g in range(2)}  # fmt: skip
+    handler, logger = _said()
+    try:
+        for _ in range(3):
+            _step(quorum, groups, [0, 1])
+        live = [1] if lone else [0, 1]
+        if lone:
+            _step(quorum, groups, [0, 1], dies=(0,))  # step 4: group 0 killed
+        quorum.round(live, fails=True)  # a vote that says no
+        quorum.run({g: (lambda g=g: groups[g].try_step(asked=asked and g == 1)) for g in live})
+        for _ in range(2):
+            if not groups[1].stopped:
+                quorum.round(live, fails=lone)  # alone: torchft refuses every commit
+                quorum.run({g: (lambda g=g: groups[g].try_step(asked=asked and g == 1))
+                            for g in live})  # fmt: skip
+    finally:
+        logger.removeHandler(handler)
+        for group in groups.values():
+            group.checkpoint.close()
+    return {"job": job, "groups": groups, "said": handler.lines.get("group 1", [])}
+
+
+def test_a_signalled_group_whose_lone_commits_are_refused_writes_its_last_step(tmp_path):
+    """The lighthouse gives group 1 quorums of itself alone (its --min_replicas 1 below
+    min_replica_groups 2) and torchft refuses each commit: signalled, group 1 stops after
+    step 3, its last committed step, writes it and says so, instead of trying step 4 for
+    ever with its stop vote never read. Catches: the stop read only from committed steps
+    (a lone group never stops)."""
+    got = _refused(tmp_path, asked=True, lone=True)
+    assert got["groups"][1].stopped == 3
+    assert complete_steps(str(got["job"] / "replica_1" / "checkpoint")) == [3]
+    assert any("cannot be committed with 1 of" in line for line in got["said"]), got["said"]
+    assert "checkpoint step-3 written" in _stop_line({"group 1": got["said"]}, 1)
+
+
+def test_a_lone_group_not_signalled_keeps_trying(tmp_path):
+    """Negative control: not signalled, the lone group keeps trying step 4 (it waits for
+    its peers as torchft does): no stop, no checkpoint."""
+    quiet = _refused(tmp_path, asked=False, lone=True)
+    assert quiet["groups"][1].stopped is None and quiet["groups"][1].state.step == 3
+    assert not complete_steps(str(quiet["job"] / "replica_1" / "checkpoint"))
+
+
+def test_a_failed_vote_with_enough_groups_is_retried_not_a_stop_alone(tmp_path):
+    """Negative control: signalled while both groups take part and one vote fails, the
+    step is tried again and the stop agreed after it (group 0, the lowest, writes step-4).
+    Catches: a stop alone on any failed vote (a transient failure would scatter the
+    groups' stops)."""
+    both = _refused(tmp_path, asked=True, lone=False)
+    assert (both["groups"][0].stopped, both["groups"][1].stopped) == (4, 4)
+    assert complete_steps(str(both["job"] / "replica_0" / "checkpoint")) == [4]
+    assert not complete_steps(str(both["job"] / "replica_1" / "checkpoint"))

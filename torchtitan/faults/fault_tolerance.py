@@ -402,6 +402,8 @@ class ReplicaGroup:
     def next_step(self) -> list[dict]:
         """The next step's micro-batches for this rank: a quorum first (healing this group
         from a peer when it is behind), then the loader split over the participants."""
+        if self._gave_up:  # asked to stop, and too few groups to commit (``commit``)
+            raise StoppedWaiting(self.train_state.step)
         if not self._synced:  # the committed step count is the train state's (a resume)
             self.manager.load_state_dict({"step": self.train_state.step, "batches_committed": 0})
             self._synced = True
@@ -522,6 +524,19 @@ class ReplicaGroup:
                                self._try.number, leaving, self.participants,
                                "; too few are left: this one stops too" if self.stop_agreed
                                else "; this one trains on")  # fmt: skip
+        elif asked and self.participants < self.cfg.fault_tolerance.min_replica_groups:
+            # A lighthouse whose --min_replicas is below min_replica_groups gives a lone
+            # group quorums whose commits torchft refuses: it would retry for ever, and
+            # its stop vote, counted only in a committed step, would never be read.
+            self._gave_up = True
+            if self.dims.is_main:
+                logger.warning(
+                    "replica group %d: asked to stop, and step %d cannot be committed with %d "
+                    "of fault_tolerance.min_replica_groups %d groups: it stops after step %d, "
+                    "its last committed step", self.replica_id, self._try.number,
+                    self.participants, self.cfg.fault_tolerance.min_replica_groups,
+                    self._try.number - 1,
+                )  # fmt: skip
         else:
             logger.warning("step %d not committed: it is tried again with the same windows",
                            self._try.number)  # fmt: skip
