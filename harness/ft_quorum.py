@@ -30,6 +30,11 @@ from urllib.parse import urlsplit
 
 import torch
 
+# A participant that never reaches the all-reduce breaks it after this long (torchft's
+# fails after fault_tolerance.timeout_seconds): a test whose group leaves a round it is
+# in fails in seconds, not at the test's time limit.
+ALLREDUCE_TIMEOUT_S = 10.0
+
 
 class _Done:
     def wait(self):
@@ -54,7 +59,7 @@ class Quorum:
         top = max(self.managers[g].step for g in participants)
         self._round = {
             "participants": sorted(participants), "dies": set(dies), "fails": fails,
-            "barrier": threading.Barrier(len(live)), "sum": None, "lock": threading.Lock(),
+            "barrier": threading.Barrier(len(live), timeout=ALLREDUCE_TIMEOUT_S), "sum": None, "lock": threading.Lock(),
             "top": top,
             "source": min(g for g in participants if self.managers[g].step == top),
             "behind": any(self.managers[g].step < top for g in participants),
