@@ -25,7 +25,7 @@ from helpers import CONFIG, error_lines, run_main
 
 import train as train_script
 from harness.ft_quorum import Quorum
-from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.checkpoint import CheckpointManager, TrainState, complete_steps
 from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
@@ -258,14 +258,45 @@ def _group_rank(rank: int, store: str, job: str, out) -> None:
             control = dist.new_group(backend="gloo", timeout=timeout)
             dims[g] = ParallelDims(rank, 2, rank, torch.device("cpu"), "gloo", cpu_group=cpu,
                                    control_group=control)  # fmt: skip
-        cfg = _cfg(Path(job), 0, 2)
-        life = _life(Path(job), build_tokenizer(cfg.model), 2, [[0, 1], [1]], dims=dims)
-        out.put((rank, {"loaded": life["loaded"],
+        tokenizer = build_tokenizer(_cfg(Path(job), 0, 2).model)
+        life = _life(Path(job), tokenizer, 2, [[0, 1], [1]], dims=dims)
+        alone = _stops_alone(Path(job).parent / "alone", tokenizer, dims[1], rank)
+        out.put((rank, {"loaded": life["loaded"], "alone": alone,
                         "read": {g: x.read for g, x in life["groups"].items()}}))  # fmt: skip
     except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
         out.put((rank, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+def _stops_alone(job, tokenizer, dims, rank: int) -> dict:
+    """Group 1 of 2 ranks alone in another job (its peer gone): one committed step, then a
+    quorum that stalls while the signal reaches group rank 1 only; fault_tolerance.
+    timeout_seconds 0.5. What this rank did: the step it stopped after (None: it did not
+    give up), whether the stop's checkpoint was written, how long the wait took."""
+    import time
+
+    from torchtitan.faults.fault_tolerance import StoppedWaiting
+
+    quorum = Quorum()
+    group = Group(quorum, job, 1, 2, tokenizer, dims,
+                  extra=["--fault_tolerance.timeout_seconds", "0.5"]).resume()  # fmt: skip
+    stopped = written = None
+    try:
+        quorum.round([1])
+        quorum.run({1: group.try_step})
+        quorum.round([1], stall=10.0)  # too few groups: no quorum comes
+        group.replicas.asked_to_stop = lambda: rank == 1
+        begin = time.monotonic()
+        try:
+            group.replicas.next_step()
+        except StoppedWaiting as e:
+            stopped, written = e.step, group.checkpoint.save_alone(e.step)
+        took = time.monotonic() - begin
+    finally:
+        quorum.release()
+        group.checkpoint.close()
+    return {"stopped": stopped, "written": written, "took": took}
 
 
 def _two_rank_life(job, tmp) -> dict:
@@ -367,3 +398,17 @@ def test_a_larger_group_that_did_not_load_the_position_would_read_other_windows(
         loader.set_step(4)
         got += [row.tolist() for b in loader.next_step() for row in b["input"]]
     assert got != sizes["expected"][4] and got[0] == sizes["expected"][0][0]
+
+
+def test_a_two_rank_group_left_alone_stops_together_on_one_ranks_signal(sizes):
+    """Group 1 of 2 ranks, alone (its peer gone), its quorum stalled, the signal at its
+    rank 1 only: both ranks give up the wait at the same look (fault_tolerance.
+    timeout_seconds 0.5, not the stall's 10 s), stop after step 1 and write step-1
+    together (a DCP save over the group's two processes). Catches: the give-up decided
+    per rank (rank 0, not signalled, waits on; rank 1's save then breaks), the flags of
+    the look not agreed inside the group."""
+    alone = [sizes["second"][r]["alone"] for r in (0, 1)]
+    assert [(a["stopped"], a["written"]) for a in alone] == [(1, True)] * 2, alone
+    assert all(a["took"] < 3 for a in alone), alone
+    folder = sizes["job"].parent / "alone" / "replica_1" / "checkpoint"
+    assert complete_steps(str(folder)) == [1]
