@@ -32,6 +32,7 @@ from torchtitan.faults.preemption import Preemption
 pytest.importorskip("torchft")
 
 LEAST_2 = ["--fault_tolerance.min_replica_groups", "2"]
+LEAST_3 = ["--fault_tolerance.min_replica_groups", "3"]
 
 
 class Looped(Group):
@@ -100,34 +101,34 @@ def _expected(job, tokenizer, *extra) -> list[list]:
 
 @pytest.fixture(scope="module", params=["killed", "preempted"])
 def saver_gone(request, tmp_path_factory):
-    """3 groups, min_replica_groups 2, a save every 2 steps. Group 0, the saver, is
-    killed during step 3 (``killed``: groups 1 and 2 try step 3 again) or signalled at
-    step 2 (``preempted``: it leaves after step 2, which it writes; 2 groups are left,
-    enough to train on). Group 2 is signalled at step 5: 1 of 2 leaves, too few are left,
-    so groups 1 and 2 stop after step 5, and group 1, now the lowest, writes it. Then the
-    whole job is launched again (3 groups, steps 6-8)."""
+    """4 groups, min_replica_groups 3, a save every 2 steps. Group 0, the saver, is
+    killed during step 3 (``killed``: groups 1-3 try step 3 again) or signalled at step 2
+    (``preempted``: it leaves after step 2, which it writes; 3 groups are left, enough to
+    train on). Group 3 is signalled at step 5: 1 of 3 leaves, too few are left, so groups
+    1-3 stop after step 5; group 1, now the lowest, writes it, and group 2, the next, a
+    second copy. Then the whole job is launched again (3 groups, steps 6-8)."""
     job = tmp_path_factory.mktemp(f"saver_{request.param}") / "job"
-    tokenizer = build_tokenizer(_cfg(job, 0, 3).model)
+    tokenizer = build_tokenizer(_cfg(job, 0, 4).model)
     quorum, said = Quorum(), {}
-    groups = {g: Looped(quorum, job, g, 3, tokenizer, extra=LEAST_2, said=said).resume()
-              for g in range(3)}  # fmt: skip
+    groups = {g: Looped(quorum, job, g, 4, tokenizer, extra=LEAST_3, said=said).resume()
+              for g in range(4)}  # fmt: skip
     handler, logger = _said()
     try:
         if request.param == "killed":
-            _step(quorum, groups, [0, 1, 2])
-            _step(quorum, groups, [0, 1, 2])
-            _step(quorum, groups, [0, 1, 2], dies=(0,))  # not committed
+            _step(quorum, groups, [0, 1, 2, 3])
+            _step(quorum, groups, [0, 1, 2, 3])
+            _step(quorum, groups, [0, 1, 2, 3], dies=(0,))  # not committed
         else:
-            _step(quorum, groups, [0, 1, 2])
-            _step(quorum, groups, [0, 1, 2], asked=(0,))
-        _step(quorum, groups, [1, 2])  # step 3
-        _step(quorum, groups, [1, 2])  # step 4
-        _step(quorum, groups, [1, 2], asked=(2,))  # step 5: both stop
+            _step(quorum, groups, [0, 1, 2, 3])
+            _step(quorum, groups, [0, 1, 2, 3], asked=(0,))
+        _step(quorum, groups, [1, 2, 3])  # step 3
+        _step(quorum, groups, [1, 2, 3])  # step 4
+        _step(quorum, groups, [1, 2, 3], asked=(3,))  # step 5: every group stops
     finally:
         logger.removeHandler(handler)
         for group in groups.values():
             group.checkpoint.close()
-    again = _life(job, tokenizer, 3, [[0, 1, 2]] * 3, extra=LEAST_2)
+    again = _life(job, tokenizer, 3, [[0, 1, 2]] * 3, extra=LEAST_3)
     return {"job": job, "case": request.param, "groups": groups, "said": handler.lines,
             "again": again, "expected": _expected(job, tokenizer)}  # fmt: skip
 
@@ -139,19 +140,22 @@ def _stop_line(said: dict, gid: int) -> str:
 
 
 def test_when_the_saver_is_gone_the_lowest_group_left_writes_the_agreed_stop(saver_gone):
-    """Groups 1 and 2 stop after step 5; group 1 writes step-5 (complete, in its own
-    folder) and says so; group 2 writes nothing and says that. Negative control: the
-    group that is not the lowest has no checkpoint and no line claiming one. Catches:
-    the saver pinned to group 0 (the lowest at the start: nobody writes step-5), every
-    group writing at the stop, and a stop line that claims a checkpoint nobody wrote."""
+    """Groups 1-3 stop after step 5; group 1 writes step-5 (complete, in its own folder)
+    and group 2 a second copy, each saying so; group 3 writes nothing and says that.
+    Negative control: the third participant has no checkpoint and no line claiming one.
+    Catches: the saver pinned to group 0 (the lowest at the start: nobody writes
+    step-5), no second copy, every group writing at the stop, and a stop line that
+    claims a checkpoint nobody wrote."""
     job, groups, said = saver_gone["job"], saver_gone["groups"], saver_gone["said"]
-    assert (groups[1].stopped, groups[2].stopped) == (5, 5)
+    assert [groups[g].stopped for g in (1, 2, 3)] == [5, 5, 5]
     assert complete_steps(str(job / "replica_1" / "checkpoint"))[:2] == [4, 5]
-    assert "checkpoint step-5 written" in _stop_line(said, 1)
-    assert not (job / "replica_2" / "checkpoint").exists() or not complete_steps(
-        str(job / "replica_2" / "checkpoint")
+    assert complete_steps(str(job / "replica_2" / "checkpoint"))[:1] == [5]
+    for gid in (1, 2):
+        assert "checkpoint step-5 written" in _stop_line(said, gid)
+    assert not (job / "replica_3" / "checkpoint").exists() or not complete_steps(
+        str(job / "replica_3" / "checkpoint")
     )
-    line = _stop_line(said, 2)
+    line = _stop_line(said, 3)
     assert "written" not in line and "no checkpoint from this replica group" in line, line
     if saver_gone["case"] == "preempted":  # group 0 left after step 2: the lowest, it wrote it
         assert groups[0].stopped == 2 and "checkpoint step-2 written" in _stop_line(said, 0)
@@ -163,8 +167,9 @@ def test_the_relaunch_resumes_from_the_stop_and_reads_every_step_once(saver_gone
     """Catches: the stop's checkpoint missing (the relaunch from step-4 or step-2 reads
     steps again) or torn."""
     job, again = saver_gone["job"], saver_gone["again"]
+    copies = {str(job / f"replica_{g}" / "checkpoint" / "step-5") for g in (1, 2)}
     for group, (step, _, source) in again["loaded"].items():
-        assert (step, source) == (5, str(job / "replica_1" / "checkpoint" / "step-5")), group
+        assert step == 5 and source in copies, (group, source)
     committed: dict[int, list] = {}
     for life in (saver_gone["groups"], again["groups"]):
         for step in sorted({s for g in life.values() for s in g.read}):
@@ -356,10 +361,10 @@ def test_a_lone_group_not_signalled_keeps_trying(tmp_path):
 
 def test_a_failed_vote_with_enough_groups_is_retried_not_a_stop_alone(tmp_path):
     """Negative control: signalled while both groups take part and one vote fails, the
-    step is tried again and the stop agreed after it (group 0, the lowest, writes step-4).
-    Catches: a stop alone on any failed vote (a transient failure would scatter the
+    step is tried again and the stop agreed after it (group 0, the lowest, writes step-4,
+    group 1 its second copy). Catches: a stop alone on any failed vote (a transient failure would scatter the
     groups' stops)."""
     both = _refused(tmp_path, asked=True, lone=False)
     assert (both["groups"][0].stopped, both["groups"][1].stopped) == (4, 4)
     assert complete_steps(str(both["job"] / "replica_0" / "checkpoint")) == [4]
-    assert not complete_steps(str(both["job"] / "replica_1" / "checkpoint"))
+    assert complete_steps(str(both["job"] / "replica_1" / "checkpoint")) == [4]

@@ -379,6 +379,7 @@ class ReplicaGroup:
         # too few groups would be left after those that were).
         self.asked_to_stop = lambda: False
         self.stop_agreed = False
+        self.job_stops = False  # every group stops after the last committed step
         # A heal writes the state in torchft's quorum thread: a group that gives up
         # waiting (``_quorum_or_stop``) does so between heals, never during one.
         self._heal_lock = threading.Lock()
@@ -517,8 +518,9 @@ class ReplicaGroup:
                 i += g.numel()
             loss.copy_(flat[-2])
             leaving = leaving_groups(float(flat[-1]), self.participants)
-            self.stop_agreed = stops_after_step(asked, leaving, self.participants,
-                                                self.cfg.fault_tolerance.min_replica_groups)  # fmt: skip
+            least = self.cfg.fault_tolerance.min_replica_groups
+            self.stop_agreed = stops_after_step(asked, leaving, self.participants, least)
+            self.job_stops = stops_after_step(False, leaving, self.participants, least)
             if leaving and not asked:
                 logger.warning("step %d: %d of %d replica groups leave (preempted)%s",
                                self._try.number, leaving, self.participants,
@@ -546,6 +548,14 @@ class ReplicaGroup:
     def lowest(self) -> bool:
         """This group is the first participant of the last quorum (the one that saves)."""
         return saves(self.manager.participating_rank())
+
+    @property
+    def writes_the_stop(self) -> bool:
+        """This group writes the checkpoint of the last committed step: the lowest; and,
+        where every group stops after it (an agreed stop of the job), the next
+        participant too, a second copy in its own folder: a scheduler that kills the
+        lowest group's node before its write is durable then costs the job nothing."""
+        return self.lowest or (self.job_stops and self.manager.participating_rank() == 1)
 
     # ---- healing -------------------------------------------------------------------------
     def _peer_state(self) -> dict:
@@ -689,8 +699,9 @@ class LowestGroupSaves:
         return True
 
     def save(self, step: int, **kw) -> bool:
-        """Save ``step`` if this group is the one that writes; whether it wrote."""
-        if not self._replicas.lowest:
+        """Save ``step`` if this group is one that writes it (``writes_the_stop``);
+        whether it wrote."""
+        if not self._replicas.writes_the_stop:
             return False
         self._checkpoint.save(step, **kw)
         return True
