@@ -605,7 +605,9 @@ class ReplicaGroup:
 class LowestGroupSaves:
     """The checkpoint manager of a replica group, saving only while this group is the
     quorum's first participant: one durable checkpoint per interval for the job, in that
-    group's folder. Whole-job restart (with as many groups, more or fewer, and as many
+    group's folder (an agreed stop of every group: the second participant writes a copy;
+    a group that becomes the first writes at once where the last due step is not
+    durable; a group left alone writes its own stop). Whole-job restart (with as many groups, more or fewer, and as many
     ranks per group or not): every group loads the job's newest checkpoint, in whichever
     group's folder it is (``load``), so every group starts at the same step and nothing
     waits for a heal; a quorum would heal a group still behind from the highest."""
