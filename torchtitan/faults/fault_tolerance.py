@@ -354,7 +354,7 @@ class ReplicaGroup:
         torch.manual_seed(self._stream_seed(0))
         self._synced = False
         self._try = StepTry(loader)  # where the step being trained began
-        self.participants = 0
+        self.participant, self.participants = 0, 0  # this group's place in the last quorum
         self.quorum_s = 0.0  # what the last quorum cost the loop
         self.healed_at: int | None = None
         # The stop agreement (preemption.py): this rank's flag, asked at each commit, and
@@ -362,7 +362,8 @@ class ReplicaGroup:
         # too few groups would be left after those that were).
         self.asked_to_stop = lambda: False
         self.stop_agreed = False
-        # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
+        # One line per try of a step (its share, whether it was committed), and per heal
+        # (rank 0): what bench_ft.py reads.
         self._events = None
         if dims.is_main:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -390,8 +391,8 @@ class ReplicaGroup:
         except Exception as e:  # noqa: BLE001 - one line: the lighthouse or the quorum failed
             raise self._no_quorum(e) from None
         self.quorum_s = time.perf_counter() - begin
-        participant, self.participants = self.participation()
-        split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
+        self.participant, self.participants = self.participation()
+        split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
         return self.loader.next_step()
@@ -442,8 +443,11 @@ class ReplicaGroup:
         flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float(), vote])
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
-        self._event(step=self._try.number, committed=ok, participants=self.participants,
-                    quorum_s=self.quorum_s)  # fmt: skip
+        # Which share of the step this group trained (participant of participants): a
+        # participant that dies after the all-reduce leaves its share trained by the
+        # committing groups but in no provenance file; this line names it.
+        self._event(step=self._try.number, committed=ok, participant=self.participant,
+                    participants=self.participants, quorum_s=self.quorum_s)  # fmt: skip
         if ok:
             i = 0
             for g in local:
