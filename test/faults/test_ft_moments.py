@@ -25,8 +25,9 @@ What is checked, for each moment (``check``):
   uninterrupted run's at the last step, and the rejoined group healed.
 
 Each moment's negative control (``PLANTED``) plants a bug in every process of the same
-scenario, and the same check fails. All twelve runs go at once (about 15-20 s on two
-busy cores, the fresh interpreter's imports included, for the six tests).
+scenario, and the same check fails. All twelve runs go at once, in the first test's
+setup: 10-15 s on two cores under a load of 5-8 (about 3 s of it the fresh
+interpreter's imports), for the six tests.
 """
 
 from __future__ import annotations
