@@ -371,7 +371,7 @@ class ReplicaGroup:
         torch.manual_seed(self._stream_seed(0))
         self._synced = False
         self._try = StepTry(loader)  # where the step being trained began
-        self.participants = 0
+        self.participant, self.participants = 0, 0  # this group's place in the last quorum
         self.quorum_s = 0.0  # what the last quorum cost the loop
         self.healed_at: int | None = None
         # The stop agreement (preemption.py): this rank's flag, asked at each commit, and
@@ -384,7 +384,8 @@ class ReplicaGroup:
         # waiting (``_quorum_or_stop``) does so between heals, never during one.
         self._heal_lock = threading.Lock()
         self._gave_up = False
-        # One line per try of a step, and per heal (rank 0): what bench_ft.py reads.
+        # One line per try of a step (its share, whether it was committed), and per heal
+        # (rank 0): what bench_ft.py reads.
         self._events = None
         if dims.is_main:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -412,8 +413,8 @@ class ReplicaGroup:
         if not self._quorum_or_stop():
             raise StoppedWaiting(self.train_state.step)
         self.quorum_s = time.perf_counter() - begin
-        participant, self.participants = self.participation()
-        split_loader(self.loader, participant, self.participants, self.dims.dp_rank,
+        self.participant, self.participants = self.participation()
+        split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
         return self.loader.next_step()
@@ -509,8 +510,11 @@ class ReplicaGroup:
         flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float(), vote])
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
-        self._event(step=self._try.number, committed=ok, participants=self.participants,
-                    quorum_s=self.quorum_s)  # fmt: skip
+        # Which share of the step this group trained (participant of participants): a
+        # participant that dies after the all-reduce leaves its share trained by the
+        # committing groups but in no provenance file; this line names it.
+        self._event(step=self._try.number, committed=ok, participant=self.participant,
+                    participants=self.participants, quorum_s=self.quorum_s)  # fmt: skip
         if ok:
             i = 0
             for g in local:
