@@ -18,7 +18,12 @@ from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.faults.fault_tolerance import split_loader
-from torchtitan.records.provenance import check_exactly_once, read_provenance, sequences_by_step
+from torchtitan.records.provenance import (
+    check_exactly_once,
+    read_job_provenance,
+    read_provenance,
+    sequences_by_step,
+)
 from torchtitan.tools.launch import launcher_workers
 
 pytest.importorskip("torchft")
@@ -387,9 +392,7 @@ def _assert_exactly_once(lives, uninterrupted):
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step in expected:
         assert steps[step] == expected[step], f"step {step}: not the uninterrupted run's tokens"
-    combined = {(i, rank): steps for i, f in enumerate(lives.values())
-                for rank, steps in read_provenance(str(f / "provenance")).items()}  # fmt: skip
-    reports = check_exactly_once(combined)
+    reports = check_exactly_once(read_job_provenance([str(f) for f in lives.values()]))
     assert all(r.duplicate_tokens == 0 and r.gaps == 0 for r in reports.values()), reports
 
 

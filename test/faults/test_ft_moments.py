@@ -49,6 +49,7 @@ from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.records.provenance import read_job_provenance
 
 pytest.importorskip("torchft")
 
@@ -76,7 +77,7 @@ def _cfg(folder, lighthouse: str, gid: int):
                        "--fault_tolerance.replica_id", str(gid),
                        "--fault_tolerance.timeout_seconds", "10",
                        "--fault_tolerance.quorum_timeout_seconds", "30",
-                       "--job.dump_folder", str(folder)])  # fmt: skip
+                       "--metrics.data_provenance", "--job.dump_folder", str(folder)])  # fmt: skip
 
 
 class Histogram(torch.nn.Module):
@@ -149,6 +150,7 @@ def _group(gid: int, lighthouse: str, folder, out: str, kill: str | None, plante
     survivor that expects a rejoin, until the rejoined group trained a step with it),
     writing a JSON line per try, per commit and at the end to ``out``."""
     from torchtitan.faults import fault_tolerance, replica_steps
+    from torchtitan.records.metrics import ProvenanceWriter
 
     log = open(out, "a")  # noqa: SIM115 - closed by the process's end
 
@@ -161,6 +163,8 @@ def _group(gid: int, lighthouse: str, folder, out: str, kill: str | None, plante
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     cfg = _cfg(folder, lighthouse, gid)
+    # the loop's provenance line, written after the update (StepMetrics.report's)
+    provenance = ProvenanceWriter(os.path.join(folder, "provenance"), 0, 0, True)
     tokenizer = build_tokenizer(cfg.model)
     loader = build_dataloader(cfg, tokenizer, 0, 1)
     model = Histogram(tokenizer.vocab_size)
@@ -197,6 +201,7 @@ def _group(gid: int, lighthouse: str, folder, out: str, kill: str | None, plante
             _die()
         optimizer.step()
         state.step += 1
+        provenance.write(state.step, [spans for b in batches for spans in b["spans"]])
         together = participants == 2 and state.step > HOLD_AT
         write(kind="commit", step=state.step, participant=participant,
               participants=participants, windows=windows, healed_at=replicas.healed_at)  # fmt: skip
@@ -352,6 +357,7 @@ def runs(tmp_path_factory) -> dict:
             lives["codes"] = json.load(f)
         # group 0's own record of each try (fault_tolerance.jsonl, the product's)
         lives["g0_events"] = _records(os.path.join(folder, str(i), "g0", "fault_tolerance.jsonl"))
+        lives["folders"] = [os.path.join(folder, str(i), k) for k in LIVES]
         out[run] = lives
     return out
 
@@ -365,9 +371,11 @@ def plain(tmp_path_factory):
     tokenizer = build_tokenizer(cfg.model)
     loader = build_dataloader(cfg, tokenizer, 0, 1)
     weight = torch.zeros(tokenizer.vocab_size)
-    out = {"steps": [], "after": [(0, loader.position.windows, weight.tolist())]}
+    out = {"steps": [], "spans": [], "after": [(0, loader.position.windows, weight.tolist())]}
     for _ in range(STEPS + 4):
-        windows = [row.tolist() for b in loader.next_step() for row in b["input"]]
+        batches = loader.next_step()
+        windows = [row.tolist() for b in batches for row in b["input"]]
+        out["spans"].append(sorted(json.dumps(spans) for b in batches for spans in b["spans"]))
         weight -= torch.bincount(torch.tensor(windows).reshape(-1),
                                  minlength=tokenizer.vocab_size).float()  # fmt: skip
         out["steps"].append(windows)
@@ -421,6 +429,15 @@ def check(lives: dict, plain: dict):
             mine = next(p for p, (name, _) in shares.items() if name == "g0")
             assert said == [(mine, len(missing) + len(shares))], (step, said)
             unrecorded.append(step)
+    # the product's provenance says so: the job's committed data (each life's lines, and
+    # the dead group's share where a peer committed its quorum) is each step's, once
+    job: dict[int, list] = {}
+    for steps in read_job_provenance(lives["folders"]).values():
+        for step, sequences in steps.items():
+            job.setdefault(step, []).extend(json.dumps(spans) for spans in sequences)
+    assert {s: sorted(v) for s, v in job.items()} == {
+        s: plain["spans"][s - 1] for s in range(1, end + 1)
+    }, "the job's provenance is not every committed step's data once"
     healed = [r["healed_at"] for r in again if r["kind"] == "commit"]
     assert healed and healed[0] is not None, "the group started again did not heal"
     return unrecorded

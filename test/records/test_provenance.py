@@ -4,9 +4,11 @@ must: duplicates, holes, a replayed step, a skipped or partly read document."""
 
 from __future__ import annotations
 
+import json
+
 from helpers import doc_tokens, loaders
 
-from torchtitan.records.provenance import check_complete, check_exactly_once
+from torchtitan.records.provenance import check_complete, check_exactly_once, read_job_provenance
 
 
 def test_exactly_once_check_sees_duplicates_and_holes():
@@ -30,6 +32,50 @@ def test_exactly_once_check_counts_a_replayed_step():
     assert (replayed.duplicate_tokens, replayed.gaps, replayed.tokens) == (22, 0, 48)
     two_ranks = check_exactly_once({0: {1: step}, 1: {1: step}})["src"]
     assert (two_ranks.duplicate_tokens, two_ranks.gaps) == (22, 0)
+
+
+def _life(folder, lines: dict, tried: list, events: list):
+    """A fault-tolerant life's records: provenance lines {step: sequences}, tries and
+    fault_tolerance.jsonl events, as the loop and ReplicaGroup write them."""
+    (folder / "provenance").mkdir(parents=True)
+    (folder / "provenance" / "rank0.jsonl").write_text(
+        "".join(json.dumps({"step": s, "sequences": q}) + "\n" for s, q in lines.items())
+    )
+    (folder / "provenance" / "tried_rank0.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"step": s, "quorum": q, "participant": p, "participants": 2, "sequences": seqs}
+            )
+            + "\n"
+            for s, q, p, seqs in tried
+        )  # fmt: skip
+    )
+    (folder / "fault_tolerance.jsonl").write_text(
+        "".join(json.dumps({"step": s, "quorum": q, "committed": ok}) + "\n" for s, q, ok in events)
+    )
+    return str(folder)
+
+
+def test_a_dead_groups_share_counts_where_a_peer_committed_its_quorum(tmp_path):
+    """Group 1 tried step 2 in quorum 7 and died after its all-reduce (no line of its
+    own); group 0 committed step 2 in quorum 7: group 1's share counts. Controls: group
+    1's try of step 3 in quorum 8, which nobody committed (group 0 tried again alone in
+    quorum 9), does not; nor a try whose step the life recorded itself (step 1), twice;
+    nor a torn last line."""
+    a, b, c, d, e = ([["src", doc, 0, 4, 0, 0]] for doc in "abcde")
+    g0 = _life(tmp_path / "g0", {1: [a], 2: [c], 3: [e]},
+               [(1, 7, 0, [a]), (2, 7, 0, [c]), (3, 8, 0, [e]), (3, 9, 0, [e])],
+               [(1, 7, True), (2, 7, True), (3, 8, False), (3, 9, True)])  # fmt: skip
+    g1 = _life(tmp_path / "g1", {1: [b]}, [(1, 7, 1, [b]), (2, 7, 1, [d]), (3, 8, 1, [e])],
+               [(1, 7, True)])  # fmt: skip
+    with open(tmp_path / "g1" / "provenance" / "tried_rank0.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "quorum": 9, "sequences": [a]})[:-3])  # torn
+    job = read_job_provenance([g0, g1])
+    assert job == {(0, 0): {1: [a], 2: [c], 3: [e]}, (1, 0): {1: [b], 2: [d]}}
+    assert check_exactly_once(job)["src"].duplicate_tokens == 0
+    # without the peers' record of the commit, the dead share is not the job's
+    (tmp_path / "g0" / "fault_tolerance.jsonl").write_text("")
+    assert read_job_provenance([g0, g1])[(1, 0)] == {1: [b]}
 
 
 def test_completeness_check_sees_a_skipped_document(tiny_corpus, tokenizer):

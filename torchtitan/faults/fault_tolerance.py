@@ -346,6 +346,12 @@ def _torchft_manager(cfg, dims, heal, state_dict):
     return manager, store
 
 
+def tried_path(dump_folder: str, dp_rank: int) -> str:
+    """Where a rank's tries are on record (``ReplicaGroup._write_tried``), beside its
+    provenance file."""
+    return os.path.join(dump_folder, "provenance", f"tried_rank{dp_rank}.jsonl")
+
+
 class ReplicaGroup:
     """This replica group in the fault-tolerant job: the feed the loop reads each step's
     batches from (``next_step``, otherwise the loader's), and the commit the step calls
@@ -391,6 +397,12 @@ class ReplicaGroup:
             os.makedirs(cfg.job.dump_folder, exist_ok=True)
             path = os.path.join(cfg.job.dump_folder, "fault_tolerance.jsonl")
             self._events = open(path, "a")  # noqa: SIM115 - kept open for the run
+        # With data provenance: each try's spans, written before its cross-group
+        # all-reduce (``_write_tried``), so that a share trained by a committing quorum is
+        # on record even where this group dies before its provenance line.
+        self._tried = self._tried_path = self._spans = None
+        if cfg.metrics.data_provenance:
+            self._tried_path = tried_path(cfg.job.dump_folder, dims.dp_rank)
 
     def _event(self, **fields):
         if self._events is not None:
@@ -417,7 +429,30 @@ class ReplicaGroup:
         split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
         self._try.begin()
-        return self.loader.next_step()
+        batches = self.loader.next_step()
+        if self._tried_path is not None:
+            self._spans = [spans for b in batches for spans in b["spans"]]
+        return batches
+
+    def quorum_id(self) -> int | None:
+        """The lighthouse's id of the last quorum (the same on every group in it; a new
+        one at every change of members): torchft 0.2.0 keeps it in ``_quorum_id``."""
+        return getattr(self.manager, "_quorum_id", None)
+
+    def _write_tried(self):
+        """One line for this try: its step, quorum, this group's share and the spans it
+        read (provenance.py's ``read_job_provenance`` counts it where a quorum's peer
+        committed the step and this group never wrote its own line). Flushed before the
+        all-reduce, so a SIGKILL after it leaves the line in the file. Cost: the step's
+        spans twice on disk (this line and the provenance line), provenance runs only."""
+        if self._tried is None:
+            os.makedirs(os.path.dirname(self._tried_path), exist_ok=True)
+            self._tried = open(self._tried_path, "a")  # noqa: SIM115 - kept open for the run
+        line = {"step": self._try.number, "quorum": self.quorum_id(),
+                "participant": self.participant, "participants": self.participants,
+                "sequences": self._spans}  # fmt: skip
+        self._tried.write(json.dumps(line) + "\n")
+        self._tried.flush()
 
     def _quorum_or_stop(self) -> bool:
         """torchft's ``start_quorum`` (a heal included) in a thread of its own, while the
@@ -508,13 +543,16 @@ class ReplicaGroup:
         asked = parallel.any_rank(self.dims, self.asked_to_stop())
         vote = torch.tensor([stop_vote(asked)], device=loss.device)
         flat = torch.cat([g.reshape(-1).float() for g in local] + [loss.reshape(1).float(), vote])
+        if self._tried_path is not None:
+            self._write_tried()
         self.manager.allreduce(flat).wait()
         ok = self.manager.should_commit()
         # Which share of the step this group trained (participant of participants): a
         # participant that dies after the all-reduce leaves its share trained by the
         # committing groups but in no provenance file; this line names it.
-        self._event(step=self._try.number, committed=ok, participant=self.participant,
-                    participants=self.participants, quorum_s=self.quorum_s)  # fmt: skip
+        self._event(step=self._try.number, committed=ok, quorum=self.quorum_id(),
+                    participant=self.participant, participants=self.participants,
+                    quorum_s=self.quorum_s)  # fmt: skip
         if ok:
             i = 0
             for g in local:
@@ -602,8 +640,9 @@ class ReplicaGroup:
 
     def close(self):
         self.manager.shutdown(wait=False)
-        if self._events is not None:
-            self._events.close()
+        for f in (self._events, self._tried):
+            if f is not None:
+                f.close()
 
 
 class LowestGroupSaves:

@@ -331,7 +331,7 @@ class ProvenanceWriter:
             # Rank 0 trims every rank's file, including ranks of an old, larger layout.
             os.makedirs(folder, exist_ok=True)
             for name in sorted(os.listdir(folder)):
-                if name.startswith("rank") and name.endswith(".jsonl"):
+                if name.startswith(("rank", "tried_rank")) and name.endswith(".jsonl"):
                     truncate_jsonl_after(os.path.join(folder, name), start_step)
             truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
         self._file = None

@@ -43,6 +43,48 @@ def read_provenance(folder: str) -> dict[int, dict[int, list]]:
     return out
 
 
+def read_job_provenance(folders: list[str]) -> dict[tuple[int, int], dict[int, list]]:
+    """{(life, rank): {step: sequences}}: the committed data of a fault-tolerant job whose
+    groups' (and restarted groups') dump folders are ``folders``, each a life.
+
+    A life's provenance lines, plus each share it tried (``provenance/tried_rank*.jsonl``,
+    written before the cross-group all-reduce) and has no line of that step for: the life
+    died after its all-reduce, and its share counts where some life's
+    ``fault_tolerance.jsonl`` committed that step in the same quorum (the lighthouse's
+    quorum id), since the committing groups' update holds it. A try whose quorum no group
+    committed (a step tried again in another quorum) does not count. Cost: one pass over
+    the job's provenance and tries; fault_tolerance.jsonl is read per life."""
+    committed = set()
+    for folder in folders:
+        for event in _lines(os.path.join(folder, "fault_tolerance.jsonl")):
+            if event.get("committed"):
+                committed.add((event["step"], event.get("quorum")))
+    out: dict[tuple[int, int], dict[int, list]] = {}
+    for life, folder in enumerate(folders):
+        own = os.path.join(folder, "provenance")
+        kept = read_provenance(own) if glob.glob(os.path.join(own, "rank*.jsonl")) else {}
+        for rank, steps in kept.items():
+            out[(life, rank)] = dict(steps)
+        for path in sorted(glob.glob(os.path.join(own, "tried_rank*.jsonl"))):
+            rank = int(os.path.basename(path)[len("tried_rank") : -len(".jsonl")])
+            steps = out.setdefault((life, rank), {})
+            for tried in _lines(path):
+                step = tried["step"]
+                if step not in steps and (step, tried["quorum"]) in committed:
+                    steps[step] = tried["sequences"]
+    return out
+
+
+def _lines(path: str) -> list[dict]:
+    """The complete JSON lines of a file that repeats steps (a step's tries; heals), in
+    order; none where it does not exist. A last line without its newline (a process
+    killed while writing it) is not one."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
 def spans_of(provenance: dict[int, dict[int, list]]):
     for steps in provenance.values():
         for sequences in steps.values():
