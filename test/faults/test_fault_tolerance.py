@@ -462,6 +462,11 @@ DISK = [*ARGS, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 3,
         "--fault_tolerance.min_replica_groups", 2]  # fmt: skip
 
 
+# What a run has on besides training: loader workers, validation, async saves.
+BUSY = ["--training.num_workers", 1, "--validation.enable", "--validation.freq", 3,
+        "--validation.steps", 2, "--checkpoint.async_mode", "async"]  # fmt: skip
+
+
 def _both_groups(tmp, name: str, job, *extra, groups: int = 2) -> list[str]:
     """Every group (2, or ``groups``) of 1 rank, in ``<job>/replica_<i>``, every quorum of
     all of them (the lighthouse's min_replicas: the same participants each step, so two
@@ -529,7 +534,9 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     (the lowest) writes that step's checkpoint and group 1, the next, a second copy (the
     job keeps the step where the lowest is killed before its write is durable), each
     logging it; the relaunch (each group from its own copy) equals an uninterrupted run
-    bit for bit. (Before: the group
+    bit for bit. The run as users run it: a loader worker a rank, validation every 3
+    steps, async saves every 3 (the stop's own save waits for the one in flight).
+    (Before: the group
     signalled first left alone, the other waited for a quorum that could not come.)"""
     from torchtitan.checkpoint import complete_steps
     from torchtitan.tools.ft_launch import (
@@ -541,15 +548,15 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     )
 
     ref, job = tmp_path / "ref", tmp_path / "run"
-    _both_groups(tmp_path, "ref", ref)
+    _both_groups(tmp_path, "ref", ref, *BUSY)
     ref, run = [group_dump(ref, 0)], [group_dump(job, i) for i in range(2)]
     groups = []
     server = start_lighthouse(min_replicas=2)
     shim = shim_env(tmp_path / "shim", SHIM)
     logs = [tmp_path / f"signalled_g{i}.log" for i in range(2)]
     try:
-        groups += [start_group(group_command(i, 2, 1, server.address(), job, DISK), logs[i],
-                               shim) for i in range(2)]  # fmt: skip
+        groups += [start_group(group_command(i, 2, 1, server.address(), job, [*DISK, *BUSY]),
+                               logs[i], shim) for i in range(2)]  # fmt: skip
         deadline = time.monotonic() + 300
         while not _committed(run[0], 4) and time.monotonic() < deadline:
             assert groups[0].poll() is None, logs[0].read_text()[-3000:]
@@ -574,8 +581,12 @@ def test_a_preemption_reaching_the_groups_100ms_apart_saves_once_and_resumes_bit
     said = [log.read_text() for log in logs]
     for text in said:
         assert f"checkpoint step-{stopped[0]} written" in text, text[-3000:]
-    _both_groups(tmp_path, "again", job)
+    _both_groups(tmp_path, "again", job, *BUSY)
     assert losses(run[0]) == losses(ref[0]) and sorted(losses(run[0])) == list(range(1, STEPS + 1))
+    from torchtitan.records.runs import validation_losses
+
+    held_out = validation_losses(ref[0])  # before the stop and after the relaunch, the same
+    assert sorted(held_out) == [3, 6, 9, 12, STEPS] and validation_losses(run[0]) == held_out
     reference = torch.load(ref[0] / "final_weights.pt")
     for folder in run:
         weights = torch.load(folder / "final_weights.pt")
