@@ -40,8 +40,6 @@ pytest.importorskip("torchft")
          "fault_tolerance.replica_id 2 is not below fault_tolerance.replica_groups 2"),
         (["--fault_tolerance.lighthouse", "http://h:1", "--fault_tolerance.min_replica_groups",
           "3"], "fault_tolerance.min_replica_groups 3 is above"),
-        (["--fault_tolerance.lighthouse", "http://h:1", "--parallelism.tensor_parallel_degree",
-          "2"], "parallelism.tensor_parallel_degree 2 with fault_tolerance.enable"),
         (["--fault_tolerance.lighthouse", "http://h:1", "--parallelism.pipeline_parallel_degree",
           "2"], "parallelism.pipeline_parallel_degree 2 with fault_tolerance.enable"),
         (["--fault_tolerance.lighthouse", "http://h:1", "--training.mask_document_boundaries"],
@@ -236,6 +234,40 @@ def test_a_healed_group_judges_spikes_as_its_peers():
     assert fresh.decide(*spike) is True
 
 
+def test_a_tensor_parallel_rank_heals_its_own_loader():
+    """Under TP inside a group, a checkpoint keeps each data-parallel rank's loader entry
+    from its first TP rank only; a heal goes rank to rank, so the joiner's TP rank 1
+    needs the position from the peer's TP rank 1: peer_state carries every rank's own,
+    and the joiner reads the peer's next windows. Negative control: the checkpoint's
+    view of that rank (what a heal sent before) holds no position."""
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.checkpoint.stateful import training_components
+    from torchtitan.faults.fault_tolerance import load_peer_state, peer_state
+    from torchtitan.parallel import ParallelDims
+
+    cfg = parse_args(CONFIG)
+    tokenizer = build_tokenizer(cfg.model)
+    tp_rank_1 = ParallelDims(1, 2, 1, torch.device("cpu"), "gloo", tp=2)
+    assert (tp_rank_1.tp_rank, tp_rank_1.dp_rank) == (1, 0)
+
+    def rank(steps: int):
+        loader = build_dataloader(cfg, tokenizer, 0, 1)
+        for _ in range(steps):
+            loader.next_step()
+        model = torch.nn.Linear(2, 2)
+        components = training_components(
+            cfg, tp_rank_1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            dataloader=loader, train_state=TrainState(step=steps), fingerprint={},
+        )  # fmt: skip
+        return loader, components
+
+    peer, peer_components = rank(3)
+    joiner, joiner_components = rank(0)
+    assert peer_components["dataloader"].state_dict() == {}  # the checkpoint's view
+    load_peer_state(joiner_components, peer_state(peer_components))
+    assert _step_windows(joiner) == _step_windows(peer)
+
+
 # ---- live recovery (slow tier) ------------------------------------------------------------
 
 STEPS, KILL_AT, PAUSE_AT = 14, 5, 9
@@ -308,11 +340,11 @@ def _wait(proc, what: str, timeout: float = 300) -> int:
         raise AssertionError(f"{what} did not finish") from None
 
 
-def _faulted_run(tmp, nproc: int, per_group: bool) -> dict:
+def _faulted_run(tmp, nproc: int, per_group: bool, tp: int = 1) -> dict:
     """2 groups of ``nproc`` ranks, each rank with ``nproc`` loader workers; group 1 dies
     at KILL_AT, group 0 trains on alone, group 1 starts again and heals; returns the
     folders of the three lives."""
-    args = [*LIVE, "--training.num_workers", nproc]
+    args = [*LIVE, "--training.num_workers", nproc, "--parallelism.tensor_parallel_degree", tp]
     from torchtitan.tools.ft_launch import group_command, start_group, start_lighthouse
 
     server = start_lighthouse()
@@ -397,9 +429,11 @@ def _assert_exactly_once(lives, uninterrupted):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_group_dies_the_other_trains_on_and_it_heals_exactly_once(tmp_path, uninterrupted, nproc):
-    """2 groups x ``nproc`` ranks, ``nproc`` loader workers a rank, validation and async
+@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 1), (2, 2)], ids=["1", "2", "2-tp"])
+def test_a_group_dies_the_other_trains_on_and_it_heals_exactly_once(tmp_path, uninterrupted, nproc,
+                                                                     tp):  # fmt: skip
+    """2 groups x ``nproc`` ranks (FSDP, or TP ``tp`` inside each group: the all-reduce and
+    the heal go rank to rank, each rank healing its own loader), ``nproc`` loader workers a rank, validation and async
     saves on (LIVE). Group 1 dies during step 5, group 0 trains on alone (its split 2 ->
     1, the step retried), group 1 starts again, heals and rejoins (1 -> 2): every
     committed step's tokens are the uninterrupted (0-worker) run's, once; group 0's
@@ -409,7 +443,7 @@ def test_a_group_dies_the_other_trains_on_and_it_heals_exactly_once(tmp_path, un
     from torchtitan.checkpoint import complete_steps, verify_checkpoint
     from torchtitan.records.runs import validation_losses
 
-    lives = _faulted_run(tmp_path, nproc, per_group=False)
+    lives = _faulted_run(tmp_path, nproc, per_group=False, tp=tp)
     _assert_exactly_once(lives, uninterrupted)
     # group 0 trained on alone (1 participant) with no restart, and group 1 healed from it
     assert "healed from a live peer" in (tmp_path / "g1_again.log").read_text()

@@ -17,7 +17,9 @@ default batch, who stops) are replica_steps.py's, free of torchft.
 
 Layout: each replica group is its own torchrun job (FSDP or DDP over its ranks, as
 without fault tolerance); torchft's process group joins the same group rank of every
-live group. Tensor and pipeline parallelism and HSDP inside a group are refused.
+live group. Tensor parallelism inside a group works alike (group rank ``r``'s shards are
+the same slices in every group, so the all-reduce and a heal go rank to rank; every
+rank heals its own loader). Pipeline parallelism and HSDP inside a group are refused.
 
 Exactly once: the global order is a function of the window index alone (data/order.py),
 so committed step ``s`` reads the windows an uninterrupted run's step ``s`` reads,
@@ -132,8 +134,6 @@ def check_config(cfg) -> None:
             f"fault_tolerance.replica_groups {ft.replica_groups}; lower it"
         )
     refused = [
-        (p.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree {p.tensor_parallel_degree}",
-         "the cross-group all-reduce takes FSDP or DDP shards only; use 1"),
         (p.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
          "a pipeline's stages do not heal from peers yet; use 1"),
         (p.data_parallel_replicate_degree > 1,
@@ -291,9 +291,17 @@ def _fill_optimizer(target: dict, got: dict, params: dict) -> dict:
 
 def peer_state(components: dict) -> dict:
     """What a joining peer's same group rank receives: every ``HEALED`` component this
-    rank has, DTensors as their local shards."""
-    return {name: _local(components[name].state_dict()) for name in HEALED
+    rank has, DTensors as their local shards; the loader's position from every rank (a
+    checkpoint keeps it from the first of each rank's tensor-parallel peers only, but
+    each rank heals its own loader)."""
+    return {name: _local(_healed(components[name], name)) for name in HEALED
             if name in components}  # fmt: skip
+
+
+def _healed(adapter, name: str) -> dict:
+    if name == "dataloader":
+        return adapter.state.loader.state_dict()
+    return adapter.state_dict()
 
 
 def load_peer_state(components: dict, state: dict):
@@ -401,7 +409,7 @@ class ReplicaGroup:
         # all-reduce (``_write_tried``), so that a share trained by a committing quorum is
         # on record even where this group dies before its provenance line.
         self._tried = self._tried_path = self._spans = None
-        if cfg.metrics.data_provenance:
+        if cfg.metrics.data_provenance and dims.tp_rank == 0:  # the provenance's writers
             self._tried_path = tried_path(cfg.job.dump_folder, dims.dp_rank)
 
     def _event(self, **fields):
