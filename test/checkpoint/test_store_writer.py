@@ -252,18 +252,51 @@ def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatc
     assert ".metadata" in store_for(url).listdir(url)
 
 
-def test_a_killed_saves_uploads_are_aborted_with_its_folder(server):
-    """A multipart upload left by a kill -9 (begun, a part sent, never completed) is
-    invisible to listings, and removing the save's folder aborts it. Negative control:
-    before the removal the store still lists the upload."""
+class Paged:
+    """The real client, its upload listings cut into pages of ``MaxUploads`` as S3 cuts
+    them (moto's server ignores ``max-uploads`` and answers everything at once)."""
+
+    def __init__(self, client):
+        self.client, self.listings = client, 0
+
+    def __getattr__(self, method):
+        return getattr(self.client, method)
+
+    def list_multipart_uploads(self, MaxUploads=1000, KeyMarker="", UploadIdMarker="", **args):
+        self.listings += 1
+        every = self.client.list_multipart_uploads(**args).get("Uploads", [])
+        every.sort(key=lambda u: (u["Key"], u["UploadId"]))
+        after = [u for u in every if (u["Key"], u["UploadId"]) > (KeyMarker, UploadIdMarker)]
+        page = after[:MaxUploads]
+        more = len(after) > MaxUploads
+        reply = {"Uploads": page, "IsTruncated": more}
+        if more:
+            reply.update(NextKeyMarker=page[-1]["Key"], NextUploadIdMarker=page[-1]["UploadId"])
+        return reply
+
+
+def test_a_killed_saves_uploads_are_aborted_with_its_folder(server, monkeypatch):
+    """Multipart uploads left by a kill -9 (begun, a part sent, never completed) are
+    invisible to listings, and removing the save's folder aborts them; ``abort_uploads``
+    pages through the listing (5 uploads, pages of 2) and touches no other folder.
+    Negative controls: before the removal the store still lists the uploads; an upload
+    under ``step-40/`` is left."""
     bucket, _ = server
     client = store_reader._s3_client()
-    key = "killed/step-4/__0_0.distcp"
-    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * PART)
+    keys = [f"killed/step-4/__{rank}_0.distcp" for rank in range(5)]
+    for key in [*keys, "killed/step-40/__0_0.distcp"]:
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 8)
     store = store_for(f"s3://{bucket}/killed")
     assert store.listdir(f"s3://{bucket}/killed/step-4") == []
     listed = client.list_multipart_uploads(Bucket=bucket, Prefix="killed/step-4/")
-    assert [u["Key"] for u in listed.get("Uploads", [])] == [key], "negative control"
-    store.rmtree(f"s3://{bucket}/killed/step-4")
+    assert sorted(u["Key"] for u in listed.get("Uploads", [])) == keys, "negative control"
+    paged = Paged(client)
+    monkeypatch.setattr(store_reader, "_s3_client", lambda: paged)
+    assert store_writer.abort_uploads(f"s3://{bucket}/killed/step-4", page_size=2) == 5
+    assert paged.listings == 3, "pages of 2, 2 and 1"
+    assert not client.list_multipart_uploads(Bucket=bucket, Prefix="killed/step-4/").get("Uploads")
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
+    assert [u["Key"] for u in left] == ["killed/step-40/__0_0.distcp"], "negative control"
+    store.rmtree(f"s3://{bucket}/killed/step-40")
     assert not client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads")

@@ -17,8 +17,11 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   not at all (a PUT, or a multipart upload completed), so a kill -9 mid-upload leaves a
   ``step-N/`` without a manifest, never chosen, and at most ``IN_FLIGHT`` incomplete
   multipart uploads, invisible to listings and reads; ``abort_uploads`` (called where a
-  save's folder is removed) drops them, and a bucket lifecycle rule
-  (AbortIncompleteMultipartUpload) is the operator's net for the rest.
+  save's folder is removed: the next start removes the torn step, a re-save its step)
+  drops them, and a bucket lifecycle rule (AbortIncompleteMultipartUpload) is the
+  operator's net for a job that never starts again. A restart's save of the same step
+  begins new uploads (new upload ids) into a folder emptied first: nothing of the
+  killed one is in it (test_store_killed.py kills a real save between its parts).
 - **Bounded memory.** At most ``IN_FLIGHT x OBJECT_MAX`` (8 x 64 MiB = 512 MiB) handed to
   requests and not yet acknowledged, plus the object being serialized (at most
   ``OBJECT_MAX + PART``: a single PUT up to there, or one entry's bytes for an entry larger than that:
@@ -377,14 +380,21 @@ class StoreWriter(FsspecWriter):
             uploader.close()
 
 
-def abort_uploads(url: str) -> int:
+def abort_uploads(url: str, page_size: int = 1000) -> int:
     """Abort the incomplete multipart uploads under ``url`` (a kill -9 mid-save leaves at
     most IN_FLIGHT a rank): their parts hold space, never a name. Cost: one listing
-    request per 1,000 uploads and one request per upload aborted. Returns how many."""
+    request per 1,000 uploads and one request per upload aborted (at 1,000 ranks, at
+    most 8,000 uploads: 8 listings). Returns how many."""
     bucket, _, prefix = str(url).split("://", 1)[1].partition("/")
     client = store_reader._s3_client()
-    reply = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
-    uploads = reply.get("Uploads") or []
-    for upload in uploads:
-        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    return len(uploads)
+    page = {"Bucket": bucket, "Prefix": prefix.rstrip("/") + "/", "MaxUploads": page_size}
+    aborted = 0
+    while True:
+        reply = client.list_multipart_uploads(**page)
+        for upload in reply.get("Uploads") or []:
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                          UploadId=upload["UploadId"])  # fmt: skip
+            aborted += 1
+        if not reply.get("IsTruncated"):
+            return aborted
+        page.update(KeyMarker=reply["NextKeyMarker"], UploadIdMarker=reply["NextUploadIdMarker"])
