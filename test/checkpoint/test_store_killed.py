@@ -43,7 +43,7 @@ from torchtitan.checkpoint.lifecycle import Saver
 from torchtitan.parallel import init_distributed
 
 MIB = 1 << 20
-store_writer.StoreWriter.__init__.__defaults__ = (MIB, 5 * MIB, 2)
+store_writer.StoreWriter.__init__.__defaults__ = (MIB, 5 * MIB, 2, 6 * MIB)
 client = store_reader._s3_client()
 acked, lock = [0], threading.Lock()
 kill_after = int(os.environ["KILL_AFTER"])

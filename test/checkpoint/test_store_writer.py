@@ -177,9 +177,11 @@ def ordering_problems(events: list, returned: float) -> list[str]:
     return problems
 
 
-def save(url: str, client: Recorded, monkeypatch) -> tuple[store_writer.StoreWriter, float]:
+def save(url: str, client: Recorded, monkeypatch, single_max: int = MIB + PART
+         ) -> tuple[store_writer.StoreWriter, float]:  # fmt: skip
     monkeypatch.setattr(store_reader, "_s3_client", lambda: client)
-    writer = store_writer.StoreWriter(url, object_max=MIB, part=PART, in_flight=4)
+    writer = store_writer.StoreWriter(url, object_max=MIB, part=PART, in_flight=4,
+                                      single_max=single_max)  # fmt: skip
     original = writer.write_data
     returned = []
 
@@ -223,6 +225,24 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
         dcp.load(got, checkpoint_id=url, storage_reader=reader, no_dist=True)
         assert equal(got, state())
     assert not equal(blank(state()), state()), "negative control"
+
+
+def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
+    """With single PUTs up to 16 MiB, the 12 MiB tensor (alone in its object, above the
+    1 MiB objects) is one PUT: no multipart upload begun, one request per object, and it
+    loads back equal. Negative control: the bound at 6 MiB (the test above) makes it a
+    multipart upload."""
+    bucket, traffic = server
+    url = f"s3://{bucket}/single"
+    client = Recorded(store_reader._s3_client(), delay=0.0)
+    traffic.reset()
+    writer, _ = save(url, client, monkeypatch, single_max=16 * MIB)
+    assert traffic.requests.get("POST") is None, "no multipart upload"
+    assert traffic.requests.get("PUT") == writer.stats["objects"] + 1  # and .metadata
+    assert writer.stats["requests"] == writer.stats["objects"]
+    got = blank(state())
+    dcp.load(got, checkpoint_id=url, storage_reader=store_reader.StoreReader(url), no_dist=True)
+    assert equal(got, state())
 
 
 @pytest.mark.parametrize("only", ["", "__0_8.distcp"])  # __0_8: the last object (half)
