@@ -742,19 +742,22 @@ class JsonLinesReader:
         """The bytes the reads of unit ``key`` use, in one ranged GET (on a prefetch
         thread): from the byte before its range (where its first line is found) to its
         end, and on to the end of the line running past it (further GETs of
-        ``LINE_TAIL_BYTES``, only where a line does). Bytes fetched: the range, plus that
-        line, which the next range's fetch holds too (it skips it): a line per 4 MiB."""
+        ``LINE_TAIL_BYTES``, or of the range's size if smaller, only where a line runs
+        past). Bytes fetched: the range, plus that line, which the next range's fetch
+        holds too (it skips it), plus the rest of the last tail GET past the line's end:
+        at most a line and 64 KiB per 4 MiB range (~1.6 % and a line)."""
         f, lo, hi = key
         start = max(0, lo - 1)
         fs, inner = _remote_fs(self.spec.files[f])
         data = fs.cat_file(inner, start=start, end=hi)
+        tail = max(1, min(LINE_TAIL_BYTES, hi - lo))  # a small range: a small tail
         size = None
         while data and not data.endswith(b"\n"):
             size = size if size is not None else int(fs.size(inner))
             end = start + len(data)
             if end >= size:
                 break
-            data += fs.cat_file(inner, start=end, end=min(size, end + LINE_TAIL_BYTES))
+            data += fs.cat_file(inner, start=end, end=min(size, end + tail))
             if b"\n" in data[end - start :]:
                 data = data[: data.index(b"\n", end - start) + 1]
         return _Span(key, start, data), len(data)
