@@ -162,21 +162,25 @@ def test_fetched_ahead_once_with_the_batches_of_reading_without(served, kind):
 
 def _ranges(source, ranges: list) -> tuple[list, list, list]:
     """The ranged GETs of JSON lines objects, as (name, first byte, last byte): those of a
-    unit's range (from the byte before it to its end), those finishing a line past a
-    unit's end (starting there), and any other (a read through the stream)."""
-    spans, ends = set(), set()
+    unit's range (from the byte before it to LINE_TAIL_BYTES past it, or the file's
+    end), those going on past such a GET's end (a longer line), and any other (a read
+    through the stream)."""
+    sizes = _sizes(source.spec.files[0].rsplit("/", 1)[0])
+    spans = set()
     for f, lo, hi in source.units():
         name = source.spec.relative_name(source.spec.files[f])
-        spans.add((name, max(0, lo - 1), hi - 1))
-        ends.add((name, hi))
+        tail = min(streaming.LINE_TAIL_BYTES, hi - lo)
+        spans.add((name, max(0, lo - 1), min(sizes[name], hi + tail) - 1))
+    ends = {(name, last + 1) for name, _, last in spans}
     asked, tails, other = [], [], []
     for path, header in ranges:
         first, last = map(int, re.match(r"bytes=(\d+)-(\d+)", header).groups())
         name = path.rsplit("/", 1)[1]
-        if (name, first, last) in spans:
+        if (name, first, min(last, sizes[name] - 1)) in spans:
             asked.append((name, first, last))
         elif (name, first) in ends:
             tails.append((name, first, last))
+            ends.add((name, last + 1))  # the next, if the line outruns this one too
         else:
             other.append((name, first, last))
     return asked, tails, other
@@ -213,8 +217,8 @@ def test_a_jsonl_units_lines_are_those_of_the_file_read_as_a_stream(served, tmp_
     """Every unit of two crafted files, read from its range fetched ahead, gives the
     documents (positions, ids, values) of the same unit read through the stream: lines of
     64 bytes, so that every range begins just after a newline; and lines of 1-9,000
-    bytes, one longer than two ranges (an empty unit), the last without its newline, the
-    line tails fetched 100 bytes at a time. Negative control: a span cut two bytes short
+    bytes, one longer than two ranges (an empty unit), the last without its newline, with
+    tails of 100 bytes (a line outruns several, each twice the last). Negative control: a span cut two bytes short
     (its last line broken) gives other documents."""
     import s3fs
 
