@@ -87,8 +87,8 @@ def _cfg(url: str, counts: str, **kw):
     return cfg(url, length_index_dir=counts, streaming="true", global_batch_size=8, **kw)
 
 
-def _loader(url: str, counts: str, prefetch: int):
-    loader = build_dataloader(_cfg(url, counts), TOKENIZER, 0, 1)
+def _loader(url: str, counts: str, prefetch: int, **kw):
+    loader = build_dataloader(_cfg(url, counts, **kw), TOKENIZER, 0, 1)
     loader.prefetch_steps = prefetch
     return loader
 
@@ -211,6 +211,22 @@ def test_a_resume_fetching_ahead_gives_the_same_batches(served, kind):
     other = _loader(url, counts, 2)
     other.load_state_dict(states[2])
     assert not _same([other.next_step() for _ in range(3)], steps[3:])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "arrow"])
+def test_loader_workers_fetching_ahead_give_the_same_batches(served, kind):
+    """With 2 loader workers, each fetching ahead what it reads, the batches are those of
+    a loader without workers or prefetch. Negative control: a worker's prefetch is its
+    own (the rank's process fetches nothing)."""
+    url, counts = served[0][kind]
+    plain = _loader(url, counts, 0)
+    reference = [plain.next_step() for _ in range(3)]
+    workers = _loader(url, counts, 2, num_workers=2)
+    try:
+        assert _same([workers.next_step() for _ in range(3)], reference)
+        assert workers.stream.sources[0].prefetch.fetched == 0
+    finally:
+        workers.close()
 
 
 def test_a_jsonl_units_lines_are_those_of_the_file_read_as_a_stream(served, tmp_path, monkeypatch):
