@@ -140,9 +140,10 @@ PREFETCH_BYTES = 128 << 20
 class BlockPrefetch:
     """The blocks of one remote source that this process will decode next (row groups,
     record batches, text files, JSON lines ranges: the reader's ``block_of`` names them,
-    its ``fetch`` fetches one), fetched and decoded ahead by ``PREFETCH_THREADS`` threads, each handed once to the read that asks
-    for it (``take``) and dropped from here as it is (the source's own caches hold it from
-    then on, as a block it decoded itself).
+    its ``fetch`` fetches one), fetched and decoded ahead by ``PREFETCH_THREADS``
+    threads, each handed once to the read that asks for it (``take``) and dropped from
+    here as it is (the source's own caches hold it from then on, as a block it decoded
+    itself; a JSON lines reader its one range being read).
 
     The loader names the blocks (``want``: those of the units this process reads first in
     the steps it planned ahead, tagged with the step); blocks it already holds decoded are
@@ -157,8 +158,7 @@ class BlockPrefetch:
     4 x a row group, ~140 MiB for web text in 2 MiB row groups; JSON lines ranges are
     held as bytes, 4 MiB each, so 128 + 16 MiB). An Arrow file read whole for one of
     its batches is held by the reader's own cache (``ArrowReader.KEEP_FILES``), with or
-    without prefetch. The names waiting (``want``)
-    are the loader's lookahead: O(prefetch steps x windows a step), a few hundred tuples.
+    without prefetch. The names waiting (``want``) are the loader's lookahead: O(prefetch steps x windows a step), a few hundred tuples.
     None of it grows with the corpus: the same at c4's 365 M documents (~1.4 M units) as at
     FineWeb's 15 T tokens; each rank fetches only the blocks of its own windows.
     """
