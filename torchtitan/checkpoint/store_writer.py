@@ -51,8 +51,8 @@ releases the GIL while a body is sent. Why 128 MiB and not ``OBJECT_MAX + PART``
 MiB, the bound before): an entry of 80-128 MiB (the 125M model's embedding, output layer
 and their AdamW moments at 1 rank, 98 MB each) is one PUT, not 7 parts and a
 completion; on the local server a 98 MB single PUT took 0.55 s against 0.42 s of parts
-plus 0.37 s joining them, and the 1-rank save of the 125M model went from 1.32 to 1.12 x
-a parallel PUT of the same bytes (docs/benchmarks.md § 21). On S3 a single PUT of up to
+plus 0.37 s joining them, and the 1-rank save of the 125M model took 1.11-1.24 x a
+parallel PUT of the same bytes in three runs (docs/benchmarks.md § 21; 1.32 before). On S3 a single PUT of up to
 128 MiB is one connection's ~1 s, with 7 other requests in flight beside it; a larger
 entry keeps parallel parts, where one connection would hold the save. The client, its retries and its one-line errors are
 store_reader.py's.
