@@ -65,6 +65,7 @@ class Traffic:
     body_bytes: dict[str, int] = field(default_factory=dict)  # bytes of the bodies sent
     by_name: dict[str, int] = field(default_factory=dict)  # GET body bytes per object name
     log: list | None = None  # a list: (time.time() at the end, kind, path, body bytes) each
+    ranges: list | None = None  # a list: (path, Range header) of each ranged GET asked
     fail_next: int = 0  # how many more requests to fail
     fail_kinds: tuple = ("GET", "GET range")
     fail_suffix: str = ""  # only objects whose name ends so
@@ -93,6 +94,9 @@ class Traffic:
             if fail:
                 return self._fail(environ, start_response)
             path = environ.get("PATH_INFO", "")
+            if self.ranges is not None and kind == "GET range":
+                with self.lock:
+                    self.ranges.append((path, environ["HTTP_RANGE"]))
             return self._count(kind, name, path, app(environ, start_response))
 
         return counted

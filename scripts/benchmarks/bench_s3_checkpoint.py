@@ -59,6 +59,10 @@ def rank_main(args) -> dict:
     from torchtitan.optim import build_lr_scheduler, build_optimizer
 
     logging.getLogger("torchtitan").setLevel(logging.WARNING)
+    if args.single_put_mib:  # the writers made from here on read it
+        from torchtitan.checkpoint import store_writer
+
+        store_writer.SINGLE_PUT_MAX = args.single_put_mib << 20
     dims = parallel.init_distributed()
     torch.manual_seed(0)
     vocab = VOCAB[args.flavor]
@@ -261,7 +265,8 @@ def upload_limit(dims, folder: str, step: int) -> dict:
     parallel.barrier(dims)
     return {"limit_put_s": max(parallel.all_gather_objects(dims, seconds)),
             "own_bytes": parallel.all_gather_objects(dims, size),
-            "own_objects": parallel.all_gather_objects(dims, len(names))}  # fmt: skip
+            "own_objects": parallel.all_gather_objects(dims, len(names)),
+            "load": os.getloadavg()[0]}  # fmt: skip
 
 
 def against_the_limit(dims, make_manager, readers, windows) -> dict:
@@ -314,7 +319,8 @@ def run_job(args, root: Path, url: str) -> list[dict]:
     out = root / "result.json"
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", str(root),
-            "--url", url, "--json", str(out)] + (["--upload-only"] if args.upload_only else [])  # fmt: skip
+            "--url", url, "--json", str(out), "--single-put-mib", str(args.single_put_mib)
+            ] + (["--upload-only"] if args.upload_only else [])  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.ranks))}
     script = "scripts/benchmarks/bench_s3_checkpoint.py"
     proc = subprocess.run(torchrun_command(args.ranks, argv, script=script), cwd=REPO_ROOT,
@@ -337,6 +343,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip DCP's fsspec reader and the read limits (the upload's figures)",
     )
+    p.add_argument("--single-put-mib", type=int, default=0,
+                   help="the store writer's largest single PUT (MiB; 0: its own default)")  # fmt: skip
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -435,7 +443,8 @@ def report_upload(rows: list):
                 f"in {sum(r['own_objects'])} objects) {r['durable_s']:.2f} s against a parallel "
                 f"PUT of the same bytes (16 threads, 64 MiB objects) {r['limit_put_s']:.2f} s: "
                 f"{r['durable_s'] / r['limit_put_s']:.2f}; the writer's write_data (last save, "
-                f"slowest rank) {r['writer_s']:.2f} s: {r['writer_s'] / r['limit_put_s']:.2f}"
+                f"slowest rank) {r['writer_s']:.2f} s: {r['writer_s'] / r['limit_put_s']:.2f} "
+                f"(load average {r['load']:.1f})"
             )
 
 

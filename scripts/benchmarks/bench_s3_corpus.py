@@ -2,10 +2,12 @@
 its first batch, as training pulls them.
 
     python scripts/benchmarks/bench_s3_corpus.py [--mb 32] [--batches 100] [--rounds 3]
-        [--work DIR] [--smoke] [--json out.json]
+        [--format parquet|jsonl|arrow] [--work DIR] [--smoke] [--json out.json]
 
 Corpus, built once under --work (bench_firstpass.py's): 16 parquet files holding --mb MB
-of the bundled texts in row groups of 1,024 rows. The same files are uploaded with s3fs to
+of the bundled texts in row groups of 1,024 rows; ``--format jsonl`` or ``arrow``: the
+same rows written as 16 JSON lines files, or 16 Arrow stream files (as ``save_to_disk``
+writes them) in record batches of 1,024 rows. The same files are uploaded with s3fs to
 a bucket of the local S3 server (harness/s3.py: moto's server on 127.0.0.1, reached over
 HTTP through fsspec → s3fs → botocore and the AWS_* variables, as a job reaches a
 bucket). The counts are measured beforehand (warm: ``prepare``, into a local folder for
@@ -75,6 +77,35 @@ print("RESULT", json.dumps({"first_s": first_s, "tps": args["batches"] * args["s
 """
 
 
+def converted(corpus: dict, fmt: str) -> str:
+    """The folder of ``corpus``'s rows in ``fmt`` (parquet: the corpus itself), written
+    once beside it."""
+    import json
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        return corpus["path"]
+    out = Path(corpus["path"]).parent / f"data-{fmt}"
+    if (out / "done").exists():
+        return str(out)
+    out.mkdir(exist_ok=True)
+    for path in corpus["files"]:
+        table = pq.read_table(path)
+        name = out / f"{Path(path).stem}.{fmt}"
+        if fmt == "jsonl":
+            rows = table.to_pylist()
+            name.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            with pa.OSFile(str(name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+                for batch in table.to_batches(max_chunksize=1024):
+                    w.write_batch(batch)
+    (out / "done").write_text("")
+    return str(out)
+
+
 def prepare_counts(corpus: str, counts: str):
     """Every unit measured into ``counts`` before any timing (warm)."""
     from torchtitan.config import parse_args
@@ -123,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=100, help="batches after the first")
     parser.add_argument("--prefetch", type=int, default=PREFETCH_STEPS,
                         help="steps the loader fetches ahead (0: none)")  # fmt: skip
+    parser.add_argument("--format", default="parquet", choices=["parquet", "jsonl", "arrow"],
+                        help="the files the corpus is written as")  # fmt: skip
     parser.add_argument("--no-count-ahead", action="store_true",
                         help="count files in the bucket read in line, not ahead")  # fmt: skip
     parser.add_argument(
@@ -142,14 +175,17 @@ def main(argv=None) -> int:
         import s3fs
 
         corpus = build_corpus(work / "corpus", args.mb, 1024)
-        s3fs.S3FileSystem().put(corpus["path"], f"{bucket}/corpus", recursive=True)
-        sides = {"local": (corpus["path"], str(work / f"counts-{args.mb}")),
+        local = converted(corpus, args.format)
+        files = f"*.{args.format}"  # the format's files alone (not the folder's marker)
+        s3fs.S3FileSystem().put(f"{local}/{files}", f"{bucket}/corpus/", recursive=True)
+        local = f"{local}/{files}"
+        sides = {"local": (local, str(work / f"counts-{args.mb}-{args.format}")),
                  "s3": (f"s3://{bucket}/corpus", f"s3://{bucket}/counts")}  # fmt: skip
         for where, counts in sides.values():
             prepare_counts(where, counts)
         if args.cold:  # the same corpus, its counts measured by the run itself
             sides.update({
-                "local cold": (corpus["path"], str(work / "cold-{round}")),
+                "local cold": (local, str(work / "cold-{round}")),
                 "s3 cold": (f"s3://{bucket}/corpus", f"s3://{bucket}/cold-{{round}}")})  # fmt: skip
         runs: dict[str, list] = {side: [] for side in sides}
         for r in range(args.rounds):
@@ -170,7 +206,8 @@ def summarize(runs: dict, corpus: dict, args) -> dict:
     digests = {side: sorted({r["digest"] for r in rs}) for side, rs in runs.items()}
     warm = [side for side in runs if not side.endswith("cold")]
     return {
-        "corpus": {k: v for k, v in corpus.items() if k not in ("files", "path")},
+        "corpus": {**{k: v for k, v in corpus.items() if k not in ("files", "path")},
+                   "format": args.format},
         "medians": med, "s3_over_local": med["s3"]["tps"] / med["local"]["tps"],
         "cold_s3_over_local": (med["s3 cold"]["tps"] / med["local cold"]["tps"]
                                if "s3 cold" in med else None),

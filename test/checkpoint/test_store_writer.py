@@ -177,9 +177,11 @@ def ordering_problems(events: list, returned: float) -> list[str]:
     return problems
 
 
-def save(url: str, client: Recorded, monkeypatch) -> tuple[store_writer.StoreWriter, float]:
+def save(url: str, client: Recorded, monkeypatch, single_max: int = MIB + PART
+         ) -> tuple[store_writer.StoreWriter, float]:  # fmt: skip
     monkeypatch.setattr(store_reader, "_s3_client", lambda: client)
-    writer = store_writer.StoreWriter(url, object_max=MIB, part=PART, in_flight=4)
+    writer = store_writer.StoreWriter(url, object_max=MIB, part=PART, in_flight=4,
+                                      single_max=single_max)  # fmt: skip
     original = writer.write_data
     returned = []
 
@@ -225,6 +227,24 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     assert not equal(blank(state()), state()), "negative control"
 
 
+def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
+    """With single PUTs up to 16 MiB, the 12 MiB tensor (alone in its object, above the
+    1 MiB objects) is one PUT: no multipart upload begun, one request per object, and it
+    loads back equal. Negative control: the bound at 6 MiB (the test above) makes it a
+    multipart upload."""
+    bucket, traffic = server
+    url = f"s3://{bucket}/single"
+    client = Recorded(store_reader._s3_client(), delay=0.0)
+    traffic.reset()
+    writer, _ = save(url, client, monkeypatch, single_max=16 * MIB)
+    assert traffic.requests.get("POST") is None, "no multipart upload"
+    assert traffic.requests.get("PUT") == writer.stats["objects"] + 1  # and .metadata
+    assert writer.stats["requests"] == writer.stats["objects"]
+    got = blank(state())
+    dcp.load(got, checkpoint_id=url, storage_reader=store_reader.StoreReader(url), no_dist=True)
+    assert equal(got, state())
+
+
 @pytest.mark.parametrize("only", ["", "__0_8.distcp"])  # __0_8: the last object (half)
 def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatch, only):
     """Every PUT refused (404 NoSuchBucket, as from a server restarted empty), or only the
@@ -252,18 +272,51 @@ def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatc
     assert ".metadata" in store_for(url).listdir(url)
 
 
-def test_a_killed_saves_uploads_are_aborted_with_its_folder(server):
-    """A multipart upload left by a kill -9 (begun, a part sent, never completed) is
-    invisible to listings, and removing the save's folder aborts it. Negative control:
-    before the removal the store still lists the upload."""
+class Paged:
+    """The real client, its upload listings cut into pages of ``MaxUploads`` as S3 cuts
+    them (moto's server ignores ``max-uploads`` and answers everything at once)."""
+
+    def __init__(self, client):
+        self.client, self.listings = client, 0
+
+    def __getattr__(self, method):
+        return getattr(self.client, method)
+
+    def list_multipart_uploads(self, MaxUploads=1000, KeyMarker="", UploadIdMarker="", **args):
+        self.listings += 1
+        every = self.client.list_multipart_uploads(**args).get("Uploads", [])
+        every.sort(key=lambda u: (u["Key"], u["UploadId"]))
+        after = [u for u in every if (u["Key"], u["UploadId"]) > (KeyMarker, UploadIdMarker)]
+        page = after[:MaxUploads]
+        more = len(after) > MaxUploads
+        reply = {"Uploads": page, "IsTruncated": more}
+        if more:
+            reply.update(NextKeyMarker=page[-1]["Key"], NextUploadIdMarker=page[-1]["UploadId"])
+        return reply
+
+
+def test_a_killed_saves_uploads_are_aborted_with_its_folder(server, monkeypatch):
+    """Multipart uploads left by a kill -9 (begun, a part sent, never completed) are
+    invisible to listings, and removing the save's folder aborts them; ``abort_uploads``
+    pages through the listing (5 uploads, pages of 2) and touches no other folder.
+    Negative controls: before the removal the store still lists the uploads; an upload
+    under ``step-40/`` is left."""
     bucket, _ = server
     client = store_reader._s3_client()
-    key = "killed/step-4/__0_0.distcp"
-    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * PART)
+    keys = [f"killed/step-4/__{rank}_0.distcp" for rank in range(5)]
+    for key in [*keys, "killed/step-40/__0_0.distcp"]:
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 8)
     store = store_for(f"s3://{bucket}/killed")
     assert store.listdir(f"s3://{bucket}/killed/step-4") == []
     listed = client.list_multipart_uploads(Bucket=bucket, Prefix="killed/step-4/")
-    assert [u["Key"] for u in listed.get("Uploads", [])] == [key], "negative control"
-    store.rmtree(f"s3://{bucket}/killed/step-4")
+    assert sorted(u["Key"] for u in listed.get("Uploads", [])) == keys, "negative control"
+    paged = Paged(client)
+    monkeypatch.setattr(store_reader, "_s3_client", lambda: paged)
+    assert store_writer.abort_uploads(f"s3://{bucket}/killed/step-4", page_size=2) == 5
+    assert paged.listings == 3, "pages of 2, 2 and 1"
+    assert not client.list_multipart_uploads(Bucket=bucket, Prefix="killed/step-4/").get("Uploads")
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
+    assert [u["Key"] for u in left] == ["killed/step-40/__0_0.distcp"], "negative control"
+    store.rmtree(f"s3://{bucket}/killed/step-40")
     assert not client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads")

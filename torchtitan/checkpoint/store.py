@@ -186,15 +186,19 @@ class ObjectStore(LocalStore):
             self.fs.rm_file(path)
 
     def rmtree(self, path: str, first: str | None = None):
+        """As a local folder's; on S3 a killed save's incomplete multipart uploads under
+        ``path`` are aborted too (they hold space, never a name), before its objects are
+        deleted: a kill in between leaves the objects, so the folder is still listed
+        (a partial step) and removed again at the next start, aborting what is left."""
         if first is not None:
             self.remove(join(path, first))
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-        if storage.on_s3(path):  # a killed save's multipart uploads: space, never a name
+        if storage.on_s3(path):
             from torchtitan.checkpoint.store_writer import abort_uploads
 
-            with contextlib.suppress(Exception):  # best effort: the folder is gone already
+            with contextlib.suppress(Exception):  # best effort: a lifecycle rule is the net
                 abort_uploads(path)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
 
     def move_folder(self, src: str, dst: str, last: str):
         """Copy every object (server side) with ``last`` (the manifest) copied last, then

@@ -1,12 +1,13 @@
 """DCP's writer for a checkpoint on S3: each rank's entries packed into objects of at most
-``OBJECT_MAX`` bytes, serialized on one thread while up to ``IN_FLIGHT`` requests upload
-the objects already serialized (several objects at once, and an entry larger than an
-object in parallel multipart parts).
+``OBJECT_MAX`` bytes (an entry larger than that alone), serialized on one thread while up
+to ``IN_FLIGHT`` requests upload the objects already serialized (several objects at once,
+each one PUT up to ``SINGLE_PUT_MAX``, an entry larger than that in parallel multipart
+parts).
 
 Owns: packing a rank's write items into objects (``plan_objects``), the bytes of each
 object (``ObjectStream``: DCP's own ``_write_item`` serializes into it, so the files are
 the ones DCP's readers expect), and the requests (``Uploader``: a PUT per object, a
-multipart upload of ``PART``-byte parts for an object that outgrows ``OBJECT_MAX``,
+multipart upload of ``PART``-byte parts for an object that outgrows ``SINGLE_PUT_MAX``,
 retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer wrote a
 ``.tmp``, then copied and deleted it: s3fs's rename).
 
@@ -17,12 +18,15 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   not at all (a PUT, or a multipart upload completed), so a kill -9 mid-upload leaves a
   ``step-N/`` without a manifest, never chosen, and at most ``IN_FLIGHT`` incomplete
   multipart uploads, invisible to listings and reads; ``abort_uploads`` (called where a
-  save's folder is removed) drops them, and a bucket lifecycle rule
-  (AbortIncompleteMultipartUpload) is the operator's net for the rest.
+  save's folder is removed: the next start removes the torn step, a re-save its step)
+  drops them, and a bucket lifecycle rule (AbortIncompleteMultipartUpload) is the
+  operator's net for a job that never starts again. A restart's save of the same step
+  begins new uploads (new upload ids) into a folder emptied first: nothing of the
+  killed one is in it (test_store_killed.py kills a real save between its parts).
 - **Bounded memory.** At most ``IN_FLIGHT x OBJECT_MAX`` (8 x 64 MiB = 512 MiB) handed to
   requests and not yet acknowledged, plus the object being serialized (at most
-  ``OBJECT_MAX + PART``: a single PUT up to there, or one entry's bytes for an entry larger than that:
-  ``torch.save`` hands over a tensor's storage in one write). A rank's staged state
+  ``SINGLE_PUT_MAX``, 128 MiB: a single PUT up to there, or one entry's bytes for an
+  entry larger than that: ``torch.save`` hands over a tensor's storage in one write). A rank's staged state
   (async) or its live tensors (sync) are DCP's, not counted here.
 - **Verified.** botocore sends a CRC32 of every request's body (``x-amz-checksum-crc32``,
   its flexible checksums, on by default: seen on each PUT and part) and S3 refuses a
@@ -42,12 +46,20 @@ Why botocore and not s3fs: measured on the local server (harness/s3.py, 256 MiB,
 the server joining the parts, which moto does in Python; a real S3 joins them as
 metadata), s3fs's ``pipe_file`` of the same bytes 9.4-12.8 s (its parts go one after
 another). So objects of at most 64 MiB sent as single PUTs, many at once, with multipart
-only for an entry larger than an object; botocore's client is thread-safe and releases
-the GIL while a body is sent. The client, its retries and its one-line errors are
+only for an entry larger than ``SINGLE_PUT_MAX``; botocore's client is thread-safe and
+releases the GIL while a body is sent. Why 128 MiB and not ``OBJECT_MAX + PART`` (80
+MiB, the bound before): an entry of 80-128 MiB (the 125M model's embedding, output layer
+and their AdamW moments at 1 rank, 98 MB each) is one PUT, not 7 parts and a
+completion; on the local server a 98 MB single PUT took 0.55 s against 0.42 s of parts
+plus 0.37 s joining them, and the 1-rank save of the 125M model took 1.11-1.24 x a
+parallel PUT of the same bytes in three runs (docs/benchmarks.md § 21; 1.32 before). On S3 a single PUT of up to
+128 MiB is one connection's ~1 s, with 7 other requests in flight beside it; a larger
+entry keeps parallel parts, where one connection would hold the save. The client, its retries and its one-line errors are
 store_reader.py's.
 
-Cost per rank and save: O(own shard) bytes, in ceil(bytes / OBJECT_MAX) PUTs (+ 2 and one
-per ``PART`` for each entry larger than an object), at most ``IN_FLIGHT`` at once; nothing
+Cost per rank and save: O(own shard) bytes, in about ceil(bytes / OBJECT_MAX) PUTs (+ 2
+and one per ``PART`` for each entry larger than ``SINGLE_PUT_MAX``), at most ``IN_FLIGHT``
+at once; nothing
 grows with the number of ranks (at 1,000 ranks and a 1 TB checkpoint: ~1 GB and ~16 PUTs
 a rank, 16,000 objects in all).
 
@@ -82,6 +94,9 @@ logger = logging.getLogger("torchtitan")
 # that a rank's shard makes several objects to send at once.
 OBJECT_MAX = 64 << 20
 PART = 16 << 20  # a multipart part (S3: at least 5 MiB, at most 10,000 parts)
+# The largest object sent as one PUT (S3 takes up to 5 GiB); a larger one (an entry alone
+# in its object) is a multipart upload.
+SINGLE_PUT_MAX = 128 << 20
 IN_FLIGHT = 8  # concurrent PUT / part requests per rank
 
 
@@ -203,14 +218,14 @@ class Uploader:
 
 class ObjectStream(io.RawIOBase):
     """The bytes of one object as DCP serializes them: a single PUT when they fit in
-    ``object_max + part`` (sent at ``finish``), else a multipart upload begun as they outgrow it,
+    ``single_max`` (sent at ``finish``), else a multipart upload begun as they outgrow it,
     ``part``-byte parts submitted as they fill, completed at ``finish`` once every part
     is acknowledged."""
 
-    def __init__(self, uploader: Uploader, name: str, object_max: int = OBJECT_MAX,
+    def __init__(self, uploader: Uploader, name: str, single_max: int = SINGLE_PUT_MAX,
                  part: int = PART):  # fmt: skip
         self.uploader, self.name = uploader, name
-        self.object_max, self.part = object_max, part
+        self.single_max, self.part = single_max, part
         self.buffer = bytearray()
         self.written = 0
         self.upload_id: str | None = None
@@ -227,9 +242,9 @@ class ObjectStream(io.RawIOBase):
         n = len(memoryview(data).cast("B"))
         self.buffer += data
         self.written += n
-        # A single PUT up to object_max + part: the slack for torch.save's headers over
-        # the sizes the objects were packed by.
-        if self.upload_id is None and len(self.buffer) > self.object_max + self.part:
+        # A single PUT up to single_max (at least OBJECT_MAX + PART: the slack for
+        # torch.save's headers over the sizes the objects were packed by).
+        if self.upload_id is None and len(self.buffer) > self.single_max:
             reply = self.uploader.call(self.name, "create_multipart_upload")
             self.upload_id = reply["UploadId"]
         if self.upload_id is not None:
@@ -294,12 +309,14 @@ class StoreWriter(FsspecWriter):
     the data and ``.metadata`` written by ``Uploader`` (module docstring)."""
 
     def __init__(self, path: str, object_max: int = OBJECT_MAX, part: int = PART,
-                 in_flight: int = IN_FLIGHT):  # fmt: skip
+                 in_flight: int = IN_FLIGHT, single_max: int | None = None):  # fmt: skip
         super().__init__(path, sync_files=False, use_listings_cache=False)
         self.fs = _Prefix()
         self.path = self.fs.init_path(path, use_listings_cache=False)
         self._locate(path)
         self.object_max, self.part, self.in_flight = object_max, part, in_flight
+        # read at construction (not bound as a default): a benchmark may set the module's
+        self.single_max = SINGLE_PUT_MAX if single_max is None else single_max
         self.stats: dict = {}
 
     def _locate(self, path):
@@ -330,7 +347,7 @@ class StoreWriter(FsspecWriter):
         try:
             for number, object_items in enumerate(objects):
                 name = f"{prefix}{number}{DEFAULT_SUFFIX}"
-                stream = ObjectStream(uploader, name, self.object_max, self.part)
+                stream = ObjectStream(uploader, name, self.single_max, self.part)
                 streams.append(stream)
                 for item in object_items:
                     data = planner.resolve_data(item)
@@ -377,14 +394,21 @@ class StoreWriter(FsspecWriter):
             uploader.close()
 
 
-def abort_uploads(url: str) -> int:
+def abort_uploads(url: str, page_size: int = 1000) -> int:
     """Abort the incomplete multipart uploads under ``url`` (a kill -9 mid-save leaves at
     most IN_FLIGHT a rank): their parts hold space, never a name. Cost: one listing
-    request per 1,000 uploads and one request per upload aborted. Returns how many."""
+    request per 1,000 uploads and one request per upload aborted (at 1,000 ranks, at
+    most 8,000 uploads: 8 listings). Returns how many."""
     bucket, _, prefix = str(url).split("://", 1)[1].partition("/")
     client = store_reader._s3_client()
-    reply = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
-    uploads = reply.get("Uploads") or []
-    for upload in uploads:
-        client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    return len(uploads)
+    page = {"Bucket": bucket, "Prefix": prefix.rstrip("/") + "/", "MaxUploads": page_size}
+    aborted = 0
+    while True:
+        reply = client.list_multipart_uploads(**page)
+        for upload in reply.get("Uploads") or []:
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                          UploadId=upload["UploadId"])  # fmt: skip
+            aborted += 1
+        if not reply.get("IsTruncated"):
+            return aborted
+        page.update(KeyMarker=reply["NextKeyMarker"], UploadIdMarker=reply["NextUploadIdMarker"])

@@ -18,9 +18,12 @@ JSON lines file's size from a stat.
 Readers use pyarrow for parquet and Arrow IPC (``datasets.save_to_disk`` files) and
 read bytes through ``fsspec`` when a path is a URL, so remote files need no copy.
 
-Also owns fetching ahead (``BlockPrefetch``): the blocks of a remote parquet source that
-the loader says this process will decode next are fetched and decoded by a few threads
-while the current step is read, and handed to the reader that asks for them, once.
+Also owns fetching ahead (``BlockPrefetch``): the blocks of a remote source that the
+loader says this process will decode next are fetched (and decoded) by a few threads
+while the current step is read, and handed to the reader that asks for them, once: a
+parquet row group (its column chunks), a text file, a JSON lines unit's byte range (one
+ranged GET, and the line running past its end), an Arrow record batch (its file read
+whole, once: the stream format has no index of its batches).
 
 Never: tokenize, pack, or know about ranks and workers (windows.py does that), or decide
 what comes next (the loader names the units; the prefetch only fetches them early). A row
@@ -74,6 +77,9 @@ KEEP_BLOCK_BYTES = 64 << 20
 READ_BYTES = 1 << 20
 # Bytes read from a JSON lines file to find the keys of its objects.
 SAMPLE_BYTES = 1 << 20
+# Bytes a fetch ahead of a JSON lines range asks for past the range's end, in the same
+# GET, to finish the line running past it (a web document's line: a few KiB).
+LINE_TAIL_BYTES = 16 << 10
 
 
 # Compressed JSON lines are read whole (a unit is the file): a byte range of a compressed
@@ -132,10 +138,12 @@ PREFETCH_BYTES = 128 << 20
 
 
 class BlockPrefetch:
-    """The blocks of one remote source that this process will decode next, fetched and
-    decoded ahead by ``PREFETCH_THREADS`` threads, each handed once to the read that asks
-    for it (``take``) and dropped from here as it is (the source's own caches hold it from
-    then on, as a block it decoded itself).
+    """The blocks of one remote source that this process will decode next (row groups,
+    record batches, text files, JSON lines ranges: the reader's ``block_of`` names them,
+    its ``fetch`` fetches one), fetched and decoded ahead by ``PREFETCH_THREADS``
+    threads, each handed once to the read that asks for it (``take``) and dropped from
+    here as it is (the source's own caches hold it from then on, as a block it decoded
+    itself; a JSON lines reader its one range being read).
 
     The loader names the blocks (``want``: those of the units this process reads first in
     the steps it planned ahead, tagged with the step); blocks it already holds decoded are
@@ -147,8 +155,10 @@ class BlockPrefetch:
     Bounds, per source and process: ``PREFETCH_THREADS`` requests in flight;
     ``PREFETCH_BLOCKS`` blocks fetched and not taken; fetching stops while those hold
     ``PREFETCH_BYTES`` of decoded values (one block per thread more at most: 128 MiB +
-    4 x a row group, ~140 MiB for web text in 2 MiB row groups). The names waiting (``want``)
-    are the loader's lookahead: O(prefetch steps x windows a step), a few hundred tuples.
+    4 x a row group, ~140 MiB for web text in 2 MiB row groups; JSON lines ranges are
+    held as bytes, 4 MiB each, so 128 + 16 MiB). An Arrow file read whole for one of
+    its batches is held by the reader's own cache (``ArrowReader.KEEP_FILES``), with or
+    without prefetch. The names waiting (``want``) are the loader's lookahead: O(prefetch steps x windows a step), a few hundred tuples.
     None of it grows with the corpus: the same at c4's 365 M documents (~1.4 M units) as at
     FineWeb's 15 T tokens; each rank fetches only the blocks of its own windows.
     """
@@ -181,18 +191,17 @@ class BlockPrefetch:
             self._held.clear()
         return self._pool
 
-    def want(self, f: int, b: int, step: int):
-        """Fetch block ``b`` of file ``f`` ahead: the read of ``step`` decodes it."""
+    def want(self, key: tuple, step: int):
+        """Fetch the block ``key`` names ahead (``(file, block)``; for JSON lines
+        ``(file, lo, hi)``, a unit's byte range): the read of ``step`` decodes it."""
         self._executor()
-        key = (f, b)
         if key not in self._wanted and key not in self._held:
             self._wanted[key] = step
         self._pump()
 
-    def take(self, f: int, b: int) -> _Block | None:
+    def take(self, key: tuple):
         """The block fetched ahead (waiting for its fetch if in flight), or None: the caller
         decodes it, and it is no longer wanted (never fetched twice)."""
-        key = (f, b)
         self._wanted.pop(key, None)
         entry = self._held.pop(key, None) if self._pid == os.getpid() else None
         if entry is None:
@@ -223,13 +232,12 @@ class BlockPrefetch:
                 future.exception()
         return len(self._held)
 
-    def _fetch(self, f: int, b: int) -> tuple[_Block, int]:
+    def _fetch(self, key: tuple) -> tuple[object, int]:
         with self._count_lock:
             self._running += 1
             self.peak_in_flight = max(self.peak_in_flight, self._running)
         try:
-            block = self.source._reader.decode(self.source, self.source.spec.files[f], b)
-            return block, _block_bytes(block)
+            return self.source._reader.fetch(self.source, key)
         finally:
             with self._count_lock:
                 self._running -= 1
@@ -242,7 +250,7 @@ class BlockPrefetch:
             if held >= PREFETCH_BYTES:
                 return
             key, step = self._wanted.popitem(last=False)
-            self._held[key] = (self._pool.submit(self._fetch, *key), step)
+            self._held[key] = (self._pool.submit(self._fetch, key), step)
             self.fetched += 1
             self.peak_held = max(self.peak_held, len(self._held))
 
@@ -254,6 +262,21 @@ def _file_size(path: str) -> int:
         fs, inner = fsspec.core.url_to_fs(path)
         return int(fs.size(inner))
     return os.path.getsize(path)
+
+
+def _remote_fs(path: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(path)
+
+
+class _Span:
+    """The bytes of one JSON lines unit fetched ahead: ``data`` from byte ``start``."""
+
+    __slots__ = ("key", "start", "data")
+
+    def __init__(self, key: tuple, start: int, data: bytes):
+        self.key, self.start, self.data = key, start, data
 
 
 class _Block:
@@ -300,11 +323,10 @@ class StreamSource:
         self._kept: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # the last read
         self._kept_bytes = 0
         self.rows_decoded = 0
-        # Remote row groups (or text files) fetched ahead; None where reads are local (a
-        # page cache does this already) or of a kind read as a stream (JSON lines, Arrow).
-        fetches_ahead = isinstance(self._reader, (ParquetReader, TextReader))
+        # Remote blocks fetched ahead (row groups, record batches, text files, JSON lines
+        # ranges); None where reads are local (a page cache does this already).
         remote = bool(spec.files) and is_remote(spec.files[0])
-        self.prefetch = BlockPrefetch(self) if fetches_ahead and remote else None
+        self.prefetch = BlockPrefetch(self) if remote else None
         # From a data plan (``block_rows`` given): the column check was made once for the job.
         if block_rows is None:
             check_columns(spec, text_field)
@@ -382,7 +404,7 @@ class StreamSource:
         ranges of one row group, read by several readers, decode it once)."""
         block = self._decoded.get((f, b))
         if block is None:
-            block = self.prefetch.take(f, b) if self.prefetch is not None else None
+            block = self.prefetch.take((f, b)) if self.prefetch is not None else None
             if block is None:
                 block = self._reader.decode(self, self.spec.files[f], b)
             self._decoded[(f, b)] = block
@@ -391,15 +413,15 @@ class StreamSource:
         return block
 
     def fetch_ahead(self, units: list, step: int):
-        """The blocks ``units`` lie in, fetched ahead where this source does so (remote
-        parquet or text), unless this process holds them decoded: the read of ``step``
-        decodes them (``BlockPrefetch``). Cost: a bisect a unit."""
+        """The blocks ``units`` lie in, fetched ahead where this source does so (a remote
+        one), unless this process holds them decoded: the read of ``step`` decodes them
+        (``BlockPrefetch``). Cost: a bisect a unit."""
         if self.prefetch is None:
             return
-        for f, lo, _ in units:
-            b = bisect.bisect_right(self.block_starts(f), lo) - 1
-            if (f, b) not in self._decoded:
-                self.prefetch.want(f, b, step)
+        for unit in units:
+            key = self._reader.block_of(self, unit)
+            if key is not None:
+                self.prefetch.want(key, step)
 
     def _keep(self, f: int, b: int, block: _Block):
         """Keep the blocks last read, ``KEEP_BLOCKS`` and ``KEEP_BLOCK_BYTES`` of their values
@@ -466,6 +488,19 @@ class _RowReader:
         return Units([f] * len(blocks), [a for a, _ in blocks], [b for _, b in blocks],
                      [-(-(b - a) // size) for a, b in blocks])  # fmt: skip
 
+    def block_of(self, source: StreamSource, unit) -> tuple[int, int] | None:
+        """The block ``(file, block)`` that ``unit`` lies in, or None where this process
+        holds it decoded (nothing to fetch ahead)."""
+        f, lo, _ = unit
+        key = (f, bisect.bisect_right(source.block_starts(f), lo) - 1)
+        return None if key in source._decoded else key
+
+    def fetch(self, source: StreamSource, key: tuple[int, int]) -> tuple[_Block, int]:
+        """Block ``key`` decoded (on a prefetch thread), and the bytes of its values."""
+        f, b = key
+        block = self.decode(source, source.spec.files[f], b)
+        return block, _block_bytes(block)
+
     def read(self, source: StreamSource, unit, at: int):
         f, _, hi = unit
         starts = source.block_starts(f)
@@ -514,16 +549,36 @@ class ArrowReader(_RowReader):
     def __init__(self, spec: SourceSpec):
         super().__init__(spec)
         self._batches: dict[str, list] = {}
+        self._lock = threading.Lock()  # prefetch threads ask for batches too
+        self._loading: dict[str, threading.Lock] = {}  # path -> held while it is read
 
-    def __getstate__(self):
-        return {**self.__dict__, "_batches": {}}  # a worker maps the files itself
+    def __getstate__(self):  # a worker maps the files itself
+        return {**self.__dict__, "_batches": {}, "_lock": None, "_loading": {}}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def batches(self, path: str) -> list:
-        if path not in self._batches:
-            if len(self._batches) >= self.KEEP_FILES:
-                self._batches.pop(next(iter(self._batches)))
-            self._batches[path] = _arrow_batches(path)
-        return self._batches[path]
+        """The record batches of ``path``, read once while kept (``KEEP_FILES``), however
+        many threads ask at once. A remote file is read whole, once (one stream of 4 MiB
+        GETs): the stream format ``save_to_disk`` writes has no index of its batches, so
+        a batch cannot be fetched alone; a prefetch thread asking for one of its batches
+        fetches the file ahead."""
+        with self._lock:
+            if path in self._batches:
+                return self._batches[path]
+            loading = self._loading.setdefault(path, threading.Lock())
+        with loading:  # a second thread asking waits for the first one's read
+            with self._lock:
+                if path in self._batches:
+                    return self._batches[path]
+            batches = _arrow_batches(path)
+            with self._lock:
+                if len(self._batches) >= self.KEEP_FILES:
+                    self._batches.pop(next(iter(self._batches)))
+                self._batches[path] = batches
+                self._loading.pop(path, None)
+        return batches
 
     def columns(self, path: str) -> list[str]:
         batches = self.batches(path)
@@ -618,6 +673,7 @@ class JsonLinesReader:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
         self._streams: dict[int, object] = {}  # file -> open compressed or remote stream
+        self._span: _Span | None = None  # the unit being read, fetched ahead (one at a time)
 
     def columns(self, path: str) -> list[str] | None:
         """The keys of the objects in the first MiB, or None if it has none."""
@@ -672,13 +728,54 @@ class JsonLinesReader:
         return fh
 
     def __getstate__(self):
-        return {**self.__dict__, "_streams": {}}  # a worker opens its own
+        return {**self.__dict__, "_streams": {}, "_span": None}  # a worker opens its own
+
+    def block_of(self, source: StreamSource, unit) -> tuple[int, int, int] | None:
+        """A unit's byte range is its block; none for a compressed file (read whole as a
+        stream) or the unit being read."""
+        f, lo, hi = unit
+        if hi < 0 or (self._span is not None and self._span.key == (f, lo, hi)):
+            return None
+        return f, lo, hi
+
+    def fetch(self, source: StreamSource, key: tuple[int, int, int]) -> tuple[_Span, int]:
+        """The bytes the reads of unit ``key`` use (on a prefetch thread): from the byte
+        before its range (where its first line is found) to the end of the line running
+        past its end. One ranged GET takes the range and ``LINE_TAIL_BYTES`` past it (at
+        most the range's size), which holds that line's rest for most lines (a web
+        document's line: a few KiB); a longer line takes further GETs, each twice the
+        last. Bytes fetched: the range, the line running past it (which the next range's
+        fetch holds too: it skips it) and the rest of the last GET past that line's end:
+        at most a line and 16 KiB per range (~0.4 % of a 4 MiB range). Requests: one per
+        range, and one more per doubling where a line outruns the tail."""
+        f, lo, hi = key
+        start = max(0, lo - 1)
+        fs, inner = _remote_fs(self.spec.files[f])
+        tail = max(1, min(LINE_TAIL_BYTES, hi - lo))
+        data, size = b"", None
+        while True:
+            want = hi + tail - start - len(data)  # up to tail bytes past hi in all
+            got = fs.cat_file(inner, start=start + len(data), end=start + len(data) + want)
+            data += got
+            newline = data.find(b"\n", hi - 1 - start)
+            if newline >= 0:
+                data = data[: newline + 1]
+                break
+            if len(got) < want:  # the file's end
+                break
+            size = int(fs.size(inner)) if size is None else size  # a long line: rare
+            if start + len(data) >= size:
+                break
+            tail *= 2
+        return _Span(key, start, data), len(data)
 
     def read(self, source: StreamSource, unit, at: int):
         f, lo, hi = unit
-        path = self.spec.files[f]
         if 0 <= hi <= at:
             return [], None, None
+        span = self._span_for(source, unit)
+        if span is not None:
+            return self._read_span(source, unit, at, span)
         fh = self._stream(f, at)
         if at == lo and lo > 0:  # a range's first line is the first to start in it
             fh.seek(lo - 1)
@@ -696,7 +793,48 @@ class JsonLinesReader:
             self._streams.pop(f, None)
         if not data:
             return [], None, None
-        name = self.spec.relative_name(path)
+        return self._lines(source, unit, at, data)
+
+    def _span_for(self, source: StreamSource, unit) -> _Span | None:
+        """The bytes of ``unit`` fetched ahead, if they were: kept while it is read."""
+        key = tuple(unit)
+        if self._span is not None and self._span.key == key:
+            return self._span
+        taken = source.prefetch.take(key) if source.prefetch is not None and key[2] >= 0 else None
+        if taken is not None:
+            self._span = taken
+        return taken
+
+    def _read_span(self, source: StreamSource, unit, at: int, span: _Span):
+        """``read`` on the bytes fetched ahead: the same lines, in the same reads, as from
+        the file (the first line found after the byte before the range, ``READ_BYTES``
+        and the rest of a line at a time)."""
+        f, lo, hi = unit
+        data, base = span.data, span.start
+        if at == lo and lo > 0:
+            newline = data.find(b"\n", lo - 1 - base)
+            at = base + (newline + 1 if newline >= 0 else len(data))
+            if hi <= at:
+                self._span = None
+                return [], None, None
+        begin = at - base
+        cut = begin + max(1, min(READ_BYTES, hi - at))
+        if cut < len(data) and data[cut - 1 : cut] != b"\n":
+            newline = data.find(b"\n", cut)
+            cut = newline + 1 if newline >= 0 else len(data)
+        chunk = data[begin:cut]
+        if not chunk:
+            self._span = None
+            return [], None, None
+        docs, next_at, _ = self._lines(source, unit, at, chunk)
+        if next_at is None:
+            self._span = None
+        return docs, next_at, None
+
+    def _lines(self, source: StreamSource, unit, at: int, data: bytes):
+        """The documents of the whole lines ``data`` holds, the first starting at ``at``."""
+        f, _, hi = unit
+        name = self.spec.relative_name(self.spec.files[f])
         docs, pos = [], at
         lines = data.split(b"\n")
         for line in lines[:-1] if data.endswith(b"\n") else lines:
