@@ -202,6 +202,30 @@ def cfg(corpus, *extra, seq=SEQ, batch=4, **kw):
     return parse_args([str(a) for a in [*argv, *extra]])
 
 
+def bucket_cfg(url: str, counts: str, **kw):
+    """The debug config streaming the corpus at ``url`` (a bucket), its token counts in
+    ``counts``, 8 sequences a step."""
+    return cfg(url, length_index_dir=counts, streaming="true", global_batch_size=8, **kw)
+
+
+def bucket_loader(tokenizer, url: str, counts: str, prefetch: int, **kw):
+    """A loader over ``bucket_cfg`` (rank 0 of 1) fetching ``prefetch`` steps ahead."""
+    loader = build_dataloader(bucket_cfg(url, counts, **kw), tokenizer, 0, 1)
+    loader.prefetch_steps = prefetch
+    return loader
+
+
+def same_steps(a: list[list[dict]], b: list[list[dict]]) -> bool:
+    """Whether two lists of steps (each its micro-batches) hold the same inputs and spans."""
+    return all(
+        len(x) == len(y)
+        and all(
+            torch.equal(p["input"], q["input"]) and p["spans"] == q["spans"] for p, q in zip(x, y)
+        )  # fmt: skip
+        for x, y in zip(a, b, strict=True)
+    )
+
+
 def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
     """The loaders of ``world`` data-parallel ranks, built as a job builds them (the data
     plan and length index made by the real code); each rank's loader is all a rank runs

@@ -10,23 +10,16 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from helpers import cfg, distinct_parquet
+from helpers import bucket_cfg, bucket_loader, distinct_parquet, same_steps
 
 from harness import s3
-from torchtitan.data import build_dataloader, streaming
 from torchtitan.data import loader as loader_module
+from torchtitan.data import streaming
 from torchtitan.data.prepare import prepare
 
 pytestmark = pytest.mark.skipif(s3.missing() is not None, reason=str(s3.missing()))
 
 STEPS = 6
-
-
-@pytest.fixture(autouse=True)
-def _tokenizer(tokenizer):
-    global TOKENIZER
-    TOKENIZER = tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +36,7 @@ def served(tmp_path_factory, tokenizer):
     with s3.local_s3(traffic) as (bucket, _):
         s3fs.S3FileSystem().put(str(folder), f"{bucket}/corpus", recursive=True)
         url, counts = f"s3://{bucket}/corpus", str(tmp / "counts")
-        prepare(_cfg(url, counts).training, tokenizer, num_proc=1, progress=False)
+        prepare(bucket_cfg(url, counts).training, tokenizer, num_proc=1, progress=False)
         # the same counts in the bucket too (the files are named by content)
         s3fs.S3FileSystem().put(counts, f"{bucket}/counts", recursive=True)
         yield url, counts, traffic
@@ -54,16 +47,6 @@ def store(served):
     """``served``, its request counts reset for this test."""
     served[2].reset()
     return served
-
-
-def _cfg(url: str, counts: str, **kw):
-    return cfg(url, length_index_dir=counts, streaming="true", global_batch_size=8, **kw)
-
-
-def _loader(url: str, counts: str, prefetch: int, **kw):
-    loader = build_dataloader(_cfg(url, counts, **kw), TOKENIZER, 0, 1)
-    loader.prefetch_steps = prefetch
-    return loader
 
 
 def _parquet_bytes(traffic: s3.Traffic) -> int:
@@ -78,17 +61,7 @@ def _settle(loader) -> streaming.BlockPrefetch:
     return source.prefetch
 
 
-def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
-    return all(
-        len(x) == len(y)
-        and all(
-            torch.equal(p["input"], q["input"]) and p["spans"] == q["spans"] for p, q in zip(x, y)
-        )  # fmt: skip
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
+def test_prefetched_batches_and_bytes_are_those_of_reading_without(tokenizer, store):
     """Reading STEPS steps fetching ahead gives the batches of a loader without it, and
     the row groups it fetched (those of its STEPS + depth steps planned) are the bytes the
     loader without prefetch fetches reading STEPS + depth steps: nothing fetched twice,
@@ -99,15 +72,15 @@ def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
     url, counts, traffic = store
     depth = loader_module.PREFETCH_STEPS
     traffic.reset()
-    plain = _loader(url, counts, 0)
+    plain = bucket_loader(tokenizer, url, counts, 0)
     reference = [plain.next_step() for _ in range(STEPS + depth)]
     assert plain.stream.sources[0].prefetch.fetched == 0
     needed = _parquet_bytes(traffic)
     traffic.reset()
-    fetching = _loader(url, counts, depth)
+    fetching = bucket_loader(tokenizer, url, counts, depth)
     got = [fetching.next_step() for _ in range(STEPS)]
     prefetch = _settle(fetching)
-    assert _same(got, reference[:STEPS])
+    assert same_steps(got, reference[:STEPS])
     assert prefetch.fetched > 0 and prefetch.dropped == 0
     assert prefetch.taken + len(prefetch._held) == prefetch.fetched
     assert _parquet_bytes(traffic) == needed
@@ -116,59 +89,59 @@ def test_prefetched_batches_and_bytes_are_those_of_reading_without(store):
     assert held > 0
     fetching.seek()
     assert len(prefetch._held) == 0 and prefetch.dropped == held
-    assert _same([fetching.next_step()], reference[:1])
+    assert same_steps([fetching.next_step()], reference[:1])
     traffic.reset()
-    short = _loader(url, counts, 0)
+    short = bucket_loader(tokenizer, url, counts, 0)
     [short.next_step() for _ in range(STEPS)]
     assert _parquet_bytes(traffic) < needed
 
 
-def test_a_resume_mid_run_fetching_ahead_gives_the_same_batches(store):
+def test_a_resume_mid_run_fetching_ahead_gives_the_same_batches(tokenizer, store):
     """The state after 3 steps, loaded into a fresh loader fetching ahead, gives the steps
     after it of an uninterrupted run without prefetch. Negative control: the state after
     2 steps does not."""
     url, counts, _ = store
-    reference = [_loader(url, counts, 0) for _ in range(1)][0]
+    reference = [bucket_loader(tokenizer, url, counts, 0) for _ in range(1)][0]
     steps, states = [], []
     for _ in range(STEPS):
         states.append(reference.state_dict())
         steps.append(reference.next_step())
-    resumed = _loader(url, counts, 2)
+    resumed = bucket_loader(tokenizer, url, counts, 2)
     resumed.load_state_dict(states[3])
-    assert _same([resumed.next_step() for _ in range(3)], steps[3:])
-    other = _loader(url, counts, 2)
+    assert same_steps([resumed.next_step() for _ in range(3)], steps[3:])
+    other = bucket_loader(tokenizer, url, counts, 2)
     other.load_state_dict(states[2])
-    assert not _same([other.next_step() for _ in range(3)], steps[3:])
+    assert not same_steps([other.next_step() for _ in range(3)], steps[3:])
 
 
-def test_loader_workers_fetching_ahead_give_the_same_batches(store):
+def test_loader_workers_fetching_ahead_give_the_same_batches(tokenizer, store):
     """With 2 loader workers, each fetching ahead the blocks of the micro-batches it
     makes, the batches are those of a loader without workers or prefetch. Negative
     control: a worker's prefetch is its own (the rank's process fetches nothing)."""
     url, counts, _ = store
-    plain = _loader(url, counts, 0)
+    plain = bucket_loader(tokenizer, url, counts, 0)
     reference = [plain.next_step() for _ in range(4)]
-    workers = _loader(url, counts, 2, num_workers=2)
+    workers = bucket_loader(tokenizer, url, counts, 2, num_workers=2)
     try:
-        assert _same([workers.next_step() for _ in range(4)], reference)
+        assert same_steps([workers.next_step() for _ in range(4)], reference)
         assert workers.stream.sources[0].prefetch.fetched == 0
     finally:
         workers.close()
 
 
-def test_blocks_held_and_fetches_in_flight_stay_bound(store, monkeypatch):
+def test_blocks_held_and_fetches_in_flight_stay_bound(tokenizer, store, monkeypatch):
     """At most PREFETCH_BLOCKS blocks fetched and not taken, and PREFETCH_THREADS fetches
     at once, however far ahead the loader plans; the batches are unchanged. Negative
     control: with the bounds raised, more are held and in flight."""
     url, counts, _ = store
-    reference = [_loader(url, counts, 0).next_step() for _ in range(1)]
+    reference = [bucket_loader(tokenizer, url, counts, 0).next_step() for _ in range(1)]
 
     def peaks(blocks: int, threads: int) -> tuple[int, int]:
         monkeypatch.setattr(streaming, "PREFETCH_BLOCKS", blocks)
         monkeypatch.setattr(streaming, "PREFETCH_THREADS", threads)
-        loader = _loader(url, counts, STEPS)
+        loader = bucket_loader(tokenizer, url, counts, STEPS)
         first = [loader.next_step()]
-        assert _same(first, reference)
+        assert same_steps(first, reference)
         prefetch = _settle(loader)
         return prefetch.peak_held, prefetch.peak_in_flight
 
@@ -178,7 +151,7 @@ def test_blocks_held_and_fetches_in_flight_stay_bound(store, monkeypatch):
     assert held > 2 and in_flight > 1
 
 
-def test_count_files_in_a_bucket_are_read_ahead_once(store):
+def test_count_files_in_a_bucket_are_read_ahead_once(tokenizer, store):
     """Counts in the bucket: the loader reads the count files of the units the order
     reaches next ahead (index.SourceCounts.read_ahead), each once (the server sent each
     object's bytes once), and the batches are those of reading them in line. Negative
@@ -194,7 +167,7 @@ def test_count_files_in_a_bucket_are_read_ahead_once(store):
     def run(ahead: bool) -> tuple[list, dict]:
         with traffic.lock:
             traffic.log.clear()
-        loader = _loader(url, counts, 0)
+        loader = bucket_loader(tokenizer, url, counts, 0)
         for order in loader.stream.orders:
             order.counts.reads_ahead = ahead
         steps = [loader.next_step() for _ in range(3)]
@@ -210,6 +183,6 @@ def test_count_files_in_a_bucket_are_read_ahead_once(store):
 
     in_line, read_in_line = run(False)
     ahead, read_ahead = run(True)
-    assert _same(ahead, in_line)
+    assert same_steps(ahead, in_line)
     assert all(read_ahead[n] == sizes[n] for n in read_ahead), (read_ahead, sizes)
     assert len(read_ahead) > len(read_in_line)

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import torch
-from helpers import cfg, read_unit
+from helpers import bucket_cfg, bucket_loader, read_unit, same_steps
 
 from harness import s3
-from torchtitan.data import build_dataloader, streaming
 from torchtitan.data import loader as loader_module
+from torchtitan.data import streaming
 from torchtitan.data.prepare import prepare
 from torchtitan.data.sources import resolve_source
 
@@ -59,12 +58,6 @@ def write_arrow(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True)
-def _tokenizer(tokenizer):
-    global TOKENIZER
-    TOKENIZER = tokenizer
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer):
     """One bucket holding both corpora, their counts measured into local folders; yields
@@ -78,29 +71,9 @@ def served(tmp_path_factory, tokenizer):
         for kind, write in (("jsonl", write_jsonl), ("arrow", write_arrow)):
             s3fs.S3FileSystem().put(str(write(tmp / kind)), f"{bucket}/{kind}", recursive=True)
             url, counts = f"s3://{bucket}/{kind}", str(tmp / f"counts-{kind}")
-            prepare(_cfg(url, counts).training, tokenizer, num_proc=1, progress=False)
+            prepare(bucket_cfg(url, counts).training, tokenizer, num_proc=1, progress=False)
             corpora[kind] = (url, counts)
         yield corpora, traffic
-
-
-def _cfg(url: str, counts: str, **kw):
-    return cfg(url, length_index_dir=counts, streaming="true", global_batch_size=8, **kw)
-
-
-def _loader(url: str, counts: str, prefetch: int, **kw):
-    loader = build_dataloader(_cfg(url, counts, **kw), TOKENIZER, 0, 1)
-    loader.prefetch_steps = prefetch
-    return loader
-
-
-def _same(a: list[list[dict]], b: list[list[dict]]) -> bool:
-    return all(
-        len(x) == len(y)
-        and all(
-            torch.equal(p["input"], q["input"]) and p["spans"] == q["spans"] for p, q in zip(x, y)
-        )  # fmt: skip
-        for x, y in zip(a, b, strict=True)
-    )
 
 
 def _reset(traffic: s3.Traffic):
@@ -119,7 +92,7 @@ def _sent(traffic: s3.Traffic, suffix: str) -> tuple[int, list]:
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "arrow"])
-def test_fetched_ahead_once_with_the_batches_of_reading_without(served, kind):
+def test_fetched_ahead_once_with_the_batches_of_reading_without(tokenizer, served, kind):
     """STEPS steps read fetching ahead give the batches of a loader without it; every
     block fetched was taken or is held for the steps planned beyond; nothing is fetched
     twice: JSON lines, no ranged GET asked twice and every read served from the ranges
@@ -130,19 +103,19 @@ def test_fetched_ahead_once_with_the_batches_of_reading_without(served, kind):
     traffic, (url, counts) = served[1], served[0][kind]
     suffix = f".{kind}"
     depth = loader_module.PREFETCH_STEPS
-    plain = _loader(url, counts, 0)
+    plain = bucket_loader(tokenizer, url, counts, 0)
     _reset(traffic)
     reference = [plain.next_step() for _ in range(STEPS)]
     assert plain.stream.sources[0].prefetch.fetched == 0, "negative control"
     plain_bytes, _ = _sent(traffic, suffix)
 
-    fetching = _loader(url, counts, depth)
+    fetching = bucket_loader(tokenizer, url, counts, depth)
     _reset(traffic)
     got = [fetching.next_step() for _ in range(STEPS)]
     (source,) = fetching.stream.sources
     prefetch = source.prefetch
     prefetch.wait()
-    assert _same(got, reference)
+    assert same_steps(got, reference)
     assert prefetch.fetched > 0 and prefetch.dropped == 0
     assert prefetch.taken + len(prefetch._held) == prefetch.fetched
     sent, ranges = _sent(traffic, suffix)
@@ -194,36 +167,36 @@ def _sizes(url: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "arrow"])
-def test_a_resume_fetching_ahead_gives_the_same_batches(served, kind):
+def test_a_resume_fetching_ahead_gives_the_same_batches(tokenizer, served, kind):
     """The state after 3 steps, loaded into a fresh loader fetching ahead, gives the
     steps after it of a run without prefetch. Negative control: the state after 2 does
     not."""
     url, counts = served[0][kind]
-    reference = _loader(url, counts, 0)
+    reference = bucket_loader(tokenizer, url, counts, 0)
     steps, states = [], []
     for _ in range(STEPS):
         states.append(reference.state_dict())
         steps.append(reference.next_step())
-    resumed = _loader(url, counts, 2)
+    resumed = bucket_loader(tokenizer, url, counts, 2)
     resumed.load_state_dict(states[3])
-    assert _same([resumed.next_step() for _ in range(3)], steps[3:])
+    assert same_steps([resumed.next_step() for _ in range(3)], steps[3:])
     assert resumed.stream.sources[0].prefetch.fetched > 0
-    other = _loader(url, counts, 2)
+    other = bucket_loader(tokenizer, url, counts, 2)
     other.load_state_dict(states[2])
-    assert not _same([other.next_step() for _ in range(3)], steps[3:])
+    assert not same_steps([other.next_step() for _ in range(3)], steps[3:])
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "arrow"])
-def test_loader_workers_fetching_ahead_give_the_same_batches(served, kind):
+def test_loader_workers_fetching_ahead_give_the_same_batches(tokenizer, served, kind):
     """With 2 loader workers, each fetching ahead what it reads, the batches are those of
     a loader without workers or prefetch. Negative control: a worker's prefetch is its
     own (the rank's process fetches nothing)."""
     url, counts = served[0][kind]
-    plain = _loader(url, counts, 0)
+    plain = bucket_loader(tokenizer, url, counts, 0)
     reference = [plain.next_step() for _ in range(3)]
-    workers = _loader(url, counts, 2, num_workers=2)
+    workers = bucket_loader(tokenizer, url, counts, 2, num_workers=2)
     try:
-        assert _same([workers.next_step() for _ in range(3)], reference)
+        assert same_steps([workers.next_step() for _ in range(3)], reference)
         assert workers.stream.sources[0].prefetch.fetched == 0
     finally:
         workers.close()
