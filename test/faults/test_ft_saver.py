@@ -88,6 +88,16 @@ def _said():
     return handler, logger
 
 
+def _groups(job, count: int, extra: list):
+    """``count`` looped groups of ``job`` on one in-process quorum, each resumed from the
+    job's checkpoints: (tokenizer, quorum, {group: Looped}, what they said)."""
+    tokenizer = build_tokenizer(_cfg(job, 0, count).model)
+    quorum, said = Quorum(), {}
+    groups = {g: Looped(quorum, job, g, count, tokenizer, extra=extra, said=said).resume()
+              for g in range(count)}  # fmt: skip
+    return tokenizer, quorum, groups, said
+
+
 def _step(quorum, groups: dict, live: list[int], dies=(), asked=()):
     quorum.round(live, dies=dies)
     quorum.run({g: (lambda g=g: groups[g].try_step(g in dies, g in asked)) for g in live})
@@ -108,10 +118,7 @@ def saver_gone(request, tmp_path_factory):
     1-3 stop after step 5; group 1, now the lowest, writes it, and group 2, the next, a
     second copy. Then the whole job is launched again (3 groups, steps 6-8)."""
     job = tmp_path_factory.mktemp(f"saver_{request.param}") / "job"
-    tokenizer = build_tokenizer(_cfg(job, 0, 4).model)
-    quorum, said = Quorum(), {}
-    groups = {g: Looped(quorum, job, g, 4, tokenizer, extra=LEAST_3, said=said).resume()
-              for g in range(4)}  # fmt: skip
+    tokenizer, quorum, groups, said = _groups(job, 4, LEAST_3)
     handler, logger = _said()
     try:
         if request.param == "killed":
@@ -239,10 +246,7 @@ def _left_alone(tmp_path, *, asked: bool, patience: float, stall: float, release
     after ``release_after`` seconds, or never (it fails after ``stall``)."""
     job = tmp_path / "job"
     extra = [*LEAST_2, *EVERY_4, "--fault_tolerance.timeout_seconds", patience]
-    tokenizer = build_tokenizer(_cfg(job, 0, 2).model)
-    quorum, said = Quorum(), {}
-    groups = {g: Looped(quorum, job, g, 2, tokenizer, extra=extra, said=said).resume()
-              for g in range(2)}  # fmt: skip
+    tokenizer, quorum, groups, said = _groups(job, 2, extra)
     handler, logger = _said()
     error, took = None, None
     try:
@@ -313,10 +317,7 @@ def _refused(tmp_path, *, asked: bool, lone: bool) -> dict:
     ``asked`` to stop or not; three more rounds."""
     job = tmp_path / "job"
     extra = [*LEAST_2, *EVERY_4]
-    tokenizer = build_tokenizer(_cfg(job, 0, 2).model)
-    quorum, said = Quorum(), {}
-    groups = {g: Looped(quorum, job, g, 2, tokenizer, extra=extra, said=said).resume()
-              for g in range(2)}  # fmt: skip
+    tokenizer, quorum, groups, said = _groups(job, 2, extra)
     handler, logger = _said()
     try:
         for _ in range(3):
