@@ -188,6 +188,11 @@ class DataLoaderState(Adapter):
     def state_dict(self) -> dict:
         return self.state.state_dict()
 
+    def own_state(self) -> dict:
+        """This rank's loader position whether or not it writes the checkpoint's entry
+        (a heal reaches every rank, a checkpoint one rank of each TP group)."""
+        return self.state.loader.state_dict()
+
     def load_targets(self, saved: Saved) -> dict:
         """The one entry this rank loads, as an empty tensor of the saved size for DCP to fill."""
         fingerprint = saved.manifest.get("data_fingerprint") or {}

@@ -294,14 +294,9 @@ def peer_state(components: dict) -> dict:
     rank has, DTensors as their local shards; the loader's position from every rank (a
     checkpoint keeps it from the first of each rank's tensor-parallel peers only, but
     each rank heals its own loader)."""
-    return {name: _local(_healed(components[name], name)) for name in HEALED
-            if name in components}  # fmt: skip
-
-
-def _healed(adapter, name: str) -> dict:
-    if name == "dataloader":
-        return adapter.state.loader.state_dict()
-    return adapter.state_dict()
+    return {name: _local(components[name].own_state() if name == "dataloader"
+                         else components[name].state_dict())
+            for name in HEALED if name in components}  # fmt: skip
 
 
 def load_peer_state(components: dict, state: dict):
