@@ -320,3 +320,42 @@ def test_a_killed_saves_uploads_are_aborted_with_its_folder(server, monkeypatch)
     assert [u["Key"] for u in left] == ["killed/step-40/__0_0.distcp"], "negative control"
     store.rmtree(f"s3://{bucket}/killed/step-40")
     assert not client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads")
+
+
+class Raced:
+    """A client whose every listing is answered after another rank aborted the first
+    upload listed (two ranks removing one failed save's folder at once)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def list_multipart_uploads(self, **kw):
+        reply = self.client.list_multipart_uploads(**kw)
+        first = (reply.get("Uploads") or [None])[0]
+        if first is not None:
+            self.client.abort_multipart_upload(
+                Bucket=kw["Bucket"], Key=first["Key"], UploadId=first["UploadId"]
+            )
+        return reply
+
+
+def test_uploads_another_rank_aborted_first_are_passed_over(server, monkeypatch):
+    """After a failed save every rank removes its folder: an upload another rank aborted
+    between this rank's listing and its abort answers NoSuchUpload, and the rest are
+    still aborted. Negative control: that answer is an error of its own (the old loop
+    stopped at it, leaving the other uploads)."""
+    bucket, _ = server
+    client = store_reader._s3_client()
+    keys = [f"raced/step-6/__{rank}_0.distcp" for rank in range(3)]
+    for key in keys:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    monkeypatch.setattr(store_reader, "_s3_client", lambda: Raced(client))
+    assert store_writer.abort_uploads(f"s3://{bucket}/raced/step-6") == 2
+    assert not client.list_multipart_uploads(Bucket=bucket, Prefix="raced/").get("Uploads")
+    upload = client.create_multipart_upload(Bucket=bucket, Key=keys[0])["UploadId"]
+    client.abort_multipart_upload(Bucket=bucket, Key=keys[0], UploadId=upload)
+    with pytest.raises(Exception, match="NoSuchUpload"):
+        client.abort_multipart_upload(Bucket=bucket, Key=keys[0], UploadId=upload)

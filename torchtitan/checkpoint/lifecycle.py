@@ -227,7 +227,7 @@ class Saver:
             raise CheckpointError(
                 f"saving checkpoint step-{step} in {self.folder} failed: {root_cause(e)}; free "
                 f"space or set --checkpoint.folder elsewhere, then resume (last complete "
-                f"checkpoint: {('step-' + str(done[-1])) if done else 'none'})"
+                f"checkpoint: {last})"
             ) from e
 
     def finalize(self, step: int, share: list[str] | None = None):

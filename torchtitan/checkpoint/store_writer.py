@@ -406,8 +406,13 @@ def abort_uploads(url: str, page_size: int = 1000) -> int:
     while True:
         reply = client.list_multipart_uploads(**page)
         for upload in reply.get("Uploads") or []:
-            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
-                                          UploadId=upload["UploadId"])  # fmt: skip
+            try:
+                client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"],
+                                              UploadId=upload["UploadId"])  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - another rank removing the folder was first
+                if getattr(e, "response", {}).get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise
+                continue
             aborted += 1
         if not reply.get("IsTruncated"):
             return aborted
