@@ -234,13 +234,51 @@ def test_a_jsonl_units_lines_are_those_of_the_file_read_as_a_stream(served, tmp_
         want = read_unit(streamed, unit)
         span, size = reader.fetch(stream, unit)
         assert size == len(span.data) and span.start == max(0, unit[1] - 1)
-        reader._span = span
+        reader._spans[span.key] = span
         assert read_unit(stream, unit) == want, unit
-        assert reader._span is None, "let go once the unit is read"
+        assert not reader._spans, "let go once the unit is read"
         if want and span.data.endswith(b"\n") and len(span.data) > 1:
             cut = streaming._Span(span.key, span.start, span.data[:-2])
-            reader._span = cut
+            reader._spans[cut.key] = cut
             short += read_unit(stream, unit) != want
-            reader._span = None
+            reader._spans.clear()
     assert short > 0, "negative control: a span two bytes short reads other lines"
     del traffic
+
+
+def test_jsonl_units_read_in_turn_are_each_read_from_their_fetched_bytes(served, monkeypatch):
+    """The order's lanes read their units in turn, a read at a time: each unit's bytes
+    fetched ahead are kept until it is read through, so reading two units alternately
+    (reads of 300 bytes) never goes back to the file, and gives each unit's documents as
+    read alone. Negative control: holding one unit's bytes at a time, the first unit's
+    second read goes to the file."""
+    url = served[0]["jsonl"][0]
+    monkeypatch.setattr(streaming, "READ_BYTES", 300)
+    spec = resolve_source(path=url)
+    stream = streaming.StreamSource(spec, "text", "id")
+    streamed = streaming.StreamSource(spec, "text", "id")
+    streamed.prefetch = None
+    first, second = [u for u in stream.units() if u[2] - u[1] > 1000][:2]
+    want = {u: read_unit(streamed, u) for u in (first, second)}
+    reader = stream._reader
+
+    def in_turn() -> dict:
+        for unit in (first, second):
+            stream.prefetch.want(tuple(unit), 0)
+        stream.prefetch.wait()
+        got, at = {first: [], second: []}, {first: first[1], second: second[1]}
+        while any(a is not None for a in at.values()):
+            for unit in (first, second):
+                if at[unit] is not None:
+                    docs, at[unit], _ = stream.read(unit, at[unit])
+                    got[unit] += [(start, doc_id, value) for start, _, doc_id, value in docs]
+        return got
+
+    def no_file(*_):
+        raise AssertionError("read from the file")
+
+    monkeypatch.setattr(reader, "_stream", no_file)
+    assert in_turn() == want
+    monkeypatch.setattr(streaming, "KEEP_SPAN_BYTES", 1)
+    with pytest.raises(AssertionError, match="read from the file"):
+        in_turn()

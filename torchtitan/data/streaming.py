@@ -75,6 +75,9 @@ KEEP_BLOCKS = LANES
 KEEP_BLOCK_BYTES = 64 << 20
 # Bytes of JSON lines a cursor reads ahead at a time (whole lines, within its unit).
 READ_BYTES = 1 << 20
+# JSON lines units fetched ahead and being read, held by a reader (a source, a process):
+# the lanes' units in turn, 4 MiB each at most (and a line past it).
+KEEP_SPAN_BYTES = 64 << 20
 # Bytes read from a JSON lines file to find the keys of its objects.
 SAMPLE_BYTES = 1 << 20
 # Bytes a fetch ahead of a JSON lines range asks for past the range's end, in the same
@@ -673,7 +676,10 @@ class JsonLinesReader:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
         self._streams: dict[int, object] = {}  # file -> open compressed or remote stream
-        self._span: _Span | None = None  # the unit being read, fetched ahead (one at a time)
+        # The units being read whose bytes were fetched ahead, each kept until it is read
+        # through (the order's lanes read their units in turn, a read at a time), the
+        # oldest let go beyond KEEP_SPAN_BYTES (it is then read from the file).
+        self._spans: OrderedDict[tuple, _Span] = OrderedDict()
 
     def columns(self, path: str) -> list[str] | None:
         """The keys of the objects in the first MiB, or None if it has none."""
@@ -728,13 +734,13 @@ class JsonLinesReader:
         return fh
 
     def __getstate__(self):
-        return {**self.__dict__, "_streams": {}, "_span": None}  # a worker opens its own
+        return {**self.__dict__, "_streams": {}, "_spans": OrderedDict()}  # a worker opens its own
 
     def block_of(self, source: StreamSource, unit) -> tuple[int, int, int] | None:
         """A unit's byte range is its block; none for a compressed file (read whole as a
         stream) or the unit being read."""
         f, lo, hi = unit
-        if hi < 0 or (self._span is not None and self._span.key == (f, lo, hi)):
+        if hi < 0 or (f, lo, hi) in self._spans:
             return None
         return f, lo, hi
 
@@ -798,11 +804,15 @@ class JsonLinesReader:
     def _span_for(self, source: StreamSource, unit) -> _Span | None:
         """The bytes of ``unit`` fetched ahead, if they were: kept while it is read."""
         key = tuple(unit)
-        if self._span is not None and self._span.key == key:
-            return self._span
+        if key in self._spans:
+            self._spans.move_to_end(key)
+            return self._spans[key]
         taken = source.prefetch.take(key) if source.prefetch is not None and key[2] >= 0 else None
         if taken is not None:
-            self._span = taken
+            self._spans[key] = taken
+            held = sum(len(s.data) for s in self._spans.values())
+            while held > KEEP_SPAN_BYTES and len(self._spans) > 1:
+                held -= len(self._spans.popitem(last=False)[1].data)
         return taken
 
     def _read_span(self, source: StreamSource, unit, at: int, span: _Span):
@@ -815,7 +825,7 @@ class JsonLinesReader:
             newline = data.find(b"\n", lo - 1 - base)
             at = base + (newline + 1 if newline >= 0 else len(data))
             if hi <= at:
-                self._span = None
+                self._spans.pop(span.key, None)
                 return [], None, None
         begin = at - base
         cut = begin + max(1, min(READ_BYTES, hi - at))
@@ -824,11 +834,11 @@ class JsonLinesReader:
             cut = newline + 1 if newline >= 0 else len(data)
         chunk = data[begin:cut]
         if not chunk:
-            self._span = None
+            self._spans.pop(span.key, None)
             return [], None, None
         docs, next_at, _ = self._lines(source, unit, at, chunk)
         if next_at is None:
-            self._span = None
+            self._spans.pop(span.key, None)
         return docs, next_at, None
 
     def _lines(self, source: StreamSource, unit, at: int, data: bytes):
