@@ -234,6 +234,21 @@ def test_a_healed_group_judges_spikes_as_its_peers():
     assert fresh.decide(*spike) is True
 
 
+def test_a_quorum_is_named_by_its_members_not_only_its_number():
+    """The records match a dead group's try with its peers' commit by quorum
+    (provenance.read_job_provenance); a new lighthouse (a relaunched job) numbers its
+    quorums from 1 again, so the name holds the members too (torchft's uuid per
+    Manager): the same members in any order give one name, a restarted member another.
+    Negative control: the number alone is the same for both."""
+    from torchtitan.faults.fault_tolerance import quorum_key
+
+    first = ["replica_0:aa11", "replica_1:bb22"]
+    assert quorum_key(1, first) == quorum_key(1, first[::-1])
+    again = ["replica_0:aa11", "replica_1:cc33"]  # group 1 started again
+    assert quorum_key(1, again) != quorum_key(1, first)
+    assert quorum_key(2, first) != quorum_key(1, first)
+
+
 def test_a_tensor_parallel_rank_heals_its_own_loader():
     """Under TP inside a group, a checkpoint keeps each data-parallel rank's loader entry
     from its first TP rank only; a heal goes rank to rank, so the joiner's TP rank 1

@@ -50,6 +50,7 @@ or train (step.py); the loop calls ``next_step`` and the step calls ``commit``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -349,6 +350,36 @@ def _torchft_manager(cfg, dims, heal, state_dict):
     return manager, store
 
 
+def quorum_key(quorum_id: int, replica_ids) -> str:
+    """A quorum's name for the records: the lighthouse's id (which a new lighthouse
+    numbers from 1 again) and a digest of its members' ids (torchft gives each Manager a
+    fresh uuid: a group started again is another member)."""
+    digest = hashlib.sha1("\n".join(sorted(map(str, replica_ids))).encode()).hexdigest()
+    return f"{quorum_id}-{digest[:12]}"
+
+
+class QuorumSeen:
+    """The last quorum the lighthouse gave this group rank, as torchft's client returned
+    it (torchft 0.2.0's Manager keeps only its number): ``watching`` wraps the client."""
+
+    def __init__(self):
+        self.key: str | None = None
+
+    def watching(self, client):
+        seen = self
+
+        class Watched:
+            def _quorum(self, *args, **kwargs):
+                result = client._quorum(*args, **kwargs)
+                seen.key = quorum_key(result.quorum_id, result.replica_ids)
+                return result
+
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+        return Watched()
+
+
 def tried_path(dump_folder: str, dp_rank: int) -> str:
     """Where a rank's tries are on record (``ReplicaGroup._write_tried``), beside its
     provenance file."""
@@ -370,8 +401,10 @@ class ReplicaGroup:
         self.lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self.seed = cfg.training.seed
         self._store = None
+        self._quorum = QuorumSeen()
         if manager is None:
             manager, self._store = _torchft_manager(cfg, dims, self._heal, self._peer_state)
+            manager._client = self._quorum.watching(manager._client)
         self.manager = manager
         schedule = default_schedule(cfg.training, dims.dp_world, dims.dp_rank, ft.replica_groups)
         if schedule is not None:
@@ -437,10 +470,11 @@ class ReplicaGroup:
             self._spans = [spans for b in batches for spans in b["spans"]]
         return batches
 
-    def quorum_id(self) -> int | None:
-        """The lighthouse's id of the last quorum (the same on every group in it; a new
-        one at every change of members): torchft 0.2.0 keeps it in ``_quorum_id``."""
-        return getattr(self.manager, "_quorum_id", None)
+    def quorum_id(self) -> str | int | None:
+        """The last quorum, the same on every group in it and on no other quorum of the
+        job, whatever the lighthouse's lives (``QuorumSeen.key``); torchft's own id where
+        its client is not watched (a simulated quorum)."""
+        return self._quorum.key or getattr(self.manager, "_quorum_id", None)
 
     def _write_tried(self):
         """One line for this try: its step, quorum, this group's share and the spans it
