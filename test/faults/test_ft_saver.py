@@ -239,13 +239,15 @@ def test_a_new_saver_writes_at_once_where_the_last_due_save_is_not_durable(taken
 # ---- a group left alone below min_replica_groups, then signalled -----------------------------
 
 
-def _left_alone(tmp_path, *, asked: bool, patience: float, stall: float, release_after=None):
+def _left_alone(tmp_path, *, asked: bool, patience: float, stall: float, release_after=None,
+                interval: int = 4):  # fmt: skip
     """2 groups, min_replica_groups 2, a save every 4 steps. Steps 1-3 by both; group 0
     dies during step 4; group 1's next quorum stalls (too few live groups), ``asked``
     to stop or not, its patience ``fault_tolerance.timeout_seconds``; the quorum comes
     after ``release_after`` seconds, or never (it fails after ``stall``)."""
     job = tmp_path / "job"
-    extra = [*LEAST_2, *EVERY_4, "--fault_tolerance.timeout_seconds", patience]
+    extra = [*LEAST_2, *EVERY_4, "--checkpoint.interval", interval,
+             "--fault_tolerance.timeout_seconds", patience]  # fmt: skip
     tokenizer, quorum, groups, said = _groups(job, 2, extra)
     handler, logger = _said()
     error, took = None, None
@@ -288,6 +290,19 @@ def test_a_signalled_group_left_below_min_groups_writes_its_last_step_and_stops(
                   extra=[*LEAST_2, *EVERY_4])  # fmt: skip
     step_3 = str(got["job"] / "replica_1" / "checkpoint" / "step-3")
     assert [(step, source) for step, _, source in again["loaded"].values()] == [(3, step_3)] * 2
+
+
+def test_a_lone_stop_whose_step_the_job_holds_writes_none_and_says_so(tmp_path):
+    """As above with a save every 3 steps: group 0, the saver, wrote step-3 before it
+    died, so group 1's lone stop after step 3 writes nothing and does not claim a
+    checkpoint (its line says this group wrote none). Catches: a stop alone that says
+    "written" for the peer's save, or writes the step a second time."""
+    got = _left_alone(tmp_path, asked=True, patience=0.3, stall=5.0, interval=3)
+    assert got["error"] is None and got["group"].stopped == 3, got
+    assert complete_steps(str(got["job"] / "replica_0" / "checkpoint")) == [3]
+    assert complete_steps(str(got["job"] / "replica_1" / "checkpoint")) == []
+    line = _stop_line({"group 1": got["said"]}, 1)
+    assert "written" not in line and "no checkpoint from this replica group" in line, line
 
 
 def test_a_group_left_alone_without_a_signal_fails_on_the_quorum_timeout(tmp_path):

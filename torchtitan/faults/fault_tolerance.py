@@ -598,8 +598,8 @@ class ReplicaGroup:
             loss.copy_(flat[-2])
             leaving = leaving_groups(float(flat[-1]), self.participants)
             least = self.cfg.fault_tolerance.min_replica_groups
-            self.stop_agreed = stops_after_step(asked, leaving, self.participants, least)
             self.job_stops = stops_after_step(False, leaving, self.participants, least)
+            self.stop_agreed = asked or self.job_stops
             if leaving and not asked:
                 logger.warning("step %d: %d of %d replica groups leave (preempted)%s",
                                self._try.number, leaving, self.participants,
@@ -764,21 +764,23 @@ class LowestGroupSaves:
     def save_alone(self, step: int) -> bool:
         """The stop of a group that gave up waiting for a quorum (``StoppedWaiting``): no
         quorum says who writes, so it writes its last committed ``step`` in its own
-        folder, unless some group's folder holds it complete already (its due save);
-        whether the job has it. Every group that stops so writes the same state (the
-        groups are equal after every commit). Not where the group's ranks stand at other
-        steps (a heal that reached some of them): nothing consistent to write."""
+        folder, unless some group's folder holds it complete already (its due save, its
+        own async one waited for first); whether this group wrote it. Every group that
+        stops so writes the same state (the groups are equal after every commit). Not
+        where the group's ranks stand at other steps (a heal that reached some of them):
+        nothing consistent to write."""
         dims = self._replicas.dims
         if len(set(parallel.all_gather_objects(dims, step))) > 1:
             return False
         if step == 0 or not self._checkpoint.enabled:
             return False
+        self._checkpoint.wait()  # this group's own save of the step, if one is in flight
         held = parallel.broadcast_from_main(
             dims, step in self.job_complete_steps() if dims.is_main else None
         )
         if not held:
             self._checkpoint.save(step)
-        return True
+        return not held
 
     def save(self, step: int, **kw) -> bool:
         """Save ``step`` if this group is one that writes it (``writes_the_stop``);
