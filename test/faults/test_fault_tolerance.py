@@ -234,6 +234,32 @@ def test_a_healed_group_judges_spikes_as_its_peers():
     assert fresh.decide(*spike) is True
 
 
+def test_a_heal_that_fails_inside_the_quorum_is_named_not_blamed_on_the_lighthouse():
+    """torchft runs the heal inside start_quorum and raises its error from there: the
+    one line names the failed heal. Negative control: a quorum that timed out (no heal
+    failed) names the lighthouse and the setting."""
+    import threading
+
+    from torchtitan.faults.fault_tolerance import ReplicaGroup
+
+    group = ReplicaGroup.__new__(ReplicaGroup)
+    group.cfg = parse_args(CONFIG)
+    group.replica_id, group.lighthouse = 1, "http://h:1"
+    group._heal_lock, group._gave_up, group._heal_failed = threading.Lock(), False, None
+    timeout = TimeoutError("Timeout expired")
+    assert "the lighthouse http://h:1 did not answer" in str(group._no_quorum(timeout))
+
+    def broken(state):
+        raise KeyError("model.layers.0.attention.wq.weight")
+
+    group._load_healed = broken
+    with pytest.raises(KeyError) as raised:
+        group._heal({})
+    line = str(group._no_quorum(raised.value))
+    assert "replica group 1: healing from a live peer failed (KeyError: " in line, line
+    assert "lighthouse" not in line and "\n" not in line
+
+
 def test_a_quorum_is_named_by_its_members_not_only_its_number():
     """The records match a dead group's try with its peers' commit by quorum
     (provenance.read_job_provenance); a new lighthouse (a relaunched job) numbers its

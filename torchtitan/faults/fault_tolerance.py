@@ -426,6 +426,7 @@ class ReplicaGroup:
         # waiting (``_quorum_or_stop``) does so between heals, never during one.
         self._heal_lock = threading.Lock()
         self._gave_up = False
+        self._heal_failed: Exception | None = None  # what a heal raised (not the quorum)
         # One line per try of a step (its share, whether it was committed), and per heal
         # (rank 0): what bench_ft.py reads.
         self._events = None
@@ -539,8 +540,16 @@ class ReplicaGroup:
     def _no_quorum(self, e: Exception) -> FaultToleranceError:
         """The one line for a quorum that did not come within its timeout: the lighthouse
         died or cannot be reached (torchft waits the whole timeout for it, then says
-        ``Timeout expired``), or too few groups are alive; both named, with the setting."""
+        ``Timeout expired``), or too few groups are alive; both named, with the setting.
+        A heal that failed inside the quorum is named as such."""
         ft = self.cfg.fault_tolerance
+        if self._heal_failed is not None:
+            cause = self._heal_failed
+            return FaultToleranceError(
+                f"replica group {self.replica_id}: healing from a live peer failed "
+                f"({type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}); "
+                "start the group again (it heals anew) or resume the job from its checkpoint"
+            )
         why = (str(e).splitlines() or [""])[0]
         if 'message: "' in why:  # a gRPC status: its message alone ("Timeout expired")
             why = why.split('message: "', 1)[1].split('"', 1)[0]
@@ -648,7 +657,11 @@ class ReplicaGroup:
         healed at. Nothing, once the group gave up waiting (it is saving its own state)."""
         with self._heal_lock:
             if not self._gave_up:
-                self._load_healed(state)
+                try:
+                    self._load_healed(state)
+                except Exception as e:  # noqa: BLE001 - torchft re-raises it from start_quorum
+                    self._heal_failed = e
+                    raise
 
     def _load_healed(self, state: dict):
         begin = time.perf_counter()
