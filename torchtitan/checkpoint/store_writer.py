@@ -16,8 +16,9 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   ``.metadata`` after every rank's ``write_data``, and the finalizer writes the manifest
   after every rank's digest (lifecycle.py): manifest last. An object appears whole or
   not at all (a PUT, or a multipart upload completed), so a kill -9 mid-upload leaves a
-  ``step-N/`` without a manifest, never chosen, and at most ``IN_FLIGHT`` incomplete
-  multipart uploads, invisible to listings and reads; ``abort_uploads`` (called where a
+  ``step-N/`` without a manifest, never chosen, and the incomplete multipart uploads
+  of the entries larger than ``SINGLE_PUT_MAX`` begun and not yet completed (one per
+  such entry, a few a rank), invisible to listings and reads; ``abort_uploads`` (called where a
   save's folder is removed: the next start removes the torn step, a re-save its step)
   drops them, and a bucket lifecycle rule (AbortIncompleteMultipartUpload) is the
   operator's net for a job that never starts again. A restart's save of the same step
@@ -229,8 +230,7 @@ class ObjectStream(io.RawIOBase):
         self.buffer = bytearray()
         self.written = 0
         self.upload_id: str | None = None
-        self.parts: list[tuple[int, int, Future]] = []  # (number, offset, request)
-        self.offset = 0  # where the buffer starts in the object
+        self.parts: list[tuple[int, Future]] = []  # (number, request)
 
     def writable(self) -> bool:
         return True
@@ -256,8 +256,7 @@ class ObjectStream(io.RawIOBase):
     def _send_part(self, body: bytearray):
         number = len(self.parts) + 1
         future = self.uploader.submit(len(body), self._upload_part, number, body)
-        self.parts.append((number, self.offset, future))
-        self.offset += len(body)
+        self.parts.append((number, future))
 
     def _upload_part(self, number: int, body: bytearray) -> str:
         reply = self.uploader.call(self.name, "upload_part", UploadId=self.upload_id,
@@ -277,7 +276,7 @@ class ObjectStream(io.RawIOBase):
 
     def _complete(self):
         try:
-            etags = [(number, future.result()) for number, _, future in self.parts]
+            etags = [(number, future.result()) for number, future in self.parts]
         except BaseException:
             self.abort()
             raise
@@ -395,10 +394,11 @@ class StoreWriter(FsspecWriter):
 
 
 def abort_uploads(url: str, page_size: int = 1000) -> int:
-    """Abort the incomplete multipart uploads under ``url`` (a kill -9 mid-save leaves at
-    most IN_FLIGHT a rank): their parts hold space, never a name. Cost: one listing
-    request per 1,000 uploads and one request per upload aborted (at 1,000 ranks, at
-    most 8,000 uploads: 8 listings). Returns how many."""
+    """Abort the incomplete multipart uploads under ``url`` (a kill -9 mid-save leaves
+    those of its large entries begun and not completed, a few a rank): their parts hold
+    space, never a name. Cost: one listing request per 1,000 uploads and one request per
+    upload aborted (at 1,000 ranks, a few thousand uploads: a few listings). An upload
+    another rank aborted first is passed over. Returns how many this call aborted."""
     bucket, _, prefix = str(url).split("://", 1)[1].partition("/")
     client = store_reader._s3_client()
     page = {"Bucket": bucket, "Prefix": prefix.rstrip("/") + "/", "MaxUploads": page_size}

@@ -435,11 +435,18 @@ class SourceCounts:
         if hit is not None and hit.covers(upto):
             self._mem.move_to_end(unit)
             return hit
+        listed = []  # the units ahead, listed once and only if needed (it walks the order)
+
+        def units_ahead():
+            if not listed:
+                listed.append(ahead() if callable(ahead) else ahead)
+            return listed[0]
+
         if self.reads_ahead and ahead:
-            self.read_ahead(ahead() if callable(ahead) else ahead)
+            self.read_ahead(units_ahead())
         found = self._follow(unit, hit)
         if not found.covers(upto):
-            ahead = ahead() if callable(ahead) else ahead
+            ahead = units_ahead()
             found = self._obtain(unit, found, upto, [tuple(int(x) for x in u) for u in ahead])
         self._keep(unit, found)
         return found
