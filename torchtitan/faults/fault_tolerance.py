@@ -718,7 +718,8 @@ class LowestGroupSaves:
     def job_complete_steps(self) -> set[int]:
         """The steps with a complete checkpoint in any group's folder. Cost: O(groups)
         folder listings and one manifest test per step folder, whatever the data (c4,
-        FineWeb alike); paid on rank 0 once per change of saver, and at a stop alone."""
+        FineWeb alike); paid on rank 0 when this group becomes the saver (its first committed
+        step of each start included) and at a stop alone, never per step."""
         return {s for folder in self.job_checkpoint_folders() for s in complete_steps(folder)}
 
     def newest_complete(self) -> int:
