@@ -72,11 +72,13 @@ class Traffic:
     fail_within: str = ""  # only objects whose path holds this (``/step-4/``)
     fail_status: int = 503  # 0: drop the connection without an answer
     failed: int = 0
+    presigned: int = 0  # requests answered that were signed in their URL (query string)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self):
         with self.lock:
             self.requests, self.body_bytes, self.by_name, self.failed = {}, {}, {}, 0
+            self.presigned = 0
 
     def wrap(self, app):
         def counted(environ, start_response):
@@ -91,6 +93,7 @@ class Traffic:
                     self.failed += 1
                 else:
                     self.requests[kind] = self.requests.get(kind, 0) + 1
+                    self.presigned += "X-Amz-Signature=" in environ.get("QUERY_STRING", "")
             if fail:
                 return self._fail(environ, start_response)
             path = environ.get("PATH_INFO", "")

@@ -54,6 +54,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from torchtitan.io import storage
+
 logger = logging.getLogger("torchtitan")
 
 # Coalescing threshold. A ranged GET on a real S3 costs ~10-50 ms to its first byte, and
@@ -150,32 +152,15 @@ def span_size(needed: int) -> int:
     return max(SPAN_MIN, min(SPAN_MAX, -(-needed // IN_FLIGHT)))
 
 
-_CLIENTS: dict = {}  # one client per endpoint and credentials, as s3fs keeps its own
-
-
 def _s3_client():
-    """A botocore client for the endpoint and credentials of the ``AWS_*`` variables (made
-    once per process for each: a client takes ~0.1-0.3 s to build)."""
-    import os
-
-    key = tuple(os.environ.get(v) for v in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                            "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"))  # fmt: skip
-    if key not in _CLIENTS:
-        _CLIENTS[key] = _new_client()
-    return _CLIENTS[key]
-
-
-def _new_client():
-    import botocore.config
-    import botocore.session
-
-    config = botocore.config.Config(
+    """This process's botocore client for the ``AWS_*`` variables, with a connection per
+    request in flight (``storage.botocore_client``: made once)."""
+    return storage.botocore_client(
         max_pool_connections=IN_FLIGHT,
         retries={"total_max_attempts": 1},  # retried by SpanFetcher, with its bound
         connect_timeout=10,
         read_timeout=120,
     )
-    return botocore.session.get_session().create_client("s3", config=config)
 
 
 def transient(error: BaseException) -> bool:

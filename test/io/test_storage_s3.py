@@ -1,0 +1,83 @@
+"""A whole object read from S3 (``storage.read_bytes``: a token-count file, a sidecar): one
+plain GET of a URL botocore signs, falling back to s3fs, whose errors it keeps. On the
+local S3 server of harness/s3.py, which counts the requests it answers and which of them
+were signed in their URL (``Traffic.presigned``), and injects faults.
+
+Negative controls: with the presigned way off, the same read is one GET signed in its
+headers; a fault the server injects once is read through s3fs, and the bytes are the
+object's, never the error's body."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+
+from harness.s3 import Traffic, local_s3, missing
+from torchtitan.io import storage
+
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+
+
+@pytest.fixture(scope="module")
+def server():
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    traffic = Traffic()
+    with local_s3(traffic) as (bucket, _endpoint):
+        yield bucket, traffic
+
+
+@pytest.fixture
+def obj(server, monkeypatch):
+    """(url of a fresh 4 KB object, its bytes, the server's traffic, reset), with this
+    process's count of failed presigned GETs at 0."""
+    bucket, traffic = server
+    monkeypatch.setattr(storage, "_presigned_failed", [0])
+    url, body = f"s3://{bucket}/{uuid.uuid4().hex[:8]}/0-256.npz", uuid.uuid4().bytes * 256
+    storage.put_object(url, body)
+    traffic.reset()
+    traffic.fail_next, traffic.fail_status = 0, 503
+    yield url, body, traffic
+    traffic.fail_next = 0
+
+
+def test_a_whole_object_is_one_presigned_get(obj, monkeypatch):
+    url, body, traffic = obj
+    assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 1
+    # Control: the presigned way off, the read is s3fs's one GET, signed in its headers.
+    monkeypatch.setattr(storage, "_presigned_failed", [storage.PRESIGNED_FAILURES])
+    traffic.reset()
+    assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 0
+
+
+def test_a_missing_key_is_not_found_in_one_get(obj):
+    url, _, traffic = obj
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(url + ".absent")
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 1
+    assert storage._presigned_failed == [0]  # an answer, not a failure of the way
+
+
+@pytest.mark.parametrize("status", [403, 503, 0], ids=["refused", "throttled", "dropped"])
+def test_a_failed_presigned_get_is_read_through_s3fs(obj, status):
+    url, body, traffic = obj
+    traffic.fail_next, traffic.fail_status = 1, status
+    assert storage.read_bytes(url) == body  # the object's bytes, not the error's body
+    assert traffic.failed == 1 and traffic.requests == {"GET": 1} and traffic.presigned == 0
+    assert storage._presigned_failed == [1]
+
+
+def test_presigned_gets_stop_after_repeated_failures(obj, caplog):
+    url, body, traffic = obj
+    with caplog.at_level(logging.WARNING, logger="torchtitan.io.storage"):
+        for _ in range(storage.PRESIGNED_FAILURES):
+            traffic.fail_next = 1
+            assert storage.read_bytes(url) == body
+        traffic.reset()
+        assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 0  # s3fs's alone now
+    said = [r for r in caplog.records if "read through s3fs from now on" in r.getMessage()]
+    assert len(said) == 1
