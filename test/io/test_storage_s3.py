@@ -53,6 +53,15 @@ def test_a_whole_object_is_one_presigned_get(obj, monkeypatch):
     assert traffic.requests == {"GET": 1} and traffic.presigned == 0
 
 
+def test_a_proxy_in_the_environment_leaves_the_read_to_s3fs(obj, monkeypatch):
+    """botocore's proxy rules apply to the store, not urllib3's: where a proxy is set, the
+    read is s3fs's (the endpoint here is http://, so an HTTPS proxy leaves s3fs direct)."""
+    url, body, traffic = obj
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 0
+
+
 def test_a_missing_key_is_not_found_in_one_get(obj):
     url, _, traffic = obj
     with pytest.raises(FileNotFoundError):

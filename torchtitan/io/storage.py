@@ -152,6 +152,8 @@ PRESIGNED_FAILURES = 3
 _presigned_failed = [0]  # this process's failed presigned GETs (a fact of its store)
 _CLIENT_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE")  # fmt: skip
+_PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy",
+               "all_proxy", "NO_PROXY", "no_proxy")  # fmt: skip
 _CLIENTS: dict = {}  # (process, AWS_* variables, config) -> its botocore client or HTTP pool
 
 
@@ -172,14 +174,19 @@ def botocore_client(**config):
 def _http_pool():
     """This process's pool of plain HTTP(S) connections for presigned GETs (a forked
     process makes its own: its parent's sockets are not its), verifying TLS against the
-    bundle botocore uses (``AWS_CA_BUNDLE``, else certifi's)."""
+    bundle botocore uses (``AWS_CA_BUNDLE``, else certifi's); None where the environment
+    sets a proxy (botocore's proxy rules, not urllib3's, apply to the store)."""
     ca = os.environ.get("AWS_CA_BUNDLE")
-    key = ("pool", os.getpid(), ca)
+    key = ("pool", os.getpid(), ca, *(os.environ.get(v) for v in _PROXY_VARS))
     if key not in _CLIENTS:
+        import urllib.request
+
         import urllib3
         from botocore.httpsession import get_cert_path
 
-        _CLIENTS[key] = urllib3.PoolManager(maxsize=16, ca_certs=ca or get_cert_path(True))
+        _CLIENTS[key] = None
+        if not urllib.request.getproxies():
+            _CLIENTS[key] = urllib3.PoolManager(maxsize=16, ca_certs=ca or get_cert_path(True))
     return _CLIENTS[key]
 
 
@@ -195,26 +202,25 @@ def _presigned_get(url: str) -> bytes | None:
     their client's Python more than their bytes, and that Python holds the GIL the
     loader's main thread tokenizes under. Measured on the local S3 server (4 KB objects,
     user CPU per GET): s3fs 2.1 ms, botocore's ``get_object`` 1.6 ms (its event hooks and
-    the parsing of the reply into a modeled dict), a presigned URL 0.2 ms + one urllib3
-    GET 0.6 ms. Each process that walks the order reads a count file per unit: at c4's
-    ~1.4 M units a pass, ~19 min of Python a pass against ~49 min through s3fs; at
-    FineWeb's ~90 M units, ~20 h against ~52 h, over a pass of weeks.
+    the parsing of the reply into a modeled dict), this way 1.2 ms (signing 0.3 ms, one
+    urllib3 GET). Each process that walks the order reads a count file per unit: at c4's
+    ~1.4 M units a pass, ~28 min of Python a pass against ~49 min through s3fs; at
+    FineWeb's ~90 M units, ~30 h against ~52 h, over a pass of weeks.
 
     Off for the process after ``PRESIGNED_FAILURES`` failures (logged once), and where a
-    proxy is set in the environment (botocore's proxy rules, not urllib3's, apply to it:
-    the read goes through s3fs). Cost: one GET, no retry."""
-    import urllib.request
-
+    proxy is set in the environment (``_http_pool``: the read goes through s3fs). Cost:
+    one GET, no retry."""
     import urllib3
 
-    if _presigned_failed[0] >= PRESIGNED_FAILURES or urllib.request.getproxies():
+    pool = _http_pool()
+    if _presigned_failed[0] >= PRESIGNED_FAILURES or pool is None:
         return None
     bucket, _, key = url.split("://", 1)[1].partition("/")
     try:
         signed = botocore_client(signature_version="s3v4").generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900
         )
-        reply = _http_pool().request(
+        reply = pool.request(
             "GET", signed, retries=False, timeout=urllib3.Timeout(connect=10, read=60)
         )
     except Exception as e:  # noqa: BLE001 - any failure here is s3fs's to retry and name
