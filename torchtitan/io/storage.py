@@ -37,6 +37,7 @@ import io
 import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -154,7 +155,7 @@ _CLIENT_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"
                 "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE")  # fmt: skip
 _PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy",
                "all_proxy", "NO_PROXY", "no_proxy")  # fmt: skip
-_CLIENTS: dict = {}  # (process, AWS_* variables, config) -> its botocore client or HTTP pool
+_CLIENTS: dict = {}  # (what, process, its variables) -> a botocore client, an HTTP pool, a lock
 
 
 def botocore_client(**config):
@@ -163,12 +164,21 @@ def botocore_client(**config):
     variables (a client takes ~0.1-0.3 s to build); thread-safe."""
     key = ("client", os.getpid(), tuple(os.environ.get(v) for v in _CLIENT_VARS), repr(config))
     if key not in _CLIENTS:
-        import botocore.config
-        import botocore.session
+        with _building():  # threads asking at once build one (~0.1 s, not 0.75 s for five)
+            if key not in _CLIENTS:
+                import botocore.config
+                import botocore.session
 
-        session = botocore.session.get_session()
-        _CLIENTS[key] = session.create_client("s3", config=botocore.config.Config(**config))
+                session = botocore.session.get_session()
+                config = botocore.config.Config(**config)
+                _CLIENTS[key] = session.create_client("s3", config=config)
     return _CLIENTS[key]
+
+
+def _building():
+    """This process's lock for building a client (a forked child's own: a lock copied
+    while a parent's thread held it would never be released)."""
+    return _CLIENTS.setdefault(("lock", os.getpid()), threading.Lock())
 
 
 def _http_pool():
@@ -184,9 +194,11 @@ def _http_pool():
         import urllib3
         from botocore.httpsession import get_cert_path
 
-        _CLIENTS[key] = None
-        if not urllib.request.getproxies():
-            _CLIENTS[key] = urllib3.PoolManager(maxsize=16, ca_certs=ca or get_cert_path(True))
+        with _building():
+            if key not in _CLIENTS and urllib.request.getproxies():
+                _CLIENTS[key] = None
+            elif key not in _CLIENTS:
+                _CLIENTS[key] = urllib3.PoolManager(maxsize=16, ca_certs=ca or get_cert_path(True))
     return _CLIENTS[key]
 
 
