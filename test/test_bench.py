@@ -197,6 +197,9 @@ def check_s3_corpus(r: dict):
     assert r["same_batches"], "the bucket's batches must equal the local files'"
     assert r["measured"] == 0, "warm: the timed runs measure nothing"
     assert r["s3_over_local"] == med["s3"]["tps"] / med["local"]["tps"]
+    if r.get("counts_local_s3_over_local") is not None:
+        side = med["s3, counts local"]["tps"]
+        assert r["counts_local_s3_over_local"] == side / med["local"]["tps"]
 
 
 def check_moe(r: dict):

@@ -2,7 +2,8 @@
 its first batch, as training pulls them.
 
     python scripts/benchmarks/bench_s3_corpus.py [--mb 32] [--batches 100] [--rounds 3]
-        [--format parquet|jsonl|arrow] [--work DIR] [--smoke] [--json out.json]
+        [--format parquet|jsonl|arrow] [--counts-local] [--cold] [--work DIR] [--smoke]
+        [--json out.json]
 
 Corpus, built once under --work (bench_firstpass.py's): 16 parquet files holding --mb MB
 of the bundled texts in row groups of 1,024 rows; ``--format jsonl`` or ``arrow``: the
@@ -12,7 +13,8 @@ a bucket of the local S3 server (harness/s3.py: moto's server on 127.0.0.1, reac
 HTTP through fsspec → s3fs → botocore and the AWS_* variables, as a job reaches a
 bucket). The counts are measured beforehand (warm: ``prepare``, into a local folder for
 the local corpus and into the bucket for the bucket's), so both runs read and tokenize
-the text once and measure nothing.
+the text once and measure nothing. ``--counts-local`` adds a side: the bucket's corpus
+with its counts in a local folder, so that what the count files' GETs cost shows apart.
 
 Every figure is one fresh process launched by this script, reading with
 ``build_dataloader`` from a config as train.py builds it (rank 0 of 1, streaming, 0
@@ -158,6 +160,9 @@ def main(argv=None) -> int:
                         help="the files the corpus is written as")  # fmt: skip
     parser.add_argument("--no-count-ahead", action="store_true",
                         help="count files in the bucket read in line, not ahead")  # fmt: skip
+    parser.add_argument("--counts-local", action="store_true",
+                        help="also the bucket's corpus with its count files on local disk "
+                             "(what the count files' GETs cost)")  # fmt: skip
     parser.add_argument(
         "--cold",
         action="store_true",
@@ -181,6 +186,8 @@ def main(argv=None) -> int:
         local = f"{local}/{files}"
         sides = {"local": (local, str(work / f"counts-{args.mb}-{args.format}")),
                  "s3": (f"s3://{bucket}/corpus", f"s3://{bucket}/counts")}  # fmt: skip
+        if args.counts_local:
+            sides["s3, counts local"] = (f"s3://{bucket}/corpus", str(work / "s3-counts"))
         for where, counts in sides.values():
             prepare_counts(where, counts)
         if args.cold:  # the same corpus, its counts measured by the run itself
@@ -211,6 +218,8 @@ def summarize(runs: dict, corpus: dict, args) -> dict:
         "medians": med, "s3_over_local": med["s3"]["tps"] / med["local"]["tps"],
         "cold_s3_over_local": (med["s3 cold"]["tps"] / med["local cold"]["tps"]
                                if "s3 cold" in med else None),
+        "counts_local_s3_over_local": (med["s3, counts local"]["tps"] / med["local"]["tps"]
+                                       if "s3, counts local" in med else None),
         "first_batch_s3_over_local": med["s3"]["first_s"] / med["local"]["first_s"],
         "same_batches": len({d for ds in digests.values() for d in ds}) == 1,
         "measured": max(r["measured"] for side in warm for r in runs[side]),
@@ -230,6 +239,9 @@ def print_report(result: dict):
     print(f"\ns3 / local tok/s {result['s3_over_local']:.2f}, first batch "
           f"{result['first_batch_s3_over_local']:.2f}; same batches: {result['same_batches']}; "
           f"units measured by the timed runs: {result['measured']}")  # fmt: skip
+    if result["counts_local_s3_over_local"] is not None:
+        print(f"count files on local disk: s3 / local tok/s "
+              f"{result['counts_local_s3_over_local']:.2f}")  # fmt: skip
     if result["cold_s3_over_local"] is not None:
         print(f"cold counts: s3 / local tok/s {result['cold_s3_over_local']:.2f}")
     print(f"requests of the last s3 run (first batch included): "
