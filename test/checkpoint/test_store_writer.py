@@ -219,6 +219,8 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     swapped = [*client.events, (m, k, p, b, returned + 1)]
     assert ordering_problems(swapped, returned), "negative control: a late part is flagged"
     assert writer.stats["peak_held"] <= 4 * MIB + 12 * MIB  # budget, or one entry alone
+    # The writer turns torch.save's zip CRC32 off while it serializes, and back on after.
+    assert torch.utils.serialization.config.save.compute_crc32
 
     for reader in (store_reader.StoreReader(url), FsspecReader(url)):
         got = blank(state())
@@ -266,6 +268,7 @@ def test_a_failed_save_aborts_its_upload_and_names_the_object(server, monkeypatc
     text = str(raised.value)
     assert f"bucket {bucket} does not exist (writing {url}/__0_{only[4:]}" in text, text[-2000:]
     assert "create it, or set --checkpoint.folder" in text
+    assert torch.utils.serialization.config.save.compute_crc32, "torch's switch restored"
     uploads = client.client.list_multipart_uploads(Bucket=bucket, Prefix=f"refused{len(only)}/")
     assert not uploads.get("Uploads"), "a failed save aborts its multipart upload"
     save(url, client, monkeypatch)
