@@ -140,7 +140,7 @@ def rank_main(args) -> dict:
             if where == "s3" and mode == "disabled" and not args.upload_only:
                 # the old reader and the read limits, once
                 extra = against_the_limit(dims, lambda: manager_for(TrainState()), readers,
-                                          windows)  # fmt: skip
+                                          windows, not args.no_fsspec_reader)  # fmt: skip
             rows.append({**extra, **upload, "windows": windows,
                 "flavor": args.flavor, "parameters": params, "ranks": dims.world_size,
                 "folder": where, "mode": "sync" if mode == "disabled" else "async",
@@ -269,10 +269,11 @@ def upload_limit(dims, folder: str, step: int) -> dict:
             "load": os.getloadavg()[0]}  # fmt: skip
 
 
-def against_the_limit(dims, make_manager, readers, windows) -> dict:
-    """The same load through DCP's fsspec reader, and the limit: this rank's bytes fetched
-    by a plain parallel client (16 threads) as the reader's own spans, as 16 MiB ranged
-    GETs, and as whole objects; every rank at once, each phase between barriers."""
+def against_the_limit(dims, make_manager, readers, windows, fsspec: bool = True) -> dict:
+    """The same load through DCP's fsspec reader (unless not ``fsspec``), and the limit:
+    this rank's bytes fetched by a plain parallel client (16 threads) as the reader's own
+    spans, as 16 MiB ranged GETs, and as whole objects; every rank at once, each phase
+    between barriers."""
     from torchtitan import parallel
     from torchtitan.checkpoint.store import store_for as store_for_url
 
@@ -306,9 +307,10 @@ def against_the_limit(dims, make_manager, readers, windows) -> dict:
         for name in store_for_url(f"s3://{bucket}/{prefix}").listdir(f"s3://{bucket}/{prefix}")
         if name.startswith(own)
     )
+    old = {"resume_fsspec_s": timed("resume_fsspec", load_old)} if fsspec else {}
     return {
         "reader": parallel.all_gather_objects(dims, stats),
-        "resume_fsspec_s": timed("resume_fsspec", load_old),
+        **old,
         "limit_spans_s": timed("limit_spans", lambda: fetch_all(spans, 16)),
         "limit_16mib_s": timed("limit_16mib", lambda: fetch_all(parts, 16)),
         "limit_whole_s": timed("limit_whole", lambda: fetch_all(whole, 16)),
@@ -320,7 +322,8 @@ def run_job(args, root: Path, url: str) -> list[dict]:
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
             "--saves", str(args.saves), "--seq-len", str(args.seq_len), "--root", str(root),
             "--url", url, "--json", str(out), "--single-put-mib", str(args.single_put_mib)
-            ] + (["--upload-only"] if args.upload_only else [])  # fmt: skip
+            ] + (["--upload-only"] if args.upload_only else []) + (
+                ["--no-fsspec-reader"] if args.no_fsspec_reader else [])  # fmt: skip
     env = {**run_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.ranks))}
     script = "scripts/benchmarks/bench_s3_checkpoint.py"
     proc = subprocess.run(torchrun_command(args.ranks, argv, script=script), cwd=REPO_ROOT,
@@ -343,6 +346,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="skip DCP's fsspec reader and the read limits (the upload's figures)",
     )
+    p.add_argument("--no-fsspec-reader", action="store_true",
+                   help="the read limits without DCP's fsspec reader (minutes of GETs)")  # fmt: skip
     p.add_argument("--single-put-mib", type=int, default=0,
                    help="the store writer's largest single PUT (MiB; 0: its own default)")  # fmt: skip
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -409,11 +414,13 @@ def report_limit(rows: list):
         needed = sum(s["needed"] for s in r["reader"])
         fetched = sum(s["fetched"] for s in r["reader"])
         requests = sum(s["requests"] for s in r["reader"])
-        new, old = r["sent"]["resume"], r["sent"]["resume_fsspec"]
+        new, old = r["sent"]["resume"], r["sent"].get("resume_fsspec")
+        fsspec_s = r.get("resume_fsspec_s")
         print(
             f"\nresume of a {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint at {r['ranks']} "
             f"rank(s): store reader {r['resume_s']:.2f} s, DCP's fsspec reader "
-            f"{r['resume_fsspec_s']:.2f} s, local folder {local['resume_s']:.2f} s"
+            + (f"{fsspec_s:.2f} s" if fsspec_s else "not run")
+            + f", local folder {local['resume_s']:.2f} s"
         )
         print(
             f"  limit (16 threads): the reader's spans {r['limit_spans_s']:.2f} s, 16 MiB "
@@ -422,16 +429,16 @@ def report_limit(rows: list):
         best = min(r["limit_spans_s"], r["limit_16mib_s"], r["limit_whole_s"])
         print(
             f"  store reader / limit (spans) {r['resume_s'] / r['limit_spans_s']:.2f}, "
-            f"/ best limit {r['resume_s'] / best:.2f}, / local {r['resume_s'] / local['resume_s']:.2f}; "
-            f"fsspec reader / local {r['resume_fsspec_s'] / local['resume_s']:.2f}"
+            f"/ best limit {r['resume_s'] / best:.2f}, / local {r['resume_s'] / local['resume_s']:.2f}"
+            + (f"; fsspec reader / local {fsspec_s / local['resume_s']:.2f}" if fsspec_s else "")
         )
         print(
             f"  store reader: {requests} ranged GETs, {fetched / 1e6:.1f} MB fetched for "
             f"{needed / 1e6:.1f} MB needed ({fetched / max(1, needed):.3f}x); server sent "
-            f"{new[1] / 1e6:.1f} MB in {new[0]} GETs (metadata included); fsspec reader: "
-            f"server sent {old[1] / 1e6:.1f} MB in {old[0]} GETs "
-            f"({old[1] / r['checkpoint_bytes']:.2f}x the checkpoint)"
-        )
+            f"{new[1] / 1e6:.1f} MB in {new[0]} GETs (metadata included)"
+            + (f"; fsspec reader: server sent {old[1] / 1e6:.1f} MB in {old[0]} GETs "
+               f"({old[1] / r['checkpoint_bytes']:.2f}x the checkpoint)" if old else "")
+        )  # fmt: skip
 
 
 def report_upload(rows: list):
