@@ -230,3 +230,43 @@ def test_a_load_stops_on_the_first_bad_span_without_hanging(saved, server):
     with pytest.raises(CheckpointException) as caught:
         load(store_reader.StoreReader(url, {}), blank(state()), url)
     assert "__0_0.distcp is missing" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(300, 7),
+        torch.arange(10, dtype=torch.int64),
+        torch.tensor(3.5, dtype=torch.bfloat16),
+        torch.randn(6, 7)[:, 2:5],  # a view: torch.save writes its whole storage
+        torch.randn(4, 5).t(),
+        torch.empty(0, 3),
+        torch.ones(5, dtype=torch.bool),
+    ],
+    ids=["float", "int64", "bf16-scalar", "view", "transposed", "empty", "bool"],
+)
+def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor):
+    """An entry's tensor is torch.load's (values, dtype, shape, strides), its storage the
+    fetched bytes themselves: no copy before the one into the model. Negative control:
+    torch.load's tensor lies outside those bytes."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    data = buffer.getvalue()
+    view = memoryview(data)
+    got = store_reader.saved_tensor(view)
+    expected = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(got, expected) and got.dtype == expected.dtype
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    begin = np.frombuffer(data, np.uint8).ctypes.data
+
+    def inside(t: torch.Tensor) -> bool:
+        at = t.untyped_storage().data_ptr()
+        return begin <= at and at + t.untyped_storage().nbytes() <= begin + len(data)
+
+    if tensor.numel():
+        assert inside(got), "the tensor's bytes are the fetched ones, not a copy"
+        assert not inside(expected), "negative control: torch.load copies them"
