@@ -443,6 +443,33 @@ def test_plan_resume_matches_a_branch_by_its_options_and_data():
     assert plan.candidates == [4, 3, 7, 6], "newest by generation, then step"
 
 
+def test_a_group_left_out_of_a_branch_never_wins_the_next_start():
+    """Fault tolerance: the job rewound to step-20 (``load_step``) with groups 0 and 1,
+    group 2 left out; group 2's folder still holds step-30 of the abandoned timeline. At
+    the next start of all three, the branch's step-25 wins, though step-30 is larger: the
+    job's newest checkpoint is the newest by (generation, step), as in one folder. And the
+    branch, begun where group 2's folder held generation 3, takes generation 4. Negative
+    control: where step-30 is of the branch's generation, it wins."""
+    from torchtitan.checkpoint.timeline import Entry, generation_for, plan_resume, resume_order
+
+    rewind = {"load_step": 20, "exclude_from_loading": []}
+    old = [Entry(10, 3), Entry(20, 3)]
+    own = [*old, Entry(25, 4, rewind)]
+    left_out = [*old, Entry(30, 3)]
+
+    def start(own_entries, peer_entries):
+        peers = [("replica_2", peer_entries, plan_resume(peer_entries, None, {}))]
+        return resume_order(("replica_0", own_entries, plan_resume(own_entries, None, {})),
+                            peers)  # fmt: skip
+
+    assert start(own, left_out)[0] == (25, "replica_0")
+    assert start(own, [*old, Entry(30, 4, rewind)])[0] == (30, "replica_2"), "control"
+    assert start(own, own)[0] == (25, "replica_0"), "a tie: this group's own folder"
+    # The branch's generation, from every folder the start read (its own and its peers').
+    plan = plan_resume(old, rewind, {})
+    assert generation_for([*left_out, *old], plan, 20) == (4, rewind)
+
+
 # ---- a kill anywhere inside the finalization ----------------------------------------------
 
 

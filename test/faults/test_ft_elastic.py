@@ -185,6 +185,40 @@ def test_a_group_with_its_own_folder_only_would_resume_behind(lives):
     assert found == [0, 4]
 
 
+def test_a_group_left_out_of_a_branch_does_not_bring_its_abandoned_steps_back(tmp_path):
+    """Group 2 alone writes step-4 and step-6 (marked as of generation 1, as if an earlier
+    branch had gone on in group 2 alone: group 0's folder holds generation 0 only); the
+    job is rewound to step-2 (``--checkpoint.load_step 2``) with groups 0 and 1 only, and
+    group 0 writes the branch's step-4. A plain relaunch of all three resumes from the
+    branch's step-4, not from group 2's step-6 of the abandoned timeline: the newest by
+    (generation, step), the branch's generation above every folder's the rewind read.
+    Negative control: group 2's step-6 marked as of the branch's generation is taken.
+    Catches peers ranked by step alone (timeline.resume_order), and a branch numbered
+    from its own folder's generations alone (it would tie with group 2's)."""
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 3).model)
+    _life(tmp_path, tokenizer, 3, [[0, 1, 2], [0, 1, 2], [2], [2], [2], [2]])
+    abandoned = tmp_path / "replica_2" / "checkpoint"
+    assert complete_steps(str(abandoned))[-2:] == [4, 6]
+    for step in (4, 6):
+        manifest = abandoned / f"step-{step}" / "manifest.json"
+        earlier = {"generation": 1, "origin": {"load_step": 1, "exclude_from_loading": []}}
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "timeline": earlier}))
+    branch = _life(tmp_path, tokenizer, 2, [[0, 1], [0, 1]],
+                   extra=["--checkpoint.load_step", "2"])  # fmt: skip
+    assert {g: loaded[0] for g, loaded in branch["loaded"].items()} == {0: 2, 1: 2}
+    branch_step = tmp_path / "replica_0" / "checkpoint" / "step-4"
+    assert branch_step.is_dir()
+    relaunch = _life(tmp_path, tokenizer, 3, [])
+    for group, (step, _, source) in relaunch["loaded"].items():
+        assert (step, source) == (4, str(branch_step)), group
+    # Control: the same step-6 of the branch's generation is the job's newest.
+    generation = json.loads((branch_step / "manifest.json").read_text())["timeline"]
+    manifest = abandoned / "step-6" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "timeline": generation}))
+    control = _life(tmp_path, tokenizer, 3, [])
+    assert {loaded[0] for loaded in control["loaded"].values()} == {6}
+
+
 def test_only_the_lowest_group_marks_the_job_finished(lives):
     """After the last step the lowest group publishes the marker; the others write none.
     Catches: a marker from every group (one whose final save was not its to make)."""

@@ -270,7 +270,7 @@ class CheckpointManager:
     def _choose(self, peers: list[str]) -> tuple[str | None, list[str]]:
         """Rank 0 plans (timeline.plan_resume) in each tier, the newer tier wins (the local
         one only where every rank holds its files), then in each peer folder, the newest
-        step wins (``timeline.resume_order``); every rank verifies; rank 0 sets newer
+        (generation, step) wins (``timeline.resume_order``); every rank verifies; rank 0 sets newer
         checkpoints of the chosen tier aside (never a peer's). Returns the path to load
         and the components not to load."""
         plans = None
@@ -282,7 +282,7 @@ class CheckpointManager:
         folder, survey, plan = plans[0]
         if len(plans) > 1 and self._local_tier_wins(plans[0], plans[1]):
             folder, survey, plan = plans[1]
-        order = timeline.resume_order((folder, plan), [(f, p) for f, _, p in peer_plans])
+        order = timeline.resume_order((folder, survey, plan), peer_plans)
         if self.dims.is_main:
             for note in plan.notes:
                 logger.info("%s", note)
@@ -309,14 +309,15 @@ class CheckpointManager:
             )
         if chosen is not None and where != folder:  # a peer's: its timeline continues here
             _, survey, plan = next(p for p in peer_plans if p[0] == where)
-            others = [e for f, entries, _ in plans for e in entries]
+            others = [e for f, entries, _ in plans + peer_plans if f != where for e in entries]
             generation, origin = timeline.generation_for(others + survey, plan, chosen)
             self.timeline = {"generation": generation, "origin": origin}
             logger.info("the job's newest checkpoint is a peer's: step-%d in %s", chosen, where)
             return step_folder(where, chosen), plan.exclude
-        # A new generation is newer than any tier's (the chosen tier's entries last: they
-        # name the chosen step).
-        others = [e for f, entries, _ in plans if f != folder for e in entries]
+        # A new generation is newer than any tier's and any peer's (the chosen tier's
+        # entries last: they name the chosen step), so that the branch outranks a peer
+        # folder's abandoned steps at the next start (timeline.resume_order).
+        others = [e for f, entries, _ in plans + peer_plans if f != folder for e in entries]
         generation, origin = timeline.generation_for(others + survey, plan, chosen)
         self.timeline = {"generation": generation, "origin": origin}
         if chosen is None:

@@ -150,18 +150,24 @@ def plan_resume(entries: list[Entry], options: dict | None, fingerprint: dict) -
     return Plan([e.step for e in reversed(full)], exclude, branch, options, notes=notes)
 
 
-def resume_order(own: tuple[str, Plan], peers: list[tuple[str, Plan]]) -> list[tuple[int, str]]:
-    """The (step, folder) to try, newest step first, over this job's own folder and its
-    peers' (fault tolerance: the other replica groups' folders, read-only): the job's
-    newest checkpoint wherever it is, this folder's first at a tie (no read of another's
-    then), and the next ones as the fallback. A folder whose plan has a problem (a
-    ``load_step`` it does not hold) offers nothing. O(candidates)."""
-    folder, plan = own
-    found = [] if plan.problem else [(step, folder) for step in plan.candidates]
-    for peer, p in peers:
-        if not p.problem:
-            found += [(step, peer) for step in p.candidates]
-    return sorted(found, key=lambda c: -c[0])  # stable: own first among equal steps
+def resume_order(own: tuple[str, list[Entry], Plan],
+                 peers: list[tuple[str, list[Entry], Plan]]) -> list[tuple[int, str]]:  # fmt: skip
+    """The (step, folder) to try, newest first by (generation, step), over this job's own
+    folder and its peers' (fault tolerance: the other replica groups' folders, read-only,
+    each given as (folder, its ``survey``, its plan)): the job's newest checkpoint
+    wherever it is, this folder's first at a tie (no read of another's then), and the
+    next ones as the fallback. By generation first, as in one folder: a group left out
+    of a branch (``load_step`` on fewer groups) keeps the abandoned timeline's newer
+    steps in its folder, and a later start of the whole job resumes the branch, not
+    them. A folder whose plan has a problem (a ``load_step`` it does not hold) offers
+    nothing. O(candidates)."""
+    found = []
+    for folder, entries, plan in [own, *peers]:
+        if not plan.problem:
+            generation = {e.step: e.generation for e in entries}
+            found += [((generation.get(step, 0), step), folder) for step in plan.candidates]
+    found.sort(key=lambda c: (-c[0][0], -c[0][1]))  # stable: own first among equals
+    return [(order[1], folder) for order, folder in found]
 
 
 def generation_for(entries: list[Entry], plan: Plan, chosen: int | None) -> tuple[int, dict | None]:
