@@ -90,3 +90,18 @@ def test_presigned_gets_stop_after_repeated_failures(obj, caplog):
     assert traffic.requests == {"GET": 1} and traffic.presigned == 0  # s3fs's alone now
     said = [r for r in caplog.records if "read through s3fs from now on" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_an_object_stored_compressed_is_read_as_stored(obj):
+    """An object written with ``Content-Encoding: gzip`` reads back as its stored bytes, as
+    through s3fs (botocore does not decode them): urllib3 would decompress it by default."""
+    import gzip
+
+    url, _, traffic = obj
+    stored = gzip.compress(b"counts " * 1000)
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    storage.botocore_client().put_object(Bucket=bucket, Key=key + ".gz", Body=stored,
+                                         ContentEncoding="gzip")  # fmt: skip
+    traffic.reset()
+    assert storage.read_bytes(url + ".gz") == stored
+    assert traffic.presigned == 1

@@ -249,9 +249,10 @@ def _presigned_get(url: str) -> bytes | None:
         signed = botocore_client(signature_version="s3v4").generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=900
         )
-        reply = pool.request(
-            "GET", signed, retries=False, timeout=urllib3.Timeout(connect=10, read=60)
-        )
+        # The stored bytes as they are: no retry (s3fs's), and no decoding of a
+        # Content-Encoding the writer set (botocore and s3fs hand the bytes undecoded).
+        reply = pool.request("GET", signed, retries=False, decode_content=False,
+                             timeout=urllib3.Timeout(connect=10, read=60))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any failure here is s3fs's to retry and name
         return _presigned_failure(url, repr(e))
     if reply.status == 200:
