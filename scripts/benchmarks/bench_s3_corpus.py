@@ -187,7 +187,8 @@ def main(argv=None) -> int:
         sides = {"local": (local, str(work / f"counts-{args.mb}-{args.format}")),
                  "s3": (f"s3://{bucket}/corpus", f"s3://{bucket}/counts")}  # fmt: skip
         if args.counts_local:
-            sides["s3, counts local"] = (f"s3://{bucket}/corpus", str(work / "s3-counts"))
+            sides["s3, counts local"] = (f"s3://{bucket}/corpus",
+                                         str(work / f"s3-counts-{args.mb}-{args.format}"))  # fmt: skip
         for where, counts in sides.values():
             prepare_counts(where, counts)
         if args.cold:  # the same corpus, its counts measured by the run itself

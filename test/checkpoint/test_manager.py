@@ -449,7 +449,8 @@ def test_a_group_left_out_of_a_branch_never_wins_the_next_start():
     the next start of all three, the branch's step-25 wins, though step-30 is larger: the
     job's newest checkpoint is the newest by (generation, step), as in one folder. And the
     branch, begun where group 2's folder held generation 3, takes generation 4. Negative
-    control: where step-30 is of the branch's generation, it wins."""
+    control: where step-30 is of the branch's generation, it wins. (The manager's use of
+    the generations of every folder it read: test_ft_elastic.)"""
     from torchtitan.checkpoint.timeline import Entry, generation_for, plan_resume, resume_order
 
     rewind = {"load_step": 20, "exclude_from_loading": []}
@@ -465,6 +466,9 @@ def test_a_group_left_out_of_a_branch_never_wins_the_next_start():
     assert start(own, left_out)[0] == (25, "replica_0")
     assert start(own, [*old, Entry(30, 4, rewind)])[0] == (30, "replica_2"), "control"
     assert start(own, own)[0] == (25, "replica_0"), "a tie: this group's own folder"
+    # A checkpoint of weights only (a seed, an export) never outranks a training state.
+    assert start(own, [Entry(40, 5, None, False)])[0] == (25, "replica_0")
+    assert start(old, [Entry(40, 5, None, False)])[0] == (20, "replica_0")
     # The branch's generation, from every folder the start read (its own and its peers').
     plan = plan_resume(old, rewind, {})
     assert generation_for([*left_out, *old], plan, 20) == (4, rewind)

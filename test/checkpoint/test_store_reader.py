@@ -270,3 +270,32 @@ def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor):
     if tensor.numel():
         assert inside(got), "the tensor's bytes are the fetched ones, not a copy"
         assert not inside(expected), "negative control: torch.load copies them"
+
+
+def test_a_record_of_the_other_byte_order_is_read_by_torch_load():
+    """A record written on a host of the other byte order: torch swaps its bytes in place
+    on load, which a buffer read from the store must not undergo, so it goes to torch.load
+    (the values right, twice: a second read of the same bytes is not swapped back).
+    Catches the in-place path taken for it."""
+    import io
+    import sys
+    import zipfile
+
+    import numpy as np
+
+    tensor = torch.arange(6, dtype=torch.float32) + 0.5
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    source, other = zipfile.ZipFile(buffer), {"little": "big", "big": "little"}[sys.byteorder]
+    swapped = io.BytesIO()
+    with zipfile.ZipFile(swapped, "w", zipfile.ZIP_STORED) as out:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename.endswith("/byteorder"):
+                data = other.encode()
+            elif "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                data = np.frombuffer(data, "=f4").byteswap().tobytes()
+            out.writestr(info.filename, data)
+    view = memoryview(swapped.getvalue())
+    for _ in range(2):
+        assert torch.equal(store_reader.saved_tensor(view), tensor)

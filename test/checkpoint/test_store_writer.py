@@ -206,7 +206,16 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     url = f"s3://{bucket}/objects"
     client = Recorded(store_reader._s3_client(), delay=0.05)
     traffic.reset()
+    crc_on = []  # torch.save's zip CRC32 switch, as each entry is serialized
+    write_item = store_writer._write_item
+
+    def recorded(*args, **kwargs):
+        crc_on.append(torch.utils.serialization.config.save.compute_crc32)
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(store_writer, "_write_item", recorded)
     writer, returned = save(url, client, monkeypatch)
+    assert crc_on and not any(crc_on), "serialized without the CRC32 no reader checks"
     names = sorted(store_for(url).listdir(url))
     objects = writer.stats["objects"]
     assert names == sorted([".metadata", *(f"__0_{i}.distcp" for i in range(objects))])
@@ -219,8 +228,7 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     swapped = [*client.events, (m, k, p, b, returned + 1)]
     assert ordering_problems(swapped, returned), "negative control: a late part is flagged"
     assert writer.stats["peak_held"] <= 4 * MIB + 12 * MIB  # budget, or one entry alone
-    # The writer turns torch.save's zip CRC32 off while it serializes, and back on after.
-    assert torch.utils.serialization.config.save.compute_crc32
+    assert torch.utils.serialization.config.save.compute_crc32, "and back on after"
 
     for reader in (store_reader.StoreReader(url), FsspecReader(url)):
         got = blank(state())

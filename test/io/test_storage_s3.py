@@ -62,6 +62,27 @@ def test_a_proxy_in_the_environment_leaves_the_read_to_s3fs(obj, monkeypatch):
     assert traffic.requests == {"GET": 1} and traffic.presigned == 0
 
 
+def test_no_proxy_alone_keeps_the_presigned_way(obj, monkeypatch):
+    """``NO_PROXY`` alone (set on many clusters) names no proxy: the read is presigned."""
+    url, body, traffic = obj
+    monkeypatch.setenv("NO_PROXY", "169.254.169.254,.internal")
+    assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 1
+
+
+def test_fsspecs_own_s3_settings_leave_the_read_to_s3fs(obj, monkeypatch):
+    """Where fsspec's configuration sets anything for s3 (an endpoint, ``anon``...), s3fs
+    may reach another store than the ``AWS_*`` variables name: the read is s3fs's."""
+    import fsspec.config
+
+    url, body, traffic = obj
+    monkeypatch.setitem(
+        fsspec.config.conf, "s3", {"config_kwargs": {"retries": {"max_attempts": 2}}}
+    )
+    assert storage.read_bytes(url) == body
+    assert traffic.requests == {"GET": 1} and traffic.presigned == 0
+
+
 def test_a_missing_key_is_not_found_in_one_get(obj):
     url, _, traffic = obj
     with pytest.raises(FileNotFoundError):
@@ -72,19 +93,33 @@ def test_a_missing_key_is_not_found_in_one_get(obj):
 
 @pytest.mark.parametrize("status", [403, 503, 0], ids=["refused", "throttled", "dropped"])
 def test_a_failed_presigned_get_is_read_through_s3fs(obj, status):
+    """A refusal or a dropped connection counts towards turning the way off; a 5xx
+    (throttling: s3fs meets it too, and retries it) does not."""
     url, body, traffic = obj
     traffic.fail_next, traffic.fail_status = 1, status
     assert storage.read_bytes(url) == body  # the object's bytes, not the error's body
     assert traffic.failed == 1 and traffic.requests == {"GET": 1} and traffic.presigned == 0
-    assert storage._presigned_failed == [1]
+    assert storage._presigned_failed == [0 if status == 503 else 1]
 
 
 def test_presigned_gets_stop_after_repeated_failures(obj, caplog):
+    """Off after PRESIGNED_FAILURES failures in a row, said once; a read the store
+    answers this way ends a row. Control: failures with a success between them keep the
+    way on."""
     url, body, traffic = obj
+    traffic.fail_status = 403
+
+    def failed_once():
+        traffic.fail_next = 1
+        assert storage.read_bytes(url) == body
+
+    for _ in range(storage.PRESIGNED_FAILURES - 1):
+        failed_once()
+    assert storage.read_bytes(url) == body  # answered: the row ends
+    assert storage._presigned_failed == [0]
     with caplog.at_level(logging.WARNING, logger="torchtitan.io.storage"):
         for _ in range(storage.PRESIGNED_FAILURES):
-            traffic.fail_next = 1
-            assert storage.read_bytes(url) == body
+            failed_once()
         traffic.reset()
         assert storage.read_bytes(url) == body
     assert traffic.requests == {"GET": 1} and traffic.presigned == 0  # s3fs's alone now

@@ -325,14 +325,21 @@ def saved_tensor(view: memoryview) -> torch.Tensor:
     new storage): 27 ms of the loading thread per 32 MiB, against 0.3 ms, here 1.3 s of
     a 1.6 GB resume's CPU, which the fetching (the client and, on the local server, the
     server) needs on the same cores. Where torch's private ``_load`` is not what this
-    expects (another torch), the entry is read by ``torch.load``. Cost: O(the record's
-    pickle), no copy of the tensor's bytes."""
+    expects (another torch), and for a record of the other byte order (which torch swaps
+    in place), the entry is read by ``torch.load``. Cost: O(the record's pickle), no copy
+    of the tensor's bytes."""
+    import sys
     import warnings
 
     from torch import _weights_only_unpickler
 
     try:
         reader = torch._C.PyTorchFileReader(_ViewFile(view))
+        if reader.has_record("byteorder") and reader.get_record("byteorder") != (
+            sys.byteorder.encode()
+        ):  # torch would swap the bytes in place: not in a buffer read from the store
+            return cast(torch.Tensor, torch.load(io.BytesIO(view), map_location="cpu",
+                                                 weights_only=True))  # fmt: skip
         with warnings.catch_warnings():  # a read-only buffer: read here, never written
             warnings.simplefilter("ignore", UserWarning)
             storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()

@@ -348,7 +348,8 @@ class StoreWriter(FsspecWriter):
             # torch.save's zip records carry a CRC32 of each tensor's bytes that no reader
             # checks (torch.load does not): 0.45 s of this thread's CPU per 1.6 GB, where
             # botocore's CRC32 of each body, which S3 does check, already covers the bytes.
-            # The switch is torch's, process-wide, for the serializing only: a torch.save
+            # The switch is torch's, for the serializing only: this thread's in torch 2.13
+            # (a context variable); in an older torch, process-wide, so that a torch.save
             # elsewhere meanwhile writes records without it too, which every reader takes.
             with serialization.config.patch({"save.compute_crc32": False}):
                 for number, object_items in enumerate(objects):

@@ -159,15 +159,17 @@ def resume_order(own: tuple[str, list[Entry], Plan],
     next ones as the fallback. By generation first, as in one folder: a group left out
     of a branch (``load_step`` on fewer groups) keeps the abandoned timeline's newer
     steps in its folder, and a later start of the whole job resumes the branch, not
-    them. A folder whose plan has a problem (a ``load_step`` it does not hold) offers
-    nothing. O(candidates)."""
+    them. A checkpoint holding a training state comes before a weights-only or seed one
+    of any folder, as ``plan_resume`` has it within one. A folder whose plan has a problem
+    (a ``load_step`` it does not hold) offers nothing. O(candidates log candidates)."""
     found = []
     for folder, entries, plan in [own, *peers]:
         if not plan.problem:
-            generation = {e.step: e.generation for e in entries}
-            found += [((generation.get(step, 0), step), folder) for step in plan.candidates]
-    found.sort(key=lambda c: (-c[0][0], -c[0][1]))  # stable: own first among equals
-    return [(order[1], folder) for order, folder in found]
+            by_step = {e.step: e for e in entries}
+            found += [((by_step[step].full, *by_step[step].order), folder)
+                      for step in plan.candidates]  # fmt: skip
+    found.sort(key=lambda c: c[0], reverse=True)  # stable: own first among equals
+    return [(order[2], folder) for order, folder in found]
 
 
 def generation_for(entries: list[Entry], plan: Plan, chosen: int | None) -> tuple[int, dict | None]:

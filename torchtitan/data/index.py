@@ -44,7 +44,7 @@ process that needs counts.
 - **Read ahead from a bucket.** Where the folder is a bucket, a process that looks up
   a unit's counts starts reading the count files of the units the order reaches next
   (``read_ahead``), so a lane that takes one finds it read; each is read once, by one
-  plain GET of a presigned URL (``storage.read_bytes``: ~1.1 ms of the process's Python
+  plain GET of a presigned URL (``storage.read_bytes``: ~1.2 ms of the process's Python
   a file, against ~2.1 ms through s3fs, GIL that the main thread's tokenizing waits for).
 
 Cost: a unit is tokenized once per corpus and tokenizer, by one process of all the jobs

@@ -9,8 +9,8 @@ the store's clock (the response's ``Date``). A store answers a failed condition 
 (or 409 for two conditional writes racing): ``put_object`` returns None, ``delete_object``
 False; "someone else won". The client (fsspec → s3fs → botocore) and its credentials and
 endpoint come from the standard ``AWS_*`` variables (``AWS_ENDPOINT_URL``). A whole
-object is read by one plain GET of a URL botocore signs (``_presigned_get``: a third of
-s3fs's Python a request), falling back to s3fs, whose errors it keeps.
+object is read by one plain GET of a URL botocore signs (``_presigned_get``: about half
+of s3fs's Python a request), falling back to s3fs, whose errors it keeps.
 
 - **Whole or nothing.** A local file is written to a temporary name beside its own and
   renamed over it (``os.replace``); an object is one PUT, which a store makes visible
@@ -147,10 +147,10 @@ def publish(path: str, write):
 
 # ---- a whole object in one presigned GET ------------------------------------------------
 # Failed presigned GETs after which a process reads through s3fs alone: a store that
-# answers s3fs but not a plain GET (a proxy or endpoint set in fsspec's config, which the
-# signer does not read) costs this many wasted requests, not one per read.
+# answers s3fs but not a plain GET (a proxy only botocore's own config files name) costs
+# this many wasted requests in a row, not one per read.
 PRESIGNED_FAILURES = 3
-_presigned_failed = [0]  # this process's failed presigned GETs (a fact of its store)
+_presigned_failed = [0]  # this process's presigned GETs failed in a row (a fact of its store)
 _CLIENT_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE")  # fmt: skip
 _PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy",
@@ -182,13 +182,13 @@ def _models_loaded():
     """The loader of botocore's endpoint and service models that s3fs's session has filled
     where this process reached S3 through it already (a client then builds in ~0.01 s,
     not ~0.2 s parsing the same JSON again); None otherwise."""
-    import fsspec
-
-    fs = fsspec.filesystem("s3")  # fsspec keeps one instance per options: s3fs's own
-    session = getattr(fs, "session", None)
     try:
+        import fsspec
+
+        fs = fsspec.filesystem("s3")  # fsspec keeps one instance per options: s3fs's own
+        session = getattr(fs, "session", None)
         return session.get_component("data_loader") if session is not None else None
-    except Exception:  # noqa: BLE001 - another s3fs: the client loads its own models
+    except Exception:  # noqa: BLE001 - no s3fs, or another: the client loads its own models
         return None
 
 
@@ -212,7 +212,8 @@ def _http_pool():
         from botocore.httpsession import get_cert_path
 
         with _building():
-            if key not in _CLIENTS and urllib.request.getproxies():
+            proxies = {k for k in urllib.request.getproxies() if k != "no"}  # NO_PROXY alone: none
+            if key not in _CLIENTS and proxies:
                 _CLIENTS[key] = None
             elif key not in _CLIENTS:
                 _CLIENTS[key] = urllib3.PoolManager(maxsize=16, ca_certs=ca or get_cert_path(True))
@@ -236,13 +237,17 @@ def _presigned_get(url: str) -> bytes | None:
     ~1.4 M units a pass, ~28 min of Python a pass against ~49 min through s3fs; at
     FineWeb's ~90 M units, ~30 h against ~52 h, over a pass of weeks.
 
-    Off for the process after ``PRESIGNED_FAILURES`` failures (logged once), and where a
-    proxy is set in the environment (``_http_pool``: the read goes through s3fs). Cost:
-    one GET, no retry."""
+    Off for the process after ``PRESIGNED_FAILURES`` failures in a row (logged once; an
+    answer of the store's, 200 or NoSuchKey, ends a row; a 5xx, throttling or the store's
+    own fault, is not counted: s3fs meets it too and retries it), where a proxy is set in
+    the environment (``_http_pool``), and where fsspec's configuration sets anything for
+    s3 (an endpoint, ``anon``, client arguments: s3fs's store may not be the one the
+    ``AWS_*`` variables name). Cost: one GET, no retry."""
+    import fsspec
     import urllib3
 
     pool = _http_pool()
-    if _presigned_failed[0] >= PRESIGNED_FAILURES or pool is None:
+    if _presigned_failed[0] >= PRESIGNED_FAILURES or pool is None or fsspec.config.conf.get("s3"):
         return None
     bucket, _, key = url.split("://", 1)[1].partition("/")
     try:
@@ -255,10 +260,13 @@ def _presigned_get(url: str) -> bytes | None:
                              timeout=urllib3.Timeout(connect=10, read=60))  # fmt: skip
     except Exception as e:  # noqa: BLE001 - any failure here is s3fs's to retry and name
         return _presigned_failure(url, repr(e))
-    if reply.status == 200:
+    if reply.status == 200 or (reply.status == 404 and b"<Code>NoSuchKey</Code>" in reply.data):
+        _presigned_failed[0] = 0  # the store answered this way: a row of failures ends
+        if reply.status == 404:
+            raise FileNotFoundError(url)
         return reply.data
-    if reply.status == 404 and b"<Code>NoSuchKey</Code>" in reply.data:
-        raise FileNotFoundError(url)
+    if reply.status >= 500:  # throttled, or the store's own fault: s3fs retries it
+        return None
     return _presigned_failure(url, f"HTTP {reply.status}")
 
 
@@ -266,7 +274,7 @@ def _presigned_failure(url: str, why: str) -> None:
     _presigned_failed[0] += 1
     if _presigned_failed[0] == PRESIGNED_FAILURES:
         logger.warning(
-            "a presigned GET of %s failed (%s), the %d-th time in this process: small "
+            "a presigned GET of %s failed (%s), the %d-th in a row in this process: small "
             "objects are read through s3fs from now on", url, why, PRESIGNED_FAILURES)  # fmt: skip
     return None
 
