@@ -226,6 +226,20 @@ def same_steps(a: list[list[dict]], b: list[list[dict]]) -> bool:
     )
 
 
+def assert_workers_fetch_their_own(tokenizer, url: str, counts: str, steps: int):
+    """2 loader workers fetching 2 steps ahead give the first ``steps`` steps of a loader
+    without workers or prefetch, and the rank's own process fetches nothing (each
+    worker's prefetch is its own)."""
+    plain = bucket_loader(tokenizer, url, counts, 0)
+    reference = [plain.next_step() for _ in range(steps)]
+    workers = bucket_loader(tokenizer, url, counts, 2, num_workers=2)
+    try:
+        assert same_steps([workers.next_step() for _ in range(steps)], reference)
+        assert workers.stream.sources[0].prefetch.fetched == 0
+    finally:
+        workers.close()
+
+
 def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
     """The loaders of ``world`` data-parallel ranks, built as a job builds them (the data
     plan and length index made by the real code); each rank's loader is all a rank runs

@@ -10,7 +10,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import bucket_cfg, bucket_loader, distinct_parquet, same_steps
+from helpers import (
+    assert_workers_fetch_their_own,
+    bucket_cfg,
+    bucket_loader,
+    distinct_parquet,
+    same_steps,
+)
 
 from harness import s3
 from torchtitan.data import loader as loader_module
@@ -119,14 +125,7 @@ def test_loader_workers_fetching_ahead_give_the_same_batches(tokenizer, store):
     makes, the batches are those of a loader without workers or prefetch. Negative
     control: a worker's prefetch is its own (the rank's process fetches nothing)."""
     url, counts, _ = store
-    plain = bucket_loader(tokenizer, url, counts, 0)
-    reference = [plain.next_step() for _ in range(4)]
-    workers = bucket_loader(tokenizer, url, counts, 2, num_workers=2)
-    try:
-        assert same_steps([workers.next_step() for _ in range(4)], reference)
-        assert workers.stream.sources[0].prefetch.fetched == 0
-    finally:
-        workers.close()
+    assert_workers_fetch_their_own(tokenizer, url, counts, 4)
 
 
 def test_blocks_held_and_fetches_in_flight_stay_bound(tokenizer, store, monkeypatch):

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from helpers import bucket_cfg, bucket_loader, read_unit, same_steps
+from helpers import (
+    assert_workers_fetch_their_own,
+    bucket_cfg,
+    bucket_loader,
+    read_unit,
+    same_steps,
+)
 
 from harness import s3
 from torchtitan.data import loader as loader_module
@@ -192,14 +198,7 @@ def test_loader_workers_fetching_ahead_give_the_same_batches(tokenizer, served, 
     a loader without workers or prefetch. Negative control: a worker's prefetch is its
     own (the rank's process fetches nothing)."""
     url, counts = served[0][kind]
-    plain = bucket_loader(tokenizer, url, counts, 0)
-    reference = [plain.next_step() for _ in range(3)]
-    workers = bucket_loader(tokenizer, url, counts, 2, num_workers=2)
-    try:
-        assert same_steps([workers.next_step() for _ in range(3)], reference)
-        assert workers.stream.sources[0].prefetch.fetched == 0
-    finally:
-        workers.close()
+    assert_workers_fetch_their_own(tokenizer, url, counts, 3)
 
 
 def test_a_jsonl_units_lines_are_those_of_the_file_read_as_a_stream(served, tmp_path, monkeypatch):
