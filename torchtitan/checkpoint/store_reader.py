@@ -335,19 +335,16 @@ def saved_tensor(view: memoryview) -> torch.Tensor:
 
     try:
         reader = torch._C.PyTorchFileReader(_ViewFile(view))
-        if reader.has_record("byteorder") and reader.get_record("byteorder") != (
-            sys.byteorder.encode()
-        ):  # torch would swap the bytes in place: not in a buffer read from the store
-            return cast(torch.Tensor, torch.load(io.BytesIO(view), map_location="cpu",
-                                                 weights_only=True))  # fmt: skip
-        with warnings.catch_warnings():  # a read-only buffer: read here, never written
-            warnings.simplefilter("ignore", UserWarning)
-            storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-        return torch.serialization._load(reader, "cpu", _weights_only_unpickler,
-                                         overall_storage=storage, encoding="utf-8")  # fmt: skip
+        order = reader.get_record("byteorder") if reader.has_record("byteorder") else None
+        if order in (None, sys.byteorder.encode()):  # else torch swaps the bytes in place
+            with warnings.catch_warnings():  # a read-only buffer: read here, never written
+                warnings.simplefilter("ignore", UserWarning)
+                storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+            return torch.serialization._load(reader, "cpu", _weights_only_unpickler,
+                                             overall_storage=storage, encoding="utf-8")  # fmt: skip
     except (AttributeError, TypeError):  # torch's private API moved: the public way
-        return cast(torch.Tensor, torch.load(io.BytesIO(view), map_location="cpu",
-                                             weights_only=True))  # fmt: skip
+        pass
+    return cast(torch.Tensor, torch.load(io.BytesIO(view), map_location="cpu", weights_only=True))
 
 
 class StoreReader(FsspecReader):
