@@ -14,7 +14,8 @@ reader's own figures are checked against) and answers the first ``traffic.fail_n
 requests of ``traffic.fail_kinds`` with ``traffic.fail_status`` (503 SlowDown: throttling;
 403 InvalidAccessKeyId: wrong credentials, which moto's server does not check itself; 404
 NoSuchBucket: a server restarted empty, for the objects under ``traffic.fail_within`` only) or by closing the connection unanswered (``status`` 0: a dropped
-connection), to test a client's retries.
+connection), to test a client's retries; ``traffic.damage_next`` GETs it answers damaged
+on the way (``damage``: a wrong CRC32 header, or a body cut short).
 
 ``missing()`` says why the server cannot run here (moto or s3fs not installed: the
 ``s3`` and ``dev`` extras), or None; a test skips with that reason.
@@ -72,13 +73,16 @@ class Traffic:
     fail_within: str = ""  # only objects whose path holds this (``/step-4/``)
     fail_status: int = 503  # 0: drop the connection without an answer
     failed: int = 0
+    damage_next: int = 0  # how many more GETs (of ``fail_suffix`` objects) to damage
+    damage: str = "checksum"  # "checksum": a wrong x-amz-checksum-crc32; "cut": half a body
+    damaged: int = 0
     presigned: int = 0  # requests answered that were signed in their URL (query string)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self):
         with self.lock:
             self.requests, self.body_bytes, self.by_name, self.failed = {}, {}, {}, 0
-            self.presigned = 0
+            self.presigned = self.damaged = 0
 
     def wrap(self, app):
         def counted(environ, start_response):
@@ -88,6 +92,11 @@ class Traffic:
                 fail = (self.fail_next > 0 and kind in self.fail_kinds
                         and name.endswith(self.fail_suffix)
                         and self.fail_within in environ.get("PATH_INFO", ""))  # fmt: skip
+                damage = (not fail and self.damage_next > 0 and kind.startswith("GET")
+                          and name.endswith(self.fail_suffix))  # fmt: skip
+                if damage:
+                    self.damage_next -= 1
+                    self.damaged += 1
                 if fail:
                     self.fail_next -= 1
                     self.failed += 1
@@ -100,6 +109,8 @@ class Traffic:
             if self.ranges is not None and kind == "GET range":
                 with self.lock:
                     self.ranges.append((path, environ["HTTP_RANGE"]))
+            if damage:
+                return self._count(kind, name, path, self._damaged(environ, start_response, app))
             return self._count(kind, name, path, app(environ, start_response))
 
         return counted
@@ -121,6 +132,31 @@ class Traffic:
         with self.lock:
             hits = [n for t, k, _, n in self.log or [] if begin <= t <= end and k in kinds]
         return len(hits), sum(hits)
+
+    def _damaged(self, environ, start_response, app):
+        """The server's answer, damaged on the way: with a CRC32 header its body does not
+        have (``checksum``), or its headers and half its body, then the connection shut
+        (``cut``: the client sees the body end short of its Content-Length)."""
+        length = []
+
+        def respond(status, headers, exc_info=None):
+            if self.damage == "checksum":
+                headers = [(k, v) for k, v in headers if k.lower() != "x-amz-checksum-crc32"]
+                headers.append(("x-amz-checksum-crc32", "AAAAAA=="))  # CRC32 0
+            length.extend(int(v) for k, v in headers if k.lower() == "content-length")
+            return start_response(status, headers, exc_info)
+
+        body = app(environ, respond)
+        if self.damage == "checksum":
+            yield from body
+            return
+        keep = (length[0] if length else 0) // 2
+        for chunk in body:
+            if keep <= 0:
+                break
+            yield chunk[:keep]
+            keep -= len(chunk)
+        environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
 
     def _fail(self, environ, start_response):
         environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))

@@ -299,3 +299,67 @@ def test_a_record_of_the_other_byte_order_is_read_by_torch_load():
     view = memoryview(swapped.getvalue())
     for _ in range(2):
         assert torch.equal(store_reader.saved_tensor(view), tensor)
+
+
+@pytest.fixture(params=["socket", "botocore"])
+def way(request, monkeypatch) -> str:
+    """How a body is received: straight from the socket (``receive``'s way), or through
+    botocore's ``readinto`` (where the response is not what it expects)."""
+    if request.param == "botocore":
+        monkeypatch.setattr(store_reader, "socket_stream", lambda body: None)
+    return request.param
+
+
+def test_spans_are_received_into_reused_buffers(saved, server, way, monkeypatch):
+    """Small spans (a span size of 64 KiB: the 2 MiB entry one span, the others several)
+    and room for 2 buffers: each span's body is received into a buffer a span before it
+    used, and the load equals the local one. The way straight from the socket is the one
+    taken on this server (``stats["direct"]``); the control goes through botocore's."""
+    _, url = saved
+    monkeypatch.setattr(store_reader, "span_size", lambda needed: 64 << 10)
+    monkeypatch.setattr(store_reader.SpanFetcher, "__init__", _small_budget(2 * (64 << 10)))
+    reader = store_reader.StoreReader(url, etags_of(url))
+    assert_equal(load(reader, blank(state()), url), state())
+    stats = reader.stats
+    assert stats["requests"] >= 4 and stats["buffers"] < stats["requests"], stats
+    assert stats["direct"] == (stats["requests"] if way == "socket" else 0), stats
+
+
+def _small_budget(budget: int):
+    init = store_reader.SpanFetcher.__init__
+
+    def small(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.budget = budget
+
+    return small
+
+
+@pytest.mark.parametrize("damage", ["checksum", "cut"])
+def test_a_body_damaged_on_the_way_is_fetched_again(saved, server, way, damage):
+    """The server answers the first 2 GETs of the data with a CRC32 header the body does
+    not have, or with half the body and the connection shut: the reader tries again and
+    the load equals the local one (both ways of receiving). Negative control: damaged on
+    every try, the load ends with one line naming the object and the tries."""
+    _, url = saved
+    _, traffic = server
+    traffic.reset()
+    traffic.damage, traffic.fail_suffix = damage, ".distcp"
+    try:
+        traffic.damage_next = 2
+        reader = store_reader.StoreReader(url, etags_of(url))
+        assert_equal(load(reader, blank(state()), url), state())
+        assert traffic.damaged == 2 and reader.stats["retries"] == 2, reader.stats
+        traffic.damage_next, traffic.damaged = 1000, 0
+        old, store_reader.BACKOFF = store_reader.BACKOFF, 0.01
+        try:
+            with pytest.raises(CheckpointException) as caught:
+                load(store_reader.StoreReader(url, {}), blank(state()), url)
+        finally:
+            store_reader.BACKOFF = old
+    finally:
+        traffic.damage_next, traffic.damage, traffic.fail_suffix = 0, "checksum", ""
+    message = str(caught.value)
+    assert f"{url}/__0_0.distcp" in message and f"{store_reader.ATTEMPTS} tries" in message
+    assert ("checksum" in message.lower() or "crc32" in message.lower()) == (damage == "checksum")
+    assert traffic.damaged == store_reader.ATTEMPTS

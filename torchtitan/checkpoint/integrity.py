@@ -14,6 +14,8 @@ Never: rename, delete or choose checkpoints; use a process group.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from torchtitan.checkpoint.folder import (
     FORMAT_VERSION,
     MANIFEST,
@@ -53,13 +55,22 @@ def fsync_files(path: str, names: list[str]):
 
 
 def verify_files(path: str, expected: dict[str, dict]) -> str | None:
-    """None if every named file is present with its signature, else the problem."""
+    """None if every named file is present with its signature, else the problem (the
+    first in name order). On an object store the checks (a HEAD each, a round trip) run
+    8 at a time: one after another they took 0.15 s of a 125M resume's 2 s on the local
+    server, and at 100 ms a round trip a rank's ~16 files at 1,000 ranks would take
+    1.6 s. Locally each file's CRC32 is already spread over threads (``store``)."""
     store = store_for(path)
-    for name, want in sorted(expected.items()):
-        problem = store.check(join(path, name), want)
-        if problem:
-            return problem
-    return None
+    names = sorted(expected)
+
+    def check(name: str) -> str | None:
+        return store.check(join(path, name), expected[name])
+
+    if not store.in_place or len(names) < 2:
+        problems = map(check, names)
+        return next((p for p in problems if p), None)
+    with ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="verify") as pool:
+        return next((p for p in pool.map(check, names) if p), None)
 
 
 def verify_share(path: str, rank: int, world_size: int) -> str | None:
