@@ -535,3 +535,58 @@ def test_another_optimizer_or_model_is_one_line(trained, tmp_path):
     errors = error_lines(log)
     assert status == 1 and len(errors) == 1 and "Traceback" not in log, log[-2000:]
     assert "does not fit this model" in errors[0] and "'debugmodel'" in errors[0]
+
+
+def test_a_damaged_checkpoint_with_a_copy_in_a_peer_folder_names_the_right_fix(tmp_path):
+    """Fault tolerance: this group's step-5 is damaged and a peer group's folder holds
+    step-5 too. The one line names the previous step (load_step 3), not step-5 again;
+    with no previous step it names the peer's copy and fallback_on_corruption, which
+    then loads that copy (the control: the fix it names works)."""
+    import torch
+
+    from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
+    from torchtitan.checkpoint.stateful import training_components
+    from torchtitan.config import parse_args
+    from torchtitan.models import build_model
+    from torchtitan.parallel import init_distributed
+
+    dims = init_distributed()
+
+    def manager(folder, *extra) -> CheckpointManager:
+        cfg = parse_args(["--job.dump_folder", str(folder), *CK, *extra])
+        model = build_model("debugmodel", 4096, device="cpu")
+        components = training_components(
+            cfg, dims, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            train_state=TrainState(), fingerprint={},
+        )  # fmt: skip
+        return CheckpointManager(cfg, dims, components, fingerprint={})
+
+    own, peer = tmp_path / "replica_0", tmp_path / "replica_1"
+    for folder, steps in ((own, (3, 5)), (peer, (5,))):
+        writer = manager(folder)
+        for step in steps:
+            writer.save(step)
+        writer.close()
+    shard = own / "checkpoint" / "step-5" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    peers = [str(peer / "checkpoint")]
+
+    def error(folder) -> str:
+        loader = manager(folder)
+        try:
+            with pytest.raises(CheckpointError) as caught:
+                loader.load(peers)
+        finally:
+            loader.close()
+        return str(caught.value)
+
+    message = error(own)
+    assert "step-5" in message and "--checkpoint.load_step 3" in message, message
+    shutil.rmtree(own / "checkpoint" / "step-3")
+    message = error(own)
+    assert "--checkpoint.load_step" not in message, message
+    assert f"fallback_on_corruption to resume from the copy of step-5 in {peers[0]}" in message
+    loader = manager(own, "--checkpoint.fallback_on_corruption")
+    loader.load(peers)
+    loader.close()
+    assert loader.loaded_from == str(peer / "checkpoint" / "step-5")

@@ -295,14 +295,17 @@ class CheckpointManager:
             if problem is None:
                 chosen = step
                 break
-            older = [s for s, _ in order[i + 1 :]]
-            if not self.fallback_on_corruption or not older:
-                fix = (
-                    f"resume from the previous one with --checkpoint.load_step {older[0]}, or set "
-                    "--checkpoint.fallback_on_corruption to do that automatically"
-                    if older
-                    else "there is no older checkpoint: delete it to start from scratch"
-                )
+            others = order[i + 1 :]  # older ones, and copies of this step in peer folders
+            if not self.fallback_on_corruption or not others:
+                older = [s for s, _ in others if s < step]
+                if older:
+                    fix = (f"resume from the previous one with --checkpoint.load_step {older[0]}, "
+                           "or set --checkpoint.fallback_on_corruption to do that automatically")  # fmt: skip
+                elif others:
+                    fix = (f"set --checkpoint.fallback_on_corruption to resume from the copy of "
+                           f"step-{step} in {others[0][1]}")  # fmt: skip
+                else:
+                    fix = "there is no older checkpoint: delete it to start from scratch"
                 raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
             logger.warning(
                 "CHECKPOINT %s IS DAMAGED (%s): falling back to an older one", path, problem
