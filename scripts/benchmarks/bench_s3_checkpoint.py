@@ -209,8 +209,9 @@ def fetch_all(requests: list, threads: int, into: bool = False) -> float:
     parallel GETs on one botocore client, reading each body whole and nothing else: with
     botocore's ``read()`` (a new bytes object per body, its checksum checked where the
     server sent one), or, ``into``, received from the socket into a buffer each thread
-    reuses (``http.client``'s ``readinto`` under botocore's body; no checksum checked)."""
-    import threading
+    reuses (``http.client``'s ``readinto`` under botocore's body; no checksum checked;
+    the buffers made and written once before the clock starts: the transfer alone)."""
+    import queue
 
     import botocore.config
     import botocore.session
@@ -218,7 +219,10 @@ def fetch_all(requests: list, threads: int, into: bool = False) -> float:
     client = botocore.session.get_session().create_client(
         "s3", config=botocore.config.Config(max_pool_connections=threads)
     )
-    own = threading.local()
+    buffers: queue.SimpleQueue = queue.SimpleQueue()
+    largest = max((end - start for _, _, start, end in requests if end is not None), default=0)
+    for _ in range(threads if into else 0):
+        buffers.put(bytearray(largest))
 
     def get(request):
         bucket, key, start, end = request
@@ -227,15 +231,14 @@ def fetch_all(requests: list, threads: int, into: bool = False) -> float:
         body, size = reply["Body"], reply["ContentLength"]
         if not into:
             return len(body.read())
-        stream = body._raw_stream._fp  # http.client's response
-        if len(getattr(own, "buffer", b"")) < size:
-            own.buffer = bytearray(size)
-        view, n = memoryview(own.buffer)[:size], 0
+        stream, buffer = body._raw_stream._fp, buffers.get()  # http.client's response
+        view, n = memoryview(buffer)[:size], 0
         while n < size:
             got = stream.readinto(view[n : n + (8 << 20)])
             assert got, f"{key}: the body ended at {n} of {size} bytes"
             n += got
         body.close()
+        buffers.put(buffer)
         return n
 
     begin = time.perf_counter()
