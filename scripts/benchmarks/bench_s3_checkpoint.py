@@ -340,6 +340,31 @@ def against_the_limit(dims, make_manager, readers, windows, fsspec: bool = True)
     }
 
 
+@contextlib.contextmanager
+def held_link(gbit: float):
+    """The loopback held to ``gbit`` Gbit/s for the job (a token bucket: ``tc qdisc add
+    dev lo root tbf``), so that a link, not the 2 cores the server and the client share,
+    bounds the transfer, as a NIC does between a host and S3; removed at the end. Needs
+    root and tc; refused with one line where the loopback already has a qdisc (another
+    run's)."""
+    if not gbit:
+        yield
+        return
+    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    if shown.returncode != 0 or "noqueue" not in shown.stdout:
+        raise SystemExit(f"bench_s3_checkpoint: --link-gbit needs tc and a loopback with no "
+                         f"qdisc of its own: {(shown.stdout + shown.stderr).strip()}")  # fmt: skip
+    held = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{gbit}gbit",
+            "burst", "1mb", "latency", "50ms"]  # fmt: skip
+    added = subprocess.run(held, capture_output=True, text=True)
+    if added.returncode != 0:
+        raise SystemExit(f"bench_s3_checkpoint: {' '.join(held)}: {added.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+
+
 def run_job(args, root: Path, url: str) -> list[dict]:
     out = root / "result.json"
     argv = ["--rank-main", "--flavor", args.flavor, "--interval", str(args.interval),
@@ -373,6 +398,8 @@ def main(argv=None) -> int:
                    help="the read limits without DCP's fsspec reader (minutes of GETs)")  # fmt: skip
     p.add_argument("--single-put-mib", type=int, default=0,
                    help="the store writer's largest single PUT (MiB; 0: its own default)")  # fmt: skip
+    p.add_argument("--link-gbit", type=float, default=0,
+                   help="hold the loopback to this many Gbit/s during the job (tc, root)")  # fmt: skip
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
@@ -395,8 +422,11 @@ def main(argv=None) -> int:
     os.environ["FSSPEC_S3"] = json.dumps({"config_kwargs": {"read_timeout": 900}})
     traffic = Traffic(log=[])
     with bench.work_folder(args, "bench_s3_ckpt_") as root, local_s3(traffic) as (bucket, _):
-        rows = run_job(args, root, f"s3://{bucket}/run")
+        with held_link(args.link_gbit):
+            rows = run_job(args, root, f"s3://{bucket}/run")
         sizes = checkpoint_bytes(bucket, rows)
+    for row in rows:
+        row["link_gbit"] = args.link_gbit
     for row in rows:  # what the server sent in each timed phase (its GETs, counted there)
         row["checkpoint_bytes"] = sizes[(row["folder"], row["mode"])]
         row["sent"] = {name: traffic.sent(*window) for name, window in row.pop("windows").items()}
@@ -441,7 +471,9 @@ def report_limit(rows: list):
         fsspec_s = r.get("resume_fsspec_s")
         print(
             f"\nresume of a {r['checkpoint_bytes'] / 1e6:.0f} MB checkpoint at {r['ranks']} "
-            f"rank(s): store reader {r['resume_s']:.2f} s, DCP's fsspec reader "
+            f"rank(s)"
+            + (f", the loopback held to {r['link_gbit']:g} Gbit/s" if r.get("link_gbit") else "")
+            + f": store reader {r['resume_s']:.2f} s, DCP's fsspec reader "
             + (f"{fsspec_s:.2f} s" if fsspec_s else "not run")
             + f", local folder {local['resume_s']:.2f} s"
         )

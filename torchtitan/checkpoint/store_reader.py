@@ -287,7 +287,7 @@ class SpanFetcher:
     def get(self, span: Span, into: memoryview):
         """One ranged GET into ``into`` (the span's length), conditional on the
         manifest's ETag where it names one."""
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 
         args = {"Bucket": self.bucket, "Key": f"{self.prefix}/{span.file}",
                 "Range": f"bytes={span.start}-{span.end - 1}"}  # fmt: skip
@@ -318,6 +318,12 @@ class SpanFetcher:
                 raise StoreReadError(f"bucket {self.bucket} does not exist (reading {url}): "
                                       "check the URL and AWS_ENDPOINT_URL") from None  # fmt: skip
             raise StoreReadError(f"reading {url} failed ({ATTEMPTS} tries): {e}") from None
+        except FlexibleChecksumError as e:
+            raise StoreReadError(
+                f"file {url} failed its checksum on each of {ATTEMPTS} tries ({e}): its bytes "
+                "in the store are damaged; restore it, or resume from another checkpoint with "
+                "--checkpoint.load_step"
+            ) from None
         except BotoCoreError as e:
             raise StoreReadError(
                 f"reading {url} failed ({ATTEMPTS} tries): {e}; check that the store is "
@@ -406,7 +412,7 @@ class Buffers:
             self.alive -= len(self.free.pop(0))
         self.alive += size
         self.made += 1
-        return mmap.mmap(-1, size)
+        return mmap.mmap(-1, max(1, size))  # an anonymous map has at least a byte
 
     def give(self, buffer: mmap.mmap):
         self.free.append(buffer)
