@@ -590,3 +590,59 @@ def test_a_damaged_checkpoint_with_a_copy_in_a_peer_folder_names_the_right_fix(t
     loader.load(peers)
     loader.close()
     assert loader.loaded_from == str(peer / "checkpoint" / "step-5")
+
+
+def test_the_purge_after_a_save_runs_behind_the_loop_and_the_next_save_waits_for_it(
+    tmp_path, monkeypatch
+):
+    """keep_latest_k 1, sync saves: the purge after step-1 runs on its own thread (held
+    here until released) and ``save(1)`` returns without it; ``save(2)`` does not begin
+    its write until that purge has ended, and its own purge removes step-1. Catches a
+    purge on the caller's thread again (``save(1)`` would wait for the release) and a
+    ``wait()`` that forgets it (``save(2)`` would write beside the purge)."""
+    import threading
+
+    import torch
+
+    from torchtitan.checkpoint import CheckpointManager, TrainState, lifecycle, timeline
+    from torchtitan.checkpoint.stateful import training_components
+    from torchtitan.config import parse_args
+    from torchtitan.models import build_model
+    from torchtitan.parallel import init_distributed
+
+    cfg = parse_args(["--job.dump_folder", str(tmp_path), *CK, "--checkpoint.keep_latest_k", "1"])
+    model = build_model("debugmodel", 4096, device="cpu")
+    dims = init_distributed()
+    components = training_components(
+        cfg, dims, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        train_state=TrainState(), fingerprint={},
+    )  # fmt: skip
+    manager = CheckpointManager(cfg, dims, components, fingerprint={})
+    events, release = [], threading.Event()
+    purge, save = timeline.purge, lifecycle.dcp.save
+
+    def held_purge(folder, keep):
+        events.append(("purge", threading.current_thread().name))
+        release.wait(timeout=10)
+        removed = purge(folder, keep)
+        events.append(("purged", removed))
+        return removed
+
+    def logged_save(*args, **kwargs):
+        events.append(("write", None))
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(timeline, "purge", held_purge)
+    monkeypatch.setattr(lifecycle.dcp, "save", logged_save)
+    manager.save(1)
+    assert not release.is_set() and events[0] == ("write", None)
+    assert events[1][0] == "purge" and events[1][1].startswith("ckpt-purge"), events
+    second = threading.Thread(target=manager.save, args=(2,))
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive(), "save(2) waits for step-1's purge"
+    release.set()
+    second.join()
+    manager.close()
+    assert [e[0] for e in events] == ["write", "purge", "purged", "write", "purge", "purged"]
+    assert events[-1] == ("purged", [1]) and complete_steps(str(tmp_path / "checkpoint")) == [2]

@@ -43,10 +43,19 @@ def digest(path: str, names: list[str]) -> dict[str, dict]:
     ETag on an object store).
 
     Cost: locally, reads those files once (normally still in the page cache): O(own
-    bytes), spread over up to 8 threads; on a store, one HEAD request per file.
+    bytes), spread over up to 8 threads; on a store, one HEAD request per file, 8 at a
+    time (a round trip each: a 125M save's 26 one after another took ~0.1-0.2 s of its
+    durable time on the local server; ~16 a rank at 1,000 ranks).
     """
     store = store_for(path)
-    return {name: store.signature(join(path, name)) for name in names}
+
+    def signature(name: str) -> dict:
+        return store.signature(join(path, name))
+
+    if not store.in_place or len(names) < 2:
+        return {name: signature(name) for name in names}
+    with ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="digest") as pool:
+        return dict(zip(names, pool.map(signature, names)))
 
 
 def fsync_files(path: str, names: list[str]):
