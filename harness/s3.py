@@ -151,11 +151,14 @@ class Traffic:
             yield from body
             return
         keep = (length[0] if length else 0) // 2
-        for chunk in body:
-            if keep <= 0:
-                break
-            yield chunk[:keep]
-            keep -= len(chunk)
+        try:
+            for chunk in body:
+                if keep <= 0:
+                    break
+                yield chunk[:keep]
+                keep -= len(chunk)
+        finally:
+            getattr(body, "close", lambda: None)()  # the WSGI contract: the app's iterable
         environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
 
     def _fail(self, environ, start_response):

@@ -232,12 +232,17 @@ def fetch_all(requests: list, threads: int, into: bool = False) -> float:
         if not into:
             return len(body.read())
         stream, buffer = body._raw_stream._fp, buffers.get()  # http.client's response
+        if len(buffer) < size:  # a whole object (no range): larger than any span
+            buffer = bytearray(size)
         view, n = memoryview(buffer)[:size], 0
         while n < size:
             got = stream.readinto(view[n : n + (8 << 20)])
             assert got, f"{key}: the body ended at {n} of {size} bytes"
             n += got
+        if stream.isclosed():  # its connection serves the next GET, as the reader's does
+            body._raw_stream.release_conn()
         body.close()
+        del view
         buffers.put(buffer)
         return n
 
@@ -353,7 +358,8 @@ def held_link(gbit: float):
     shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
     if shown.returncode != 0 or "noqueue" not in shown.stdout:
         raise SystemExit(f"bench_s3_checkpoint: --link-gbit needs tc and a loopback with no "
-                         f"qdisc of its own: {(shown.stdout + shown.stderr).strip()}")  # fmt: skip
+                         f"qdisc of its own ({(shown.stdout + shown.stderr).strip()}); a run "
+                         "killed before its end leaves one: tc qdisc del dev lo root")  # fmt: skip
     held = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{gbit}gbit",
             "burst", "1mb", "latency", "50ms"]  # fmt: skip
     added = subprocess.run(held, capture_output=True, text=True)
@@ -399,7 +405,8 @@ def main(argv=None) -> int:
     p.add_argument("--single-put-mib", type=int, default=0,
                    help="the store writer's largest single PUT (MiB; 0: its own default)")  # fmt: skip
     p.add_argument("--link-gbit", type=float, default=0,
-                   help="hold the loopback to this many Gbit/s during the job (tc, root)")  # fmt: skip
+                   help="hold the loopback to this many Gbit/s (up to 8: a 1 MB burst) "
+                        "during the job, gloo's traffic too (tc, root)")  # fmt: skip
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", default="", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)

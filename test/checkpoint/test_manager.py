@@ -585,7 +585,7 @@ def test_a_damaged_checkpoint_with_a_copy_in_a_peer_folder_names_the_right_fix(t
     shutil.rmtree(own / "checkpoint" / "step-3")
     message = error(own)
     assert "--checkpoint.load_step" not in message, message
-    assert f"fallback_on_corruption to resume from the copy of step-5 in {peers[0]}" in message
+    assert f"fallback_on_corruption to resume from step-5 in {peers[0]}" in message
     loader = manager(own, "--checkpoint.fallback_on_corruption")
     loader.load(peers)
     loader.close()
@@ -618,11 +618,12 @@ def test_the_purge_after_a_save_runs_behind_the_loop_and_the_next_save_waits_for
         train_state=TrainState(), fingerprint={},
     )  # fmt: skip
     manager = CheckpointManager(cfg, dims, components, fingerprint={})
-    events, release = [], threading.Event()
+    events, started, release = [], threading.Event(), threading.Event()
     purge, save = timeline.purge, lifecycle.dcp.save
 
     def held_purge(folder, keep):
         events.append(("purge", threading.current_thread().name))
+        started.set()
         release.wait(timeout=10)
         removed = purge(folder, keep)
         events.append(("purged", removed))
@@ -635,7 +636,7 @@ def test_the_purge_after_a_save_runs_behind_the_loop_and_the_next_save_waits_for
     monkeypatch.setattr(timeline, "purge", held_purge)
     monkeypatch.setattr(lifecycle.dcp, "save", logged_save)
     manager.save(1)
-    assert not release.is_set() and events[0] == ("write", None)
+    assert not release.is_set() and started.wait(timeout=10) and events[0] == ("write", None)
     assert events[1][0] == "purge" and events[1][1].startswith("ckpt-purge"), events
     second = threading.Thread(target=manager.save, args=(2,))
     second.start()

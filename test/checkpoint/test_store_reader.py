@@ -363,3 +363,20 @@ def test_a_body_damaged_on_the_way_is_fetched_again(saved, server, way, damage):
     assert f"{url}/__0_0.distcp" in message and f"{store_reader.ATTEMPTS} tries" in message
     assert ("checksum" in message.lower() or "crc32" in message.lower()) == (damage == "checksum")
     assert traffic.damaged == store_reader.ATTEMPTS
+
+
+def test_a_large_items_buffer_is_dropped_after_it_and_unit_buffers_are_reused():
+    """Buffers: a span's unit buffer goes back to the pool and serves the next span; a
+    buffer made for an item larger than a unit is dropped once given back, never handed
+    to a later span (it would count its whole size against the budget, holding fewer
+    GETs in flight). Negative control: the unit buffer is the one reused."""
+    buffers = store_reader.Buffers(unit=1024)
+    unit = buffers.take(100)
+    buffers.give(unit)
+    assert buffers.take(700) is unit and buffers.made == 1
+    large = buffers.take(5000)
+    assert len(large) == 5000 and buffers.made == 2
+    buffers.give(large)
+    buffers.give(unit)
+    assert buffers.take(10) is unit
+    assert len(buffers.take(10)) == 1024 and buffers.made == 3, "a new unit, not the large one"

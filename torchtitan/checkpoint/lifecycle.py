@@ -213,15 +213,17 @@ class Saver:
     def wait(self):
         """Block until a pending async save is written and finalized (or raise its error),
         and the purge after the last save is done."""
-        self.wait_for_staging()
-        if self._pending is not None:
-            future, step = self._pending, self._pending_step
-            self._pending = None
-            with self._save_errors(step):
-                future.result()
-        if self._purging is not None:  # set by the save just waited for, if it published
-            purging, self._purging = self._purging, None
-            purging.result()
+        try:
+            self.wait_for_staging()
+            if self._pending is not None:
+                future, step = self._pending, self._pending_step
+                self._pending = None
+                with self._save_errors(step):
+                    future.result()
+        finally:  # even after a failed save, no purge outlives wait() (close, the lease)
+            if self._purging is not None:  # set by the save just waited for, if it published
+                purging, self._purging = self._purging, None
+                purging.result()
 
     @contextlib.contextmanager
     def _save_errors(self, step: int):

@@ -299,11 +299,12 @@ class CheckpointManager:
             if not self.fallback_on_corruption or not others:
                 older = [s for s, _ in others if s < step]
                 if older:
-                    fix = (f"resume from the previous one with --checkpoint.load_step {older[0]}, "
-                           "or set --checkpoint.fallback_on_corruption to do that automatically")  # fmt: skip
-                elif others:
-                    fix = (f"set --checkpoint.fallback_on_corruption to resume from the copy of "
-                           f"step-{step} in {others[0][1]}")  # fmt: skip
+                    fix = (f"resume from the previous one with --checkpoint.load_step "
+                           f"{older[0]}, or set --checkpoint.fallback_on_corruption to do "
+                           "that automatically")  # fmt: skip
+                elif others:  # a copy of this step, or a peer's of an older generation
+                    fix = (f"set --checkpoint.fallback_on_corruption to resume from "
+                           f"step-{others[0][0]} in {others[0][1]}")  # fmt: skip
                 else:
                     fix = "there is no older checkpoint: delete it to start from scratch"
                 raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")

@@ -16,10 +16,10 @@ which fetched 3.3x the checkpoint's bytes (docs/benchmarks.md § 21).
   buffer), an entry's tensor is read in place from it (``saved_tensor``) and copied into
   the model. Before, botocore's ``read()`` and ``torch.load`` made three more copies.
 - **Bounded memory.** Spans are admitted while the buffers they hold (one per span,
-  the span size each, reused once a span is loaded) stay under ``IN_FLIGHT x
-  SPAN_MAX`` (8 x 64 MiB = 512 MiB), plus at most one span; a single item larger than
-  that is admitted alone, in a buffer of its own (its bytes are needed whole:
-  ``torch.load`` reads one entry).
+  a span size each, reused once a span is loaded) stay under ``IN_FLIGHT x SPAN_MAX``
+  (8 x 64 MiB = 512 MiB): at most that plus the largest span. An item larger than a
+  span is a span of its own, in a buffer of its own, unmapped once it is loaded (its
+  bytes are needed whole: ``torch.load`` reads one entry).
 - **Verified.** Every GET carries ``If-Match: <ETag>`` from the manifest (the ETag the
   store gave the upload, which the start checked with a HEAD): a file replaced between
   the check and the read stops the load with one line, never a mix of two writes. A
@@ -249,6 +249,8 @@ def receive(reply: dict, into: memoryview) -> bool:
         if body.readinto(bytearray(1)):  # its end, where botocore checks the checksum
             raise IncompleteReadError(actual_bytes=n + 1, expected_bytes=len(into))
         return False
+    if not stream.isclosed() and stream.readinto(bytearray(1)):  # a body sent in chunks
+        raise IncompleteReadError(actual_bytes=n + 1, expected_bytes=len(into))
     if stream.isclosed():  # read to its end: the connection can serve another request
         body._raw_stream.release_conn()
     return True
@@ -266,9 +268,8 @@ class SpanFetcher:
     """Fetches spans with at most ``IN_FLIGHT`` GETs at once, each into a buffer of its
     own, yielding ``(span, memoryview)`` in the order of ``spans``; the buffer is reused
     for a later span once the consumer asks for the next one (it must then hold nothing
-    of it). Buffers of ``unit`` bytes (the largest span but one item larger) are made
-    while those in use stay under ``budget`` bytes: at most budget + unit bytes of them
-    (memory bound in the module docstring)."""
+    of it). Spans are admitted while the buffers in use stay under ``budget`` bytes:
+    at most budget + the largest span of them (``Buffers``; the module docstring)."""
 
     def __init__(self, client, bucket: str, prefix: str, etags: dict[str, str],
                  budget: int = IN_FLIGHT * SPAN_MAX):  # fmt: skip
@@ -321,12 +322,15 @@ class SpanFetcher:
         except FlexibleChecksumError as e:
             raise StoreReadError(
                 f"file {url} failed its checksum on each of {ATTEMPTS} tries ({e}): its bytes "
-                "in the store are damaged; restore it, or resume from another checkpoint with "
-                "--checkpoint.load_step"
+                "in the store are damaged (restore it, or resume from another checkpoint with "
+                "--checkpoint.load_step), or the store sends the whole object's checksum for "
+                "a range (set AWS_RESPONSE_CHECKSUM_VALIDATION=when_required)"
             ) from None
-        except BotoCoreError as e:
+        except (BotoCoreError, OSError, http.client.HTTPException) as e:
+            # OSError, HTTPException: a connection reset or timed out while its body was
+            # received from the socket (``receive``), where botocore does not wrap them
             raise StoreReadError(
-                f"reading {url} failed ({ATTEMPTS} tries): {e}; check that the store is "
+                f"reading {url} failed ({ATTEMPTS} tries): {e!r}; check that the store is "
                 "reachable (AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID)"
             ) from None
         with self.lock:
@@ -342,11 +346,13 @@ class SpanFetcher:
             try:
                 reply = self.client.get_object(**args)
                 try:
-                    if reply.get("ContentLength") != len(into):
+                    length = reply.get("ContentLength")  # None: a body sent in chunks
+                    if length is not None and length != len(into):
                         url = f"s3://{args['Bucket']}/{args['Key']}"
                         raise StoreReadError(
-                            f"file {url} gave {reply.get('ContentLength')} bytes for "
-                            f"{args['Range']} (truncated?)"
+                            f"file {url} gave {length} bytes for {args['Range']} (a store "
+                            "that ignores ranges, or the object changed); check "
+                            "AWS_ENDPOINT_URL names an S3 API that answers ranged GETs"
                         )
                     if receive(reply, into):
                         with self.lock:
@@ -367,7 +373,7 @@ class SpanFetcher:
     def fetch(self, spans: list[Span], unit: int):
         pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="store-read")
         pending: deque[tuple[Span, mmap.mmap, Future]] = deque()
-        buffers = Buffers(self.budget + unit)
+        buffers = Buffers(unit)
         held = 0  # bytes of the buffers of the spans submitted and not yet consumed
         todo = iter(spans)
         try:
@@ -376,7 +382,7 @@ class SpanFetcher:
                     span = next(todo, None)
                     if span is None:
                         break
-                    buffer = buffers.take(max(unit, span.size), span.size)
+                    buffer = buffers.take(span.size)
                     into = memoryview(buffer)[: span.size]
                     pending.append((span, buffer, pool.submit(self.get, span, into)))
                     held += len(buffer)
@@ -393,29 +399,25 @@ class SpanFetcher:
 
 
 class Buffers:
-    """Receive buffers, reused: anonymous memory maps (pages the kernel maps at the first
-    write, not zeroed by Python: a ``bytearray`` of 64 MiB wrote each of its bytes once
-    more), the smallest free one that fits, a new one where none does. Free buffers are
-    dropped (smallest first) while all of them, free and in use, exceed ``bound`` bytes."""
+    """Receive buffers of ``unit`` bytes (the span size), reused: anonymous memory maps
+    (pages the kernel maps at their first write, not zeroed by Python: a ``bytearray``
+    of 64 MiB wrote each of its bytes once more). A span larger than a unit (one large
+    item) gets a buffer of its own, dropped once it is loaded: kept, it would be handed
+    to later spans and count its whole size against the budget, holding fewer GETs in
+    flight."""
 
-    def __init__(self, bound: int):
-        self.bound, self.free, self.alive, self.made = bound, [], 0, 0
+    def __init__(self, unit: int):
+        self.unit, self.free, self.made = unit, [], 0
 
-    def take(self, size: int, needed: int) -> mmap.mmap:
-        fits = [b for b in self.free if len(b) >= needed]
-        if fits:
-            buffer = min(fits, key=len)
-            self.free.remove(buffer)
-            return buffer
-        self.free.sort(key=len)
-        while self.free and self.alive + size > self.bound:
-            self.alive -= len(self.free.pop(0))
-        self.alive += size
+    def take(self, size: int) -> mmap.mmap:
+        if size <= self.unit and self.free:
+            return self.free.pop()
         self.made += 1
-        return mmap.mmap(-1, max(1, size))  # an anonymous map has at least a byte
+        return mmap.mmap(-1, max(1, self.unit, size))  # an anonymous map has a byte at least
 
     def give(self, buffer: mmap.mmap):
-        self.free.append(buffer)
+        if len(buffer) == max(1, self.unit):
+            self.free.append(buffer)
 
 
 class _ViewFile(io.RawIOBase):
