@@ -48,14 +48,8 @@ def digest(path: str, names: list[str]) -> dict[str, dict]:
     durable time on the local server; ~16 a rank at 1,000 ranks).
     """
     store = store_for(path)
-
-    def signature(name: str) -> dict:
-        return store.signature(join(path, name))
-
-    if not store.in_place or len(names) < 2:
-        return {name: signature(name) for name in names}
-    with ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="digest") as pool:
-        return dict(zip(names, pool.map(signature, names)))
+    signatures = _each(store, lambda name: store.signature(join(path, name)), names)
+    return dict(zip(names, signatures))
 
 
 def fsync_files(path: str, names: list[str]):
@@ -71,16 +65,21 @@ def verify_files(path: str, expected: dict[str, dict]) -> str | None:
     1.6 s. Locally each file's CRC32 is already spread over threads (``store``)."""
     store = store_for(path)
     names = sorted(expected)
+    # a CRC32 is checked by reading the file, already over threads (``crc32_chunks``)
+    heads = all("etag" in expected[n] for n in names)
+    problems = _each(store, lambda name: store.check(join(path, name), expected[name]), names,
+                     at_once=heads)  # fmt: skip
+    return next((p for p in problems if p), None)
 
-    def check(name: str) -> str | None:
-        return store.check(join(path, name), expected[name])
 
-    if not store.in_place or len(names) < 2 or any("etag" not in expected[n] for n in names):
-        # a CRC32 is checked by reading the file, already over threads (``crc32_chunks``)
-        problems = map(check, names)
-        return next((p for p in problems if p), None)
-    with ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="verify") as pool:
-        return next((p for p in pool.map(check, names) if p), None)
+def _each(store, fn, names: list[str], at_once: bool = True):
+    """``fn`` of each name, in order, lazily: on an object store 8 at a time where
+    ``at_once`` (each a HEAD, a round trip), else one after another."""
+    if not (at_once and store.in_place) or len(names) < 2:
+        yield from map(fn, names)
+        return
+    with ThreadPoolExecutor(min(8, len(names)), thread_name_prefix="store-check") as pool:
+        yield from pool.map(fn, names)
 
 
 def verify_share(path: str, rank: int, world_size: int) -> str | None:

@@ -5,8 +5,8 @@ Owns: writing a state with DCP (sync, or async on the checkpoint's own gloo grou
 one persistent stager), the finalizer (every rank checksums and fsyncs the files it
 wrote, rank 0 gathers the digests, writes ``manifest.json``, renames the folder and
 starts the purge of checkpoints past ``keep_latest_k`` on a thread of its own, which the
-next save waits for), finishing a ``.partial`` that a killed job left behind, and saying (once, on
-rank 0, with the figures) when a save has to wait for the previous one's write.
+next save waits for), finishing a ``.partial`` that a killed job left behind, and saying
+(once, on rank 0, with the figures) when a save has to wait for the previous one's write.
 
 An async save is finalized in a background thread the moment DCP's write completes,
 so it is durable without waiting for the next save. A folder named ``step-N`` is
@@ -255,8 +255,8 @@ class Saver:
         Each rank checksums and fsyncs the files it wrote (O(own shard)), or ``share``
         when finishing a partial left by a killed job; rank 0 gathers the digests
         (O(ranks) small messages), writes the manifest, renames, starts the purge
-        (``publish``), and tells every rank the outcome. Runs on the training thread (sync, restart) or the
-        finalizer thread (async), always on the checkpoint group.
+        (``publish``), and tells every rank the outcome. Runs on the training thread
+        (sync, restart) or the finalizer thread (async), always on the checkpoint group.
         """
         partial = save_folder(self.folder, step)
         try:

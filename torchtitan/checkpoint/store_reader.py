@@ -493,7 +493,7 @@ class StoreReader(FsspecReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         """Fetch and load this rank's items. Cost: O(own shard) bytes (+ gaps), in
         ceil(bytes / span) GETs, at most IN_FLIGHT at once; memory: at most
-        IN_FLIGHT x SPAN_MAX bytes of buffers, plus one span (module docstring)."""
+        IN_FLIGHT x SPAN_MAX bytes of buffers, plus the largest span (module docstring)."""
         begin = time.perf_counter()
         by_index: dict = {}
         for item in plan.items:
