@@ -73,6 +73,14 @@ def test_dataloader_through_dcp_into_a_never_iterated_loader(layouts):
     assert layouts.stdout.count("restored exactly") == 8, layouts.stdout[-2000:]
 
 
+def test_a_4_rank_job_resolves_a_hub_style_folder_once(layouts):
+    """The Hub-style folder is resolved by rank 0 alone (counted on every rank by a wrapper
+    around the resolution); before the plan each rank resolved it twice (loader and
+    fingerprint). Control: the one step trained on it."""
+    assert [layouts.records[r]["hub_resolutions"] for r in range(4)] == [1, 0, 0, 0]
+    assert sorted(losses(layouts.out / "hub")) == [1]
+
+
 def test_the_log_line_names_the_slowest_rank(layouts):
     """metrics.across_ranks over one real gather: rank r took 10 (r + 1) ms."""
     assert "across ranks: the slowest rank named" in layouts.stdout

@@ -6,21 +6,19 @@ lie in."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import CONFIG, REPO, shim_env
+from helpers import CONFIG
 
 from harness.io_count import counting
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, combine, inspect_share, list_sources, local_plan
 from torchtitan.data.sources import DataError
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchtitan.tools.launch import torchrun_command
 
 FILES = 200
 
@@ -66,37 +64,6 @@ def test_a_rank_opens_its_share_and_the_files_its_windows_lie_in(tmp_path):
         local_plan(t, tokenizer)
     parquet = {p for p in access.files_under(str(corpus)) if p.endswith(".parquet")}
     assert len(parquet) == FILES, "the check can fail"
-
-
-def test_a_2_rank_job_resolves_a_hub_style_folder_once(tmp_path):
-    """The Hub-style folder is resolved by rank 0 alone (counted by a wrapper around the
-    resolution, installed in both ranks' interpreters); before the plan each rank
-    resolved it twice (loader and fingerprint)."""
-    folder = tmp_path / "hubdata"
-    (folder / "data").mkdir(parents=True)
-    pq.write_table(pa.table({"text": [f"Line {i} of a document.\n" * 20 for i in range(16)]}),
-                   folder / "data" / "train-00000.parquet")  # fmt: skip
-    (folder / "README.md").write_text(
-        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
-        "    path: data/train-*.parquet\n---\n"
-    )
-    count = tmp_path / "resolutions.txt"
-    env = shim_env(tmp_path / "shim", (
-        "import os\n"
-        "from torchtitan.data import hub\n"
-        "_resolve = hub.folder_source\n"
-        "def counted(*args, **kwargs):\n"
-        "    with open(os.environ['RESOLUTIONS'], 'a') as f:\n"
-        "        f.write(os.environ.get('RANK', '?') + '\\n')\n"
-        "    return _resolve(*args, **kwargs)\n"
-        "hub.folder_source = counted\n"
-    ), RESOLUTIONS=str(count))  # fmt: skip
-    args = [*CONFIG, "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1",
-            "--training.dataset_path", str(folder), "--training.seq_len", "32"]  # fmt: skip
-    proc = subprocess.run(torchrun_command(2, args), cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert count.read_text().split() == ["0"], count.read_text()
 
 
 def test_the_shares_of_the_ranks_cover_every_file_once(tmp_path, tokenizer):

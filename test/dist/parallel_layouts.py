@@ -27,6 +27,9 @@ is written under OUT; test_parallel.py asserts on it:
   ``pp-dropout/`` and ``pp-dropout-resumed/``: PP 2 x DP 2 with dropout, a checkpoint
   every step, and the same resumed from step-2; ``unmasked-fsdp4/``, ``masked-fsdp4/`` and ``masked-pp/``:
   two steps with document boundaries masked, FSDP 4 and PP 2 x DP 2;
+- ``hub/``: one step on a Hub-style dataset folder (a README's ``configs`` naming parquet
+  files); ``records``' ``hub_resolutions``: how many times this rank resolved the folder
+  (``hub.folder_source``, counted by a wrapper that changes nothing);
 - stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
   per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
@@ -53,7 +56,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import train as train_script
 from torchtitan import parallel
 from torchtitan.config import parse_args
-from torchtitan.data import ParallelDataLoader
+from torchtitan.data import ParallelDataLoader, hub
 from torchtitan.hf import export, read_dcp_model
 from torchtitan.initial_weights import load_initial_weights
 from torchtitan.models import build_model
@@ -130,6 +133,32 @@ def run(name: str, dump: str, *argv, dims):
     global scenario
     scenario = name
     train_script.train(parse_args([*CONFIG, "--job.dump_folder", dump, *map(str, argv)]), dims)
+
+
+def hub_folder(out: str, corpus_lines: int, dims) -> str:
+    """A Hub-style dataset folder (a README whose ``configs`` name the parquet files), made
+    by rank 0 and seen by all; each rank counts its resolutions of it in ``RECORDS``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = os.path.join(out, "hubdata")
+    if dims.is_main:
+        os.makedirs(os.path.join(folder, "data"))
+        rows = [f"Line {i} of a document.\n" * 20 for i in range(corpus_lines)]
+        pq.write_table(pa.table({"text": rows}), os.path.join(folder, "data", "train-00000.parquet"))
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                    "    path: data/train-*.parquet\n---\n")  # fmt: skip
+    parallel.barrier(dims)
+    resolve = hub.folder_source
+    RECORDS["hub_resolutions"] = 0
+
+    def counted(*args, **kwargs):
+        RECORDS["hub_resolutions"] += 1
+        return resolve(*args, **kwargs)
+
+    hub.folder_source = counted
+    return folder
 
 
 def full_weights(model) -> dict:
@@ -372,6 +401,10 @@ def main():
     run("unmasked-fsdp4", os.path.join(out, "unmasked-fsdp4"), *unmasked, dims=dims)
     run("masked-fsdp4", os.path.join(out, "masked-fsdp4"), *masked, dims=dims)
     run("masked-pp", os.path.join(out, "masked-pp"), *masked, *pp2, dims=dims)
+
+    folder = hub_folder(out, 16, dims)
+    run("hub", os.path.join(out, "hub"), "--training.dataset_path", folder,
+        "--training.steps", 1, "--training.seq_len", 32, dims=dims)  # fmt: skip
 
     dims = split_world(dims)
     if rank < 2:
