@@ -9,9 +9,11 @@ completion, an unbounded budget that exceeds the bound, a zeroed state that is n
 
 from __future__ import annotations
 
+import base64
 import random
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -138,6 +140,7 @@ class Recorded:
 
     def __init__(self, client, delay: float):
         self.client, self.delay, self.events = client, delay, []
+        self.parts_stored: list[bool] = []  # each part's CRC32 stored as its body's
         self.lock = threading.Lock()
 
     def __getattr__(self, method):
@@ -151,6 +154,9 @@ class Recorded:
             with self.lock:
                 self.events.append((method, args.get("Key"), args.get("PartNumber"), began,
                                     time.perf_counter()))  # fmt: skip
+                if method == "upload_part":  # the CRC32 the server stored for the part
+                    crc = zlib.crc32(args["Body"]).to_bytes(4, "big")
+                    self.parts_stored.append(reply.get("ChecksumCRC32") == b64(crc))
             return reply
 
         return recorded
@@ -222,6 +228,7 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     assert objects == 1 + 1 + 24 // 4 + 1, names  # the bytes entry, big, 4 w's each, half
     parts = [e for e in client.events if e[0] == "upload_part"]
     assert len(parts) == 3 and traffic.requests.get("POST") == 2  # create, complete
+    assert client.parts_stored == [True] * 3, "each part stored with its body's CRC32"
     assert traffic.requests.get("PUT") == objects - 1 + 3 + 1  # PUTs, parts, .metadata
     assert ordering_problems(client.events, returned) == []
     m, k, p, b, e = parts[0]
@@ -237,11 +244,32 @@ def test_a_save_in_objects_and_parts_loads_back_exactly(server, monkeypatch):
     assert not equal(blank(state()), state()), "negative control"
 
 
+def b64(crc: bytes) -> str:
+    return base64.b64encode(crc).decode()
+
+
+def wrong_checksums(url: str) -> list[str]:
+    """The objects under ``url`` whose stored CRC32 (what a whole GET is answered with)
+    is missing or is not zlib's of their bytes."""
+    client = store_reader._s3_client()
+    bucket, prefix = url.split("://", 1)[1].split("/", 1)
+    wrong = []
+    for name in store_for(url).listdir(url):
+        reply = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="DISABLED")
+        want = b64(zlib.crc32(reply["Body"].read()).to_bytes(4, "big"))
+        head = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="ENABLED")
+        head["Body"].close()
+        if head.get("ChecksumCRC32") != want:
+            wrong.append(name)
+    return wrong
+
+
 def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
     """With single PUTs up to 16 MiB, the 12 MiB tensor (alone in its object, above the
     1 MiB objects) is one PUT: no multipart upload begun, one request per object, and it
-    loads back equal. Negative control: the bound at 6 MiB (the test above) makes it a
-    multipart upload."""
+    loads back equal; every object is stored with the CRC32 of its bytes (the writer's
+    own, computed with io.checksum). Negative controls: the bound at 6 MiB (the test
+    above) makes it a multipart upload; a writer sending a wrong CRC32 is caught."""
     bucket, traffic = server
     url = f"s3://{bucket}/single"
     client = Recorded(store_reader._s3_client(), delay=0.0)
@@ -253,6 +281,11 @@ def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
     got = blank(state())
     dcp.load(got, checkpoint_id=url, storage_reader=store_reader.StoreReader(url), no_dist=True)
     assert equal(got, state())
+    assert wrong_checksums(url) == []
+
+    monkeypatch.setattr(store_writer, "crc32", lambda body: zlib.crc32(body) ^ 1)
+    save(f"{url}-wrong", client, monkeypatch, single_max=16 * MIB)
+    assert len(wrong_checksums(f"{url}-wrong")) == writer.stats["objects"], "negative control"
 
 
 @pytest.mark.parametrize("only", ["", "__0_8.distcp"])  # __0_8: the last object (half)

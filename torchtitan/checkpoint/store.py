@@ -37,15 +37,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from torchtitan.io import storage
+from torchtitan.io.checksum import crc32
 
-# Files are checksummed in chunks, in parallel threads (zlib and file reads release the
-# GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
+# Files are checksummed in chunks, in parallel threads (the CRC32 and file reads release
+# the GIL): one CRC32 per 64 MiB, which also says where a file is damaged.
 CHECKSUM_CHUNK = 64 << 20
 # Files each rank writes to an object store other than S3 (gs://, ...: DCP's fsspec writer),
 # uploaded in parallel (ObjectStore.writer); S3 has its own writer (store_writer.py).
@@ -289,7 +289,7 @@ def _crc32_range(store: LocalStore, path: str, offset: int) -> int:
     with store.open(path, "rb") as f:
         f.seek(offset)
         while left > 0 and (block := f.read(min(left, 1 << 22))):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
             left -= len(block)
     return crc
 

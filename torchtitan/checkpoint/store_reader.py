@@ -56,7 +56,6 @@ import mmap
 import random
 import threading
 import time
-import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,6 +67,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from torchtitan.io import storage
+from torchtitan.io.checksum import crc32
 
 logger = logging.getLogger("torchtitan")
 
@@ -239,7 +239,7 @@ def receive(reply: dict, into: memoryview) -> bool:
         if not got:
             break
         if checked:
-            crc = zlib.crc32(into[n : n + got], crc)
+            crc = crc32(into[n : n + got], crc)
         n += got
     if n < len(into):
         raise IncompleteReadError(actual_bytes=n, expected_bytes=len(into))
