@@ -245,9 +245,10 @@ def test_a_load_stops_on_the_first_bad_span_without_hanging(saved, server):
     ],
     ids=["float", "int64", "bf16-scalar", "view", "transposed", "empty", "bool"],
 )
-def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor):
+def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor, monkeypatch):
     """An entry's tensor is torch.load's (values, dtype, shape, strides), its storage the
-    fetched bytes themselves: no copy before the one into the model. Negative control:
+    fetched bytes themselves: no copy before the one into the model, and no torch.load
+    (its Python unpickler was most of a resume's loading thread). Negative control:
     torch.load's tensor lies outside those bytes."""
     import io
 
@@ -257,8 +258,11 @@ def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor):
     torch.save(tensor, buffer)
     data = buffer.getvalue()
     view = memoryview(data)
-    got = store_reader.saved_tensor(view)
-    expected = torch.load(io.BytesIO(data), weights_only=True)
+    load = torch.load
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "load", lambda *a, **k: pytest.fail("read by torch.load"))
+        got = store_reader.saved_tensor(view)
+    expected = load(io.BytesIO(data), weights_only=True)
     assert torch.equal(got, expected) and got.dtype == expected.dtype
     assert got.shape == expected.shape and got.stride() == expected.stride()
     begin = np.frombuffer(data, np.uint8).ctypes.data
@@ -270,6 +274,34 @@ def test_a_saved_tensor_is_read_in_place_and_equals_torch_load(tensor):
     if tensor.numel():
         assert inside(got), "the tensor's bytes are the fetched ones, not a copy"
         assert not inside(expected), "negative control: torch.load copies them"
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        torch.nn.Parameter(torch.randn(3, 4)),  # another global: torch.load builds it
+        torch.randn(3, dtype=torch.complex64).conj(),  # a conjugate bit (metadata)
+        {"a": torch.ones(2)},  # not a tensor
+    ],
+    ids=["parameter", "conjugate", "dict"],
+)
+def test_a_record_of_another_shape_is_read_by_torch_load(saved):
+    """What a plain tensor's pickle does not name is refused by the in-place reading and
+    read by torch.load (weights only), equal to it. A record cut short is torch.load's
+    error, never a tensor over the wrong bytes."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    got = store_reader.saved_tensor(memoryview(buffer.getvalue()))
+    expected = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    if isinstance(saved, dict):
+        assert got.keys() == expected.keys() and torch.equal(got["a"], expected["a"])
+    else:
+        assert torch.equal(got, expected) and type(got) is type(expected)
+        assert got.is_conj() == expected.is_conj()
+    with pytest.raises(Exception, match="(?i)zip|archive|record|file"):
+        store_reader.saved_tensor(memoryview(buffer.getvalue())[:-100])
 
 
 def test_a_record_of_the_other_byte_order_is_read_by_torch_load():

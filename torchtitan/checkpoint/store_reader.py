@@ -66,6 +66,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from torchtitan.checkpoint.torch_record import saved_tensor
 from torchtitan.io import storage
 from torchtitan.io.checksum import crc32
 
@@ -418,64 +419,6 @@ class Buffers:
     def give(self, buffer: mmap.mmap):
         if len(buffer) == max(1, self.unit):
             self.free.append(buffer)
-
-
-class _ViewFile(io.RawIOBase):
-    """A read-only file over a memoryview that copies only what is read (torch's zip
-    reader reads a record's directory and its pickle, never the tensor bytes here)."""
-
-    def __init__(self, view: memoryview):
-        self.view, self.at = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.at
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.at = offset + (0, self.at, len(self.view))[whence]
-        return self.at
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), len(self.view) - self.at))
-        buffer[:n] = self.view[self.at : self.at + n]
-        self.at += n
-        return n
-
-
-def saved_tensor(view: memoryview) -> torch.Tensor:
-    """The tensor that ``torch.save`` wrote into ``view`` (one DCP entry), its storage the
-    bytes of ``view`` themselves: torch.load's own zip reader and weights-only unpickler,
-    given the whole record as its storage (what ``torch.load(mmap=True)`` does for a
-    file), so the tensor's bytes are not copied out of the fetched span before they are
-    copied into the model. ``torch.load`` copied them twice (into a BytesIO, then into a
-    new storage): 27 ms of the loading thread per 32 MiB, against 0.3 ms, here 1.3 s of
-    a 1.6 GB resume's CPU, which the fetching (the client and, on the local server, the
-    server) needs on the same cores. Where torch's private ``_load`` is not what this
-    expects (another torch), and for a record of the other byte order (which torch swaps
-    in place), the entry is read by ``torch.load``. Cost: O(the record's pickle), no copy
-    of the tensor's bytes."""
-    import sys
-    import warnings
-
-    from torch import _weights_only_unpickler
-
-    try:
-        reader = torch._C.PyTorchFileReader(_ViewFile(view))
-        order = reader.get_record("byteorder") if reader.has_record("byteorder") else None
-        if order in (None, sys.byteorder.encode()):  # else torch swaps the bytes in place
-            with warnings.catch_warnings():  # a bytes object's is read-only: never written
-                warnings.simplefilter("ignore", UserWarning)
-                storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-            return torch.serialization._load(reader, "cpu", _weights_only_unpickler,
-                                             overall_storage=storage, encoding="utf-8")  # fmt: skip
-    except (AttributeError, TypeError):  # torch's private API moved: the public way
-        pass
-    return cast(torch.Tensor, torch.load(io.BytesIO(view), map_location="cpu", weights_only=True))
 
 
 class StoreReader(FsspecReader):
