@@ -91,10 +91,13 @@ def test_a_load_from_the_bucket_equals_a_local_load_and_fetches_each_byte_once(s
 
     traffic.reset()
     reader = store_reader.StoreReader(url, etags_of(url))
+    reader.read_metadata()  # as the manager does before DCP's load, which reads it too
     assert_equal(load(reader, blank(state()), url), expected)
     data_file = os.path.getsize(os.path.join(local, "__0_0.distcp"))
     stats = reader.stats
     assert stats["needed"] == stats["fetched"] == traffic.by_name["__0_0.distcp"], stats
+    metadata = os.path.getsize(os.path.join(local, ".metadata"))
+    assert traffic.by_name[".metadata"] == metadata, "the metadata fetched once"
     assert stats["needed"] <= data_file and stats["requests"] == 1
 
     traffic.reset()

@@ -377,7 +377,7 @@ class CheckpointManager:
                 f"checkpoint {path} {problem}; resume it with the version that wrote it, or "
                 f"start from its weights with --checkpoint.initial_load_path {path}"
             )
-        reader = store_for(path).reader(path)
+        reader = store_for(path).reader(path, manifest)  # also DCP's, below: one metadata read
         metadata = reader.read_metadata().state_dict_metadata
         saved: dict[str, Saved] = {}
         for key, md in metadata.items():
@@ -406,7 +406,6 @@ class CheckpointManager:
             if targets is not None:
                 state[name] = targets
         try:
-            reader = store_for(path).reader(path, manifest)
             dcp.load(state, checkpoint_id=path, storage_reader=reader,
                      process_group=self.dims.cpu_group, planner=DataOnlyLoadPlanner(),
                      no_dist=not dist.is_initialized())  # fmt: skip

@@ -432,6 +432,17 @@ class StoreReader(FsspecReader):
         self.bucket, self.prefix = bucket, prefix.rstrip("/")
         self.etags = dict(etags or {})
         self.stats: dict = {}
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        """``.metadata``, fetched once per folder: the manager reads it before DCP's load,
+        which reads it again (a GET each, ~20-50 ms on a store)."""
+        key = (str(self.path), kwargs.get("rank"))
+        if self._metadata is None or self._metadata[0] != key:
+            self._metadata = (key, super().read_metadata(*args, **kwargs))
+        metadata = self._metadata[1]
+        metadata.storage_meta.load_id = self.load_id  # this load's (reset draws a new one)
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         """Fetch and load this rank's items. Cost: O(own shard) bytes (+ gaps), in
