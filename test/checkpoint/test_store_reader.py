@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import served_bucket
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan.checkpoint import store_reader
+from torchtitan.checkpoint import integrity, store_reader
+from torchtitan.checkpoint.folder import MANIFEST, write_json
 from torchtitan.checkpoint.store import store_for, upload_folder
 
 
@@ -235,6 +236,43 @@ def test_a_load_stops_on_the_first_bad_span_without_hanging(saved, server):
     assert "__0_0.distcp is missing" in str(caught.value), str(caught.value)
 
 
+def test_a_start_verifies_the_files_on_a_store_in_one_listing_per_writer(server):
+    """A start's verification on a store lists each writer's files (``__<w>_``) in one
+    request and HEADs the rest (DCP's ``.metadata``, rank 0); every file goes to exactly
+    one rank at any rank count. A replaced, a truncated and a missing file are each named
+    by the rank that lists its writer, and by no other. Negative control: the HEAD of each
+    file takes a request per file."""
+    bucket, traffic = server
+    url = f"s3://{bucket}/listed/step-2"
+    store = store_for(url)
+    names = ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__2_0.distcp", "__10_0.distcp",
+             ".metadata"]  # fmt: skip
+    for i, name in enumerate(names):
+        store.write_bytes(f"{url}/{name}", bytes([i]) * (100 + i))
+    files = integrity.digest(url, names)
+    write_json(f"{url}/{MANIFEST}", {"files": files})
+    for world in (1, 2, 3, 4, 11):
+        shares = [integrity.listing_share(sorted(files), r, world) for r in range(world)]
+        checked = [n for writers, others in shares for n in [*sum(writers.values(), []), *others]]
+        assert sorted(checked) == sorted(files), world
+
+    traffic.reset()
+    assert integrity.verify_share(url, 0, 1) is None
+    # a listing per writer (4); the manifest (a HEAD and a GET) and .metadata's HEAD
+    assert traffic.requests == {"GET": 4, "GET range": 1, "HEAD": 2}, traffic.requests
+    traffic.reset()
+    assert integrity.verify_files(url, files) is None
+    assert traffic.requests == {"HEAD": len(names)}, "negative control: a HEAD each"
+
+    store.write_bytes(f"{url}/__1_0.distcp", bytes([9]) * 102)  # same size, other bytes
+    store.write_bytes(f"{url}/__0_1.distcp", bytes(50))
+    store.remove(f"{url}/__2_0.distcp")
+    assert "__1_0.distcp was replaced" in integrity.verify_share(url, 1, 2)
+    assert "__0_1.distcp has 50 bytes" in integrity.verify_share(url, 0, 2)
+    assert "__2_0.distcp is missing" in integrity.verify_share(url, 2, 3)
+    assert integrity.verify_share(url, 10, 11) is None, "writer 10's files are intact"
+
+
 @pytest.mark.parametrize(
     "tensor",
     [
@@ -305,6 +343,46 @@ def test_a_record_of_another_shape_is_read_by_torch_load(saved):
         assert got.is_conj() == expected.is_conj()
     with pytest.raises(Exception, match="(?i)zip|archive|record|file"):
         store_reader.saved_tensor(memoryview(buffer.getvalue())[:-100])
+
+
+def test_a_record_naming_more_values_than_it_stores_is_refused():
+    """A record whose pickle names a tensor of 3 values over a storage of none (damaged,
+    or made so): an error, as torch.load's, never a tensor over memory the record does not
+    hold. Control: the same record naming 0 values reads as an empty tensor."""
+    import collections
+    import io
+    import pickle
+    import zipfile
+
+    storage = object()
+
+    def record(values: int) -> memoryview:
+        class Tensor:
+            def __reduce__(self):
+                return (torch._utils._rebuild_tensor_v2,
+                        (storage, 0, (values,), (1,), False, collections.OrderedDict()))  # fmt: skip
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                return ("storage", torch.FloatStorage, "0", "cpu", 0) if obj is storage else None
+
+        pickled = io.BytesIO()
+        Pickler(pickled, protocol=2).dump(Tensor())
+        saved = io.BytesIO()
+        torch.save(torch.empty(0), saved)
+        source, out = zipfile.ZipFile(saved), io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as crafted:
+            for info in source.infolist():
+                data = source.read(info.filename)
+                crafted.writestr(
+                    info.filename,
+                    pickled.getvalue() if info.filename.endswith("/data.pkl") else data,
+                )
+        return memoryview(out.getvalue())
+
+    assert store_reader.saved_tensor(record(0)).shape == (0,), "control"
+    with pytest.raises(RuntimeError):  # torch.load's, once the in-place reading refuses it
+        store_reader.saved_tensor(record(3))
 
 
 def test_a_record_of_the_other_byte_order_is_read_by_torch_load():

@@ -267,9 +267,10 @@ def wrong_checksums(url: str) -> list[str]:
 def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
     """With single PUTs up to 16 MiB, the 12 MiB tensor (alone in its object, above the
     1 MiB objects) is one PUT: no multipart upload begun, one request per object, and it
-    loads back equal; every object is stored with the CRC32 of its bytes (the writer's
-    own, computed with io.checksum). Negative controls: the bound at 6 MiB (the test
-    above) makes it a multipart upload; a writer sending a wrong CRC32 is caught."""
+    loads back equal; every object is stored with the CRC32 of its bytes (botocore's,
+    which S3 checks and a whole GET is answered with). Negative controls: the bound at
+    6 MiB (the test above) makes it a multipart upload; an object stored with a wrong
+    CRC32 is caught."""
     bucket, traffic = server
     url = f"s3://{bucket}/single"
     client = Recorded(store_reader._s3_client(), delay=0.0)
@@ -283,9 +284,11 @@ def test_an_entry_up_to_the_single_put_bound_is_one_put(server, monkeypatch):
     assert equal(got, state())
     assert wrong_checksums(url) == []
 
-    monkeypatch.setattr(store_writer, "crc32", lambda body: zlib.crc32(body) ^ 1)
-    save(f"{url}-wrong", client, monkeypatch, single_max=16 * MIB)
-    assert len(wrong_checksums(f"{url}-wrong")) == writer.stats["objects"], "negative control"
+    body = b"an object sent with another body's CRC32"
+    store_reader._s3_client().put_object(
+        Bucket=bucket, Key="single-wrong/x", Body=body, ChecksumAlgorithm="CRC32",
+        ChecksumCRC32=b64((zlib.crc32(body) ^ 1).to_bytes(4, "big")))  # fmt: skip
+    assert wrong_checksums(f"s3://{bucket}/single-wrong") == ["x"], "negative control"
 
 
 @pytest.mark.parametrize("only", ["", "__0_8.distcp"])  # __0_8: the last object (half)

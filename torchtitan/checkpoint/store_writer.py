@@ -29,12 +29,12 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   ``SINGLE_PUT_MAX``, 128 MiB: a single PUT up to there, or one entry's bytes for an
   entry larger than that: ``torch.save`` hands over a tensor's storage in one write). A rank's staged state
   (async) or its live tensors (sync) are DCP's, not counted here.
-- **Verified.** Every PUT and part carries the CRC32 of its body (``Uploader.send``,
-  computed with ``io.checksum``'s CRC32 where botocore would compute zlib's: the same
-  headers as botocore's flexible checksums), S3 refuses a body that does not match and
-  stores the checksum, and a GET of the whole object is answered with it (the local
-  server, moto, stores a wrong one without a word: the reader's GET then fails its
-  check; test_store_writer.py checks every object's); a multipart upload
+- **Verified.** botocore sends a CRC32 of every request's body (``x-amz-checksum-crc32``,
+  its flexible checksums, on by default: seen on each PUT and part) and S3 refuses a
+  body that does not match (the local server, moto, accepts a wrong one; test_store_writer.py
+  reads every object's and part's stored CRC32 back). Not the project's own faster CRC32
+  (io.checksum): a request holding its own checksum header makes botocore SHA-256 the
+  whole body to sign it over https, where its own CRC32 goes unsigned in a trailer; a multipart upload
   is completed with the ETag of each of its parts, in part order; the finalizer records
   each object's size and ETag (a HEAD) in the manifest, and the reader's GETs are
   conditional on that ETag.
@@ -73,7 +73,6 @@ write anywhere but its own ``__<rank>_*`` objects and (rank 0) ``.metadata``.
 
 from __future__ import annotations
 
-import base64
 import io
 import logging
 import pickle
@@ -92,7 +91,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from torchtitan.checkpoint import store_reader
 from torchtitan.checkpoint.store_reader import ATTEMPTS, transient
-from torchtitan.io.checksum import crc32
 
 logger = logging.getLogger("torchtitan")
 
@@ -216,17 +214,7 @@ class Uploader:
             self.room.notify_all()
 
     def put(self, name: str, body: bytes | bytearray) -> Future:
-        return self.submit(len(body), self.send, name, "put_object", body)
-
-    def send(self, name: str, method: str, body, **args):
-        """A request carrying ``body`` (a PUT or a part) with its CRC32, computed here once
-        (``io.checksum``: 2.7x the speed of zlib's, which botocore uses, on this machine)
-        and sent again on a retry. The headers are botocore's own (``x-amz-checksum-crc32``
-        and the algorithm's name, which S3 stores with the object and answers a GET
-        with); botocore computes none where the request holds one."""
-        checksum = base64.b64encode(crc32(body).to_bytes(4, "big")).decode()
-        return self.call(name, method, Body=body, ChecksumAlgorithm="CRC32",
-                         ChecksumCRC32=checksum, **args)  # fmt: skip
+        return self.submit(len(body), self.call, name, "put_object", Body=body)
 
     def close(self):
         self.completer.shutdown(wait=True, cancel_futures=True)
@@ -275,8 +263,8 @@ class ObjectStream(io.RawIOBase):
         self.parts.append((number, future))
 
     def _upload_part(self, number: int, body: bytearray) -> str:
-        reply = self.uploader.send(self.name, "upload_part", body, UploadId=self.upload_id,
-                                   PartNumber=number)  # fmt: skip
+        reply = self.uploader.call(self.name, "upload_part", UploadId=self.upload_id,
+                                   PartNumber=number, Body=body)  # fmt: skip
         return reply["ETag"]
 
     def finish(self) -> Future:

@@ -71,7 +71,9 @@ class _TensorPickle(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _located
+            # a function of this unpickler's own: a BUILD opcode setting its attributes
+            # (its defaults) cannot outlive the record
+            return lambda *args: _located(*args)
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
         if module == "torch" and name in _STORAGES:
@@ -114,12 +116,14 @@ def _in_place(view: memoryview) -> torch.Tensor | None:
     if not isinstance(where, _Located):
         return None
     data = _entry(view, archive.getinfo(f"{prefix}data/{where.key}"))
-    if not where.numel:
-        return torch.empty_strided(where.size, where.stride, dtype=where.dtype)
-    with warnings.catch_warnings():  # a bytes object's is read-only: never written here
-        warnings.simplefilter("ignore", UserWarning)
-        values = torch.frombuffer(data, dtype=where.dtype)
-    return values.as_strided(where.size, where.stride, where.offset)  # bounds checked
+    if not where.numel:  # frombuffer refuses no bytes
+        values = torch.empty(0, dtype=where.dtype)
+    else:
+        with warnings.catch_warnings():  # a bytes object's is read-only: never written here
+            warnings.simplefilter("ignore", UserWarning)
+            values = torch.frombuffer(data, dtype=where.dtype)
+    # bounds checked: a size or offset past the stored values is a RuntimeError
+    return values.as_strided(where.size, where.stride, where.offset)
 
 
 def saved_tensor(view: memoryview) -> torch.Tensor:
@@ -153,7 +157,7 @@ class _ViewFile(io.RawIOBase):
         return self.at
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.at = offset + (0, self.at, len(self.view))[whence]
+        self.at = max(0, offset + (0, self.at, len(self.view))[whence])
         return self.at
 
     def readinto(self, buffer) -> int:

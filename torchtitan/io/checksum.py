@@ -5,13 +5,15 @@ Owns the one ``crc32`` every checksum of the project's bytes goes through: ISA-L
 (``isal``, a dependency) where it is installed, zlib's otherwise; both give the same
 value for the same bytes, in one piece or in chunks (``test/io/test_checksum.py``).
 
-Why not zlib's: it is on the path of every byte a checkpoint moves (the store reader
-checks each body the store sent a CRC32 for, the store writer sends one with each PUT,
-a local checkpoint's manifest is computed and checked), and on a 2-core machine those
-bytes are CPU-bound. Measured here on 64 MiB (x86-64 with PCLMULQDQ, no AVX-512):
+Why not zlib's: a local checkpoint's every byte is checksummed when it is saved (its
+manifest) and again when a start verifies it, and the store reader checks each body a
+store sent a CRC32 for (S3 sends one for a whole-object GET, none for a range; the local
+test server also for a range covering a whole object); on a 2-core machine those bytes
+are CPU-bound. (The store writer leaves its CRC32s to botocore: a request holding its
+own makes botocore SHA-256 the body over https.) Measured here on 64 MiB (x86-64 with PCLMULQDQ, no AVX-512):
 zlib's 2.8 GB/s, ISA-L's 7.6 GB/s (awscrt's, which botocore uses where it is installed,
 2.1 GB/s; zlib-ng's 5.0 GB/s). Both release the GIL on large buffers, so the fetch
-threads checking bodies run side by side. On a 1.6 GB resume: 0.57 s of CPU -> 0.21 s.
+threads checking bodies run side by side. For 1.6 GB: 0.57 s of CPU -> 0.21 s.
 
 Never: choose the checksum of a format the project does not write (the store sends
 what it sends: other algorithms go through botocore).
