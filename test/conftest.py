@@ -12,7 +12,8 @@ The guards:
 - **A time limit.** A test may compute for ``UNIT_LIMIT_S`` in this process (a hang
   becomes one failure naming the test, and the session goes on); while a process it
   started still runs, the limit is ``LAUNCH_LIMIT_S`` (the launch's own timeout is the
-  tighter bound). ``@pytest.mark.time_limit(seconds)`` sets another limit for both.
+  tighter bound), and the work after it has ``UNIT_LIMIT_S`` again.
+  ``@pytest.mark.time_limit(seconds)`` sets another limit for both.
 - **No process left behind.** Every process this session starts carries
   ``SESSION_ENV`` in its environment, wherever it is re-parented; a test after which one
   is still alive (``LEFTOVER_GRACE_S`` after it ends) fails, naming them, and they are
@@ -120,13 +121,22 @@ def pytest_runtest_protocol(item, nextitem):
     if not hasattr(signal, "setitimer"):
         return (yield)
     limit, begin = _limit_of(item), time.monotonic()
+    launched = [False]  # the last alarm found a launched job running
 
     def on_alarm(signum, frame):
         elapsed = time.monotonic() - begin
         # A launched job (not a loader worker forked from here: that is this test's own
         # work) runs: look again soon.
         if elapsed < max(LAUNCH_LIMIT_S, limit) and session_processes(launched_only=True):
+            launched[0] = True
             signal.setitimer(signal.ITIMER_REAL, 5.0)
+            return
+        # It ended since the last look: the work after it (a fixture reading what the
+        # job wrote) gets the test's own limit, not what the launch left of it (a
+        # 4-rank launch of 65 s on a slow machine failed in its last second otherwise).
+        if launched[0]:
+            launched[0] = False
+            signal.setitimer(signal.ITIMER_REAL, limit)
             return
         # Once: a second alarm could land in the teardown (before it kills what the test
         # left) or in pytest's own hooks.

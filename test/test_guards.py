@@ -28,6 +28,13 @@ def test_endless():
 def test_launch_outlasting_the_limit():
     assert subprocess.run([sys.executable, "-c", "import time; time.sleep(2)"]).returncode == 0
 
+@pytest.mark.time_limit(1)
+def test_work_after_a_launch_that_outlasted_the_limit():
+    end = time.monotonic() + 6.5  # across the alarm at 6 s, which finds the launch gone
+    assert subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5)"]).returncode == 0
+    while time.monotonic() < end:
+        pass
+
 def test_leaves_a_process():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
@@ -39,7 +46,8 @@ def test_after_them():
 @pytest.mark.slow
 def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_it(tmp_path):
     """An endless loop fails its own test at its limit and the session goes on; a test
-    whose launched process runs past the unit limit passes; a test that leaves a
+    whose launched process runs past the unit limit passes, and so does its own work
+    after the launch within the limit again; a test that leaves a
     process alive errors at teardown, naming it, and the process is killed. Negative
     controls: the planted passing tests pass."""
     (tmp_path / "test_planted.py").write_text(PLANTED)
@@ -56,6 +64,7 @@ def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_i
     assert proc.returncode == 1, out[-3000:]
     assert "FAILED test_planted.py::test_endless" in out and "over its limit of 1 s" in out
     assert "PASSED test_planted.py::test_launch_outlasting_the_limit" in out
+    assert "PASSED test_planted.py::test_work_after_a_launch_that_outlasted_the_limit" in out
     assert "ERROR test_planted.py::test_leaves_a_process" in out
     assert "test_planted.py::test_leaves_a_process left 1 process(es) alive" in out
     assert "PASSED test_planted.py::test_after_them" in out

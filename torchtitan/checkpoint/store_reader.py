@@ -21,7 +21,7 @@ which fetched 3.3x the checkpoint's bytes (docs/benchmarks.md § 21).
   span is a span of its own, in a buffer of its own, unmapped once it is loaded (its
   bytes are needed whole: ``torch.load`` reads one entry).
 - **Verified.** Every GET carries ``If-Match: <ETag>`` from the manifest (the ETag the
-  store gave the upload, which the start checked with a HEAD): a file replaced between
+  store gave the upload, which the start checked with a listing): a file replaced between
   the check and the read stops the load with one line, never a mix of two writes. A
   body the store sends with a checksum (``x-amz-checksum-*``) is checked against it,
   as botocore checks it.
