@@ -257,9 +257,9 @@ def wrong_checksums(url: str) -> list[str]:
     for name in store_for(url).listdir(url):
         reply = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="DISABLED")
         want = b64(zlib.crc32(reply["Body"].read()).to_bytes(4, "big"))
-        head = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="ENABLED")
-        head["Body"].close()
-        if head.get("ChecksumCRC32") != want:
+        answer = client.get_object(Bucket=bucket, Key=f"{prefix}/{name}", ChecksumMode="ENABLED")
+        answer["Body"].close()  # its headers only: the stored checksum
+        if answer.get("ChecksumCRC32") != want:
             wrong.append(name)
     return wrong
 

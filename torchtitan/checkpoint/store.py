@@ -226,11 +226,9 @@ class ObjectStore(LocalStore):
             info = self.fs.info(path)
         except FileNotFoundError:
             return f"file {path} is missing"
-        found = {"size": int(info["size"]), "etag": _etag(info)}
-        if "etag" in want:
-            return mismatch(path, found, want)
-        if found["size"] != want["size"]:
-            return mismatch(path, found, want)
+        problem = mismatch(path, {"size": int(info["size"]), "etag": _etag(info)}, want)
+        if problem or "etag" in want:
+            return problem
         if crc32_chunks(self, path) != want.get("crc32"):
             return f"file {path} fails its checksum (corrupted)"
         return None
