@@ -493,3 +493,121 @@ def test_a_large_items_buffer_is_dropped_after_it_and_unit_buffers_are_reused():
     buffers.give(unit)
     assert buffers.take(10) is unit
     assert len(buffers.take(10)) == 1024 and buffers.made == 3, "a new unit, not the large one"
+
+
+@pytest.mark.parametrize("prefix", ["values-after", "some-in", "all-in"])
+def test_entries_are_received_straight_into_their_tensors(saved, server, prefix, monkeypatch):
+    """An entry that is a whole saved tensor of the target's dtype and shape (here the
+    2 MiB one) is received from the socket into the tensor the load names: its bytes in
+    ``in_place``, the tensor the same object at the same address, the load equal to the
+    local one. The record's first bytes (``PREFIX``) are read before the values: they end
+    before the values, hold a part of them, or the whole record. Negative control: with no
+    entry large enough, nothing is received in place and the load is still equal."""
+    import io
+
+    _, url = saved
+    record = io.BytesIO()
+    torch.save(state()["big"], record)
+    first = store_reader.torch_record.values_at(record.getbuffer()).begin
+    size = {"values-after": first - 1, "some-in": 4096, "all-in": 1 << 30}[prefix]
+    monkeypatch.setattr(store_reader.torch_record, "PREFIX", size)
+    into = blank(state())
+    big, address = into["big"], into["big"].data_ptr()
+    reader = store_reader.StoreReader(url, etags_of(url))
+    assert_equal(load(reader, into, url), state())
+    assert into["big"] is big and big.data_ptr() == address
+    assert reader.stats["in_place"] == big.nbytes and reader.stats["again"] == 0, reader.stats
+
+    monkeypatch.setattr(store_reader, "IN_PLACE_MIN", 1 << 40)
+    reader = store_reader.StoreReader(url, etags_of(url))
+    assert_equal(load(reader, blank(state()), url), state())
+    assert reader.stats["in_place"] == 0, "control: no entry in place"
+
+
+def _with_decoy(record: bytes) -> bytes:
+    """``record`` (torch.save's zip) rewritten with an entry before the values whose
+    contents look like the values' local header: a record whose first bytes lie about
+    where its values are (its directory, at its end, tells the truth)."""
+    import io
+    import zipfile
+
+    source, out = zipfile.ZipFile(io.BytesIO(record)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as crafted:
+        for info in source.infolist():
+            if "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                name = info.filename.encode()
+                header = b"PK\x03\x04" + bytes(22) + len(name).to_bytes(2, "little") + bytes(2)
+                decoy = header + name + bytes(range(256)) * 4
+                crafted.writestr(info.filename.rsplit("/data/", 1)[0] + "/decoy", decoy)
+            crafted.writestr(info.filename, source.read(info.filename))
+    return out.getvalue()
+
+
+def test_a_record_whose_first_bytes_mislead_is_confirmed_and_read_again(server, tmp_path):
+    """A record whose first bytes name a wrong place for its values (a decoy local header
+    before them): the values received there are not trusted. Its directory, read once the
+    record has arrived, disagrees, so the entry is fetched again whole and read as torch
+    would (``again``), and the load equals the saved tensor. Catches a reader that trusts
+    the first bytes (the load would hold the decoy's bytes)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    bucket, _ = server
+    tensor = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    local = tmp_path / "decoy"
+    dcp.save({"t": tensor, "u": tensor + 1}, checkpoint_id=str(local), no_dist=True)
+    metadata = dcp.FileSystemReader(str(local)).read_metadata()
+    (name,) = {info.relative_path for info in metadata.storage_data.values()}
+    data, out = (local / name).read_bytes(), bytearray()
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
+        record = data[info.offset : info.offset + info.length]
+        if index.fqn == "t":
+            record = _with_decoy(record)
+            assert store_reader.torch_record.values_at(memoryview(record)) is not None
+        metadata.storage_data[index] = _StorageInfo(name, len(out), len(record))
+        out += record
+    (local / name).write_bytes(bytes(out))
+    with open(local / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    url = f"s3://{bucket}/decoy"
+    upload_folder(str(local), url, last=".metadata")
+
+    reader = store_reader.StoreReader(url, etags_of(url))
+    into = {"t": torch.zeros(256, 256), "u": torch.zeros(256, 256)}
+    load(reader, into, url)
+    assert torch.equal(into["t"], tensor) and torch.equal(into["u"], tensor + 1)
+    assert reader.stats["again"] == 1 and reader.stats["in_place"] == tensor.nbytes, reader.stats
+
+
+def test_where_the_values_lie_is_read_from_a_records_first_bytes():
+    """``values_at``: the values' bytes of torch.save's record of a contiguous tensor and
+    of a view (its whole storage saved, the view a run inside it); none for a transposed
+    view (not one run), a record of the other byte order, or first bytes that stop
+    before the values' header. ``confirms``: the record with its values blanked (never
+    read) agrees; with the place moved by one byte, or the values' bytes claimed as
+    missing where the pickle lies, it does not."""
+    import io
+
+    def record_of(t):
+        buffer = io.BytesIO()
+        torch.save(t, buffer)
+        return memoryview(buffer.getvalue())
+
+    from torchtitan.checkpoint import torch_record
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for tensor in (base, base[1:3]):
+        record = record_of(tensor)
+        layout = torch_record.values_at(record[:4096])
+        first, last = layout.values()
+        values = torch.frombuffer(bytearray(record[first:last]), dtype=torch.float32)
+        assert torch.equal(values.reshape(tensor.shape), tensor)
+        blanked = bytearray(record)
+        blanked[first:last] = bytes(last - first)
+        assert torch_record.confirms(memoryview(blanked), layout, (first, last))
+        moved = torch_record.Layout(layout.located, layout.begin + 1, layout.end + 1)
+        assert not torch_record.confirms(memoryview(blanked), moved, (first, last))
+        assert not torch_record.confirms(memoryview(blanked), layout, (0, 100))
+        assert torch_record.values_at(record[:200]) is None, "stops before the header"
+    assert torch_record.values_at(record_of(base.t())).values() is None
