@@ -34,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan import parallel
 from torchtitan.checkpoint import integrity, timeline
@@ -49,6 +50,7 @@ from torchtitan.checkpoint.folder import (
     step_folder,
     write_json,
 )
+from torchtitan.checkpoint.staging import PipelinedStager
 from torchtitan.checkpoint.store import join, store_for
 from torchtitan.checkpoint.store_writer import StoreWriteError
 from torchtitan.io import storage
@@ -113,19 +115,26 @@ class Saver:
         parallel.barrier(self.dims)
         begin = time.perf_counter()
         if self.async_mode == "async":
+            stager, writer = self._async_stager(), self.store.writer(partial)
+            if isinstance(stager, PipelinedStager):  # a store writer uploads as it goes
+                stager.pipelined = hasattr(writer, "staging")
+                if stager.pipelined:
+                    writer.staging = stager
             with self._save_errors(step):
                 response = dcp.async_save(
                     state,
                     checkpoint_id=partial,
-                    storage_writer=self.store.writer(partial),
+                    storage_writer=writer,
                     process_group=self.dims.cpu_group,
-                    async_stager=self._async_stager(),
+                    async_stager=stager,
                     no_dist=self._no_dist,
                 )
-            self._staging = response.staging_completion
+            if isinstance(response, AsyncSaveResponse):
+                self._staging, written = response.staging_completion, response.upload_completion
+            else:  # staged state handed over at once: the stager's copy is the staging
+                self._staging, written = stager.completion, response
             if self._finalizer is None:
                 self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finalize")
-            written = response.upload_completion
             self._pending = self._finalizer.submit(self._write_and_finalize, written, step, begin)
             self._pending_step, self._pending_began = step, begin
             logger.info(
@@ -172,9 +181,12 @@ class Saver:
 
     def _async_stager(self):
         # One stager for the whole run: it keeps its CPU copy buffers between saves,
-        # and stages in a background thread so the save returns at once.
+        # and stages in a background thread so the save returns at once. On CPU, one
+        # that a store writer uploads from as it copies (staging.py).
         if self._stager_owner is not None:
             return self._stager_owner._async_stager()
+        if self._stager is None and not torch.cuda.is_available():
+            self._stager = PipelinedStager()
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(

@@ -321,6 +321,9 @@ class StoreWriter(FsspecWriter):
         # read at construction (not bound as a default): a benchmark may set the module's
         self.single_max = SINGLE_PUT_MAX if single_max is None else single_max
         self.stats: dict = {}
+        # an async save's stager (staging.PipelinedStager), set by the saver: an entry is
+        # serialized once its copy is done, while later entries are still being copied
+        self.staging = None
 
     def _locate(self, path):
         bucket, _, prefix = str(path).split("://", 1)[1].partition("/")
@@ -362,6 +365,8 @@ class StoreWriter(FsspecWriter):
                     for item in object_items:
                         data = planner.resolve_data(item)
                         if item.type != WriteItemType.BYTE_IO:
+                            if self.staging is not None:
+                                self.staging.wait_for(data)
                             data = data.detach().cpu()  # staged already on CPU (async)
                         results.append(_write_item(self.transforms, stream, data, item, name,
                                                    self.serialization_format))  # fmt: skip

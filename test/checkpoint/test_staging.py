@@ -1,0 +1,103 @@
+"""An async save's staging (staging.py) through the saver as the manager drives it
+(lifecycle.Saver, one process), on the local S3 server of harness/s3.py and a local
+folder: the store writer uploads each entry once its copy is done, while later entries
+are still being copied; the local folder's writer (the control) starts once every copy
+is done. The staged copy is what is saved, whatever the loop does after
+``wait_for_staging()``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import served_bucket
+
+from torchtitan.checkpoint import staging, store_reader, store_writer
+from torchtitan.checkpoint.folder import step_folder
+from torchtitan.checkpoint.lifecycle import Saver
+from torchtitan.parallel import init_distributed
+
+GATE_S = 2.0  # the last copy waits this long at most for the first entry's upload
+
+
+@pytest.fixture(scope="module")
+def server():
+    with served_bucket() as served:
+        yield served
+
+
+def state() -> dict:
+    return {"model": {f"w{i}": torch.full((64, 1024), float(i + 1)) for i in range(5)},
+            "extra": {"note": "not a tensor"}}  # fmt: skip
+
+
+def saved_at(folder: str, step: int) -> dict:
+    got = {"model": {k: torch.zeros_like(v) for k, v in state()["model"].items()},
+           "extra": {"note": None}}  # fmt: skip
+    path = step_folder(folder, step)
+    reader = store_reader.StoreReader(path) if path.startswith("s3://") else None
+    dcp.load(got, checkpoint_id=path, storage_reader=reader, no_dist=True)
+    return got
+
+
+@pytest.mark.parametrize("where", ["store", "local"])
+def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
+    server, tmp_path, monkeypatch, where
+):
+    """The last entry's copy waits (up to 2 s) for the first entry to be serialized: on
+    the store it is, before that copy, and no entry is serialized before its own copy
+    (its bytes the staged ones, each the value it had at the save); on a local folder
+    (control: DCP's writer, handed the staged state once every copy is done) it is not.
+    The loop changes every tensor right after ``wait_for_staging()``, which waited for
+    the last copy: the checkpoint holds the values at the save."""
+    import threading
+
+    from torch.distributed.checkpoint import filesystem
+
+    bucket, _ = server
+    folder = f"s3://{bucket}/staged-{time.time_ns()}" if where == "store" else str(tmp_path)
+    copied, serialized, first = {}, [], threading.Event()
+    overlapped = []
+
+    def gated_copy(source, buffer):
+        if len(copied) == 4:  # the last: held until an entry is serialized, or GATE_S,
+            overlapped.append(first.wait(GATE_S))
+            time.sleep(0.3)  # and then long enough for a writer that does not wait to pass it
+        buffer.copy_(source)
+        copied[buffer.untyped_storage().data_ptr()] = time.perf_counter()
+
+    def recording(write_item):
+        def record(transforms, stream, data, item, *args):
+            if isinstance(data, torch.Tensor):
+                serialized.append((time.perf_counter(), data.untyped_storage().data_ptr(),
+                                   float(data.flatten()[0])))  # fmt: skip
+                first.set()
+            return write_item(transforms, stream, data, item, *args)
+
+        return record
+
+    monkeypatch.setattr(staging.PipelinedStager, "copy_entry", staticmethod(gated_copy))
+    monkeypatch.setattr(store_writer, "_write_item", recording(store_writer._write_item))
+    monkeypatch.setattr(filesystem, "_write_item", recording(filesystem._write_item))
+    saver = Saver(folder, init_distributed(), "async", 0)
+    try:
+        live = state()
+        saver.save(2, live, {"step": 2, "contents": ["model"]})
+        saver.wait_for_staging()
+        assert len(copied) == 5, "wait_for_staging waits for the last copy"
+        for tensor in live["model"].values():
+            tensor.add_(100)  # the loop's optimizer step
+        saver.wait()
+    finally:
+        saver.close()
+    got = saved_at(folder, 2)
+    assert got["extra"] == state()["extra"]
+    for name, tensor in state()["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    assert len(serialized) == 5
+    assert overlapped == [where == "store"], "uploads while later entries copy (store only)"
+    for at, buffer, value in serialized:
+        assert at >= copied[buffer], "an entry serialized before its copy was done"
+        assert value in {float(i + 1) for i in range(5)}
