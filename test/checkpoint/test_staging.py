@@ -29,8 +29,13 @@ def server():
 
 
 def state() -> dict:
-    return {"model": {f"w{i}": torch.full((64, 1024), float(i + 1)) for i in range(5)},
-            "extra": {"note": "not a tensor"}}  # fmt: skip
+    """5 entries of 256 KiB, then a small one, last in the state and first in the store
+    writer's order (store_writer.small_first), and a value that is not a tensor."""
+    model = {f"w{i}": torch.full((64, 1024), float(i + 1)) for i in range(5)}
+    return {"model": {**model, "step": torch.tensor(7.0)}, "extra": {"note": "not a tensor"}}
+
+
+VALUES = {1.0, 2.0, 3.0, 4.0, 5.0, 7.0}
 
 
 def saved_at(folder: str, step: int) -> dict:
@@ -47,7 +52,8 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
     server, tmp_path, monkeypatch, where
 ):
     """The last entry's copy waits (up to 2 s) for the first entry to be serialized: on
-    the store it is, before that copy, and no entry is serialized before its own copy
+    the store it is, before that copy (the stager copies in the writer's order: the small
+    entry, last in the state, first), and no entry is serialized before its own copy
     (its bytes the staged ones, each the value it had at the save); on a local folder
     (control: DCP's writer, handed the staged state once every copy is done) it is not.
     The loop changes every tensor right after ``wait_for_staging()``, which waited for
@@ -62,7 +68,7 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
     overlapped = []
 
     def gated_copy(source, buffer):
-        if len(copied) == 4:  # the last: held until an entry is serialized, or GATE_S,
+        if len(copied) == 5:  # the last: held until an entry is serialized, or GATE_S,
             overlapped.append(first.wait(GATE_S))
             time.sleep(0.3)  # and then long enough for a writer that does not wait to pass it
         buffer.copy_(source)
@@ -86,7 +92,7 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
         live = state()
         saver.save(2, live, {"step": 2, "contents": ["model"]})
         saver.wait_for_staging()
-        assert len(copied) == 5, "wait_for_staging waits for the last copy"
+        assert len(copied) == 6, "wait_for_staging waits for the last copy"
         for tensor in live["model"].values():
             tensor.add_(100)  # the loop's optimizer step
         saver.wait()
@@ -96,8 +102,8 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
     assert got["extra"] == state()["extra"]
     for name, tensor in state()["model"].items():
         assert torch.equal(got["model"][name], tensor), name
-    assert len(serialized) == 5
+    assert len(serialized) == 6
     assert overlapped == [where == "store"], "uploads while later entries copy (store only)"
     for at, buffer, value in serialized:
         assert at >= copied[buffer], "an entry serialized before its copy was done"
-        assert value in {float(i + 1) for i in range(5)}
+        assert value in VALUES

@@ -17,6 +17,8 @@ save's; here the store writer serializes and uploads entry 1 while entry 2 is co
   does (``pipelined`` False).
 - **Snapshots the rest.** A value that is not a tensor is deep-copied at the call, on
   the caller's thread (a few small objects: the project's states keep theirs as tensors).
+- **In the writer's order.** Tensors under ``store_writer.SMALL`` first, then the rest,
+  each in the state's order: the order the store writer serializes them in.
 
 Used on CPU-only hosts. With CUDA, DefaultStager's pinned buffers and non-blocking copies
 stage (lifecycle.py), untouched here.
@@ -35,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from torchtitan.checkpoint.store_writer import SMALL
 
 
 class PipelinedStager:
@@ -56,6 +60,8 @@ class PipelinedStager:
         once where ``pipelined``, else a future of it done once every copy is."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = self._mirror(state_dict, (), copies)
+        # the store writer's order (store_writer.small_first): its first object first
+        copies.sort(key=lambda pair: pair[1].nbytes >= SMALL)
         ready = {buffer.untyped_storage().data_ptr(): threading.Event() for _, buffer in copies}
         self._ready = ready
         self.completion = self._thread.submit(self._copy, copies, ready)

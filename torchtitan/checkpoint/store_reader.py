@@ -295,7 +295,10 @@ class Place:
     def of(cls, target: torch.Tensor) -> Place | None:
         if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
             return None
-        return cls(target, memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+        try:
+            return cls(target, memoryview(target.reshape(-1).view(torch.uint8).numpy()))
+        except (RuntimeError, TypeError):  # a conjugate or negative bit, a tensor subclass
+            return None
 
     def fits(self, layout: torch_record.Layout) -> tuple[int, int] | None:
         """The record's bytes that are this target's values, where the record holds a

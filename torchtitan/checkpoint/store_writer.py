@@ -103,11 +103,29 @@ PART = 16 << 20  # a multipart part (S3: at least 5 MiB, at most 10,000 parts)
 # in its object) is a multipart upload.
 SINGLE_PUT_MAX = 128 << 20
 IN_FLIGHT = 8  # concurrent PUT / part requests per rank
+SMALL = 64 << 10  # a tensor entry under this is written with the small ones (small_first)
 
 
 class StoreWriteError(RuntimeError):
     """A write the store refused or could not finish: one line naming the object and the
     fix (the manager reports it as the save's error and keeps the previous checkpoint)."""
+
+
+def small_first(items: list) -> list:
+    """``items`` in the order they are written: bytes entries, then tensors under
+    ``SMALL``, then the rest, each in plan order (a stable sort). The small ones sit
+    together at the head of the rank's first object: a rank that loads another's
+    replicated entries (DCP saves each once, balanced over the ranks: AdamW's ``step``
+    of every parameter at FSDP) reads them in one ranged GET, where, spread between the
+    large ones, they took one each (52 GETs, and 80 MB of gaps coalesced, for rank 0 of
+    the 2-rank 125M resume). The async stager copies in the same order
+    (staging.py), so that the first object's entries are copied first."""
+    def key(item):
+        if item.type == WriteItemType.BYTE_IO:
+            return 0
+        return 1 if _item_size(item) < SMALL else 2
+
+    return sorted(items, key=key)
 
 
 def plan_objects(items: list, sizes: list[int], object_max: int = OBJECT_MAX) -> list[list]:
@@ -342,7 +360,7 @@ class StoreWriter(FsspecWriter):
         """Serialize and upload this rank's items; returns once every object is stored.
         Cost: O(own shard) bytes in ceil(bytes / OBJECT_MAX) PUTs (module docstring)."""
         begin = time.perf_counter()
-        items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)  # stable
+        items = small_first(plan.items)
         objects = plan_objects(items, [_item_size(i) if i.type != WriteItemType.BYTE_IO else 0
                                        for i in items], self.object_max)  # fmt: skip
         prefix = plan.storage_data.prefix
