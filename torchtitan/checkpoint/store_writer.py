@@ -120,6 +120,7 @@ def small_first(items: list) -> list:
     large ones, they took one each (52 GETs, and 80 MB of gaps coalesced, for rank 0 of
     the 2-rank 125M resume). The async stager copies in the same order
     (staging.py), so that the first object's entries are copied first."""
+
     def key(item):
         if item.type == WriteItemType.BYTE_IO:
             return 0
