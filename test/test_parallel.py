@@ -73,6 +73,19 @@ def test_dataloader_through_dcp_into_a_never_iterated_loader(layouts):
     assert layouts.stdout.count("restored exactly") == 8, layouts.stdout[-2000:]
 
 
+def test_a_start_reads_what_it_needs_once_per_job_on_rank_0(layouts):
+    """Every start of the 4-rank job (16 before the world splits, 7 of them resumes): rank 0 alone
+    lists the unfinished saves and reads manifests (the candidates' and the chosen one,
+    which it sends to the others, for the verification and the load); every rank read
+    the chosen one twice and listed (on a store: ~6 requests a rank per start on one
+    prefix). Control: rank 0 did, at least once per start."""
+    reads = [layouts.records[r]["start_reads"] for r in range(4)]
+    starts = reads[0]["loads"]
+    assert starts >= 14 and all(r["loads"] == starts for r in reads), reads
+    assert reads[0]["partial_steps"] >= 7 and reads[0]["read_manifest"] >= 7, reads
+    assert [(r["partial_steps"], r["read_manifest"]) for r in reads[1:]] == [(0, 0)] * 3, reads
+
+
 def test_a_4_rank_job_resolves_a_hub_style_folder_once(layouts):
     """The Hub-style folder is resolved by rank 0 alone (counted on every rank by a wrapper
     around the resolution); before the plan each rank resolved it twice (loader and

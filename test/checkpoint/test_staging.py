@@ -84,6 +84,7 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
 
         return record
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU hosts' stager
     monkeypatch.setattr(staging.PipelinedStager, "copy_entry", staticmethod(gated_copy))
     monkeypatch.setattr(store_writer, "_write_item", recording(store_writer._write_item))
     monkeypatch.setattr(filesystem, "_write_item", recording(filesystem._write_item))
@@ -107,3 +108,43 @@ def test_an_async_save_uploads_each_entry_once_copied_while_later_ones_copy(
     for at, buffer, value in serialized:
         assert at >= copied[buffer], "an entry serialized before its copy was done"
         assert value in VALUES
+
+
+@pytest.mark.parametrize("where", ["store", "local"])
+def test_a_failed_copy_fails_the_save_in_one_line_and_leaves_no_checkpoint(
+    server, tmp_path, monkeypatch, where
+):
+    """The third entry's copy fails (memory, say): no entry is uploaded from a buffer not
+    copied; the save fails with the saver's one line naming the step, ``step-2`` is not a
+    complete checkpoint, and the loop's ``wait_for_staging()`` on the store does not
+    raise it a second time. Control: the same save with the copies working is complete."""
+    from torchtitan.checkpoint.folder import CheckpointError, complete_steps
+
+    bucket, _ = server
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for failing in (True, False):
+        folder = (f"s3://{bucket}/failed-{failing}-{time.time_ns()}" if where == "store"
+                  else str(tmp_path / f"failed-{failing}"))  # fmt: skip
+        copies = []
+
+        def copy_or_fail(source, buffer, failing=failing, copies=copies):
+            copies.append(buffer)
+            if failing and len(copies) == 3:
+                raise MemoryError("no room for the staging copy")
+            buffer.copy_(source)
+
+        monkeypatch.setattr(staging.PipelinedStager, "copy_entry", staticmethod(copy_or_fail))
+        saver = Saver(folder, init_distributed(), "async", 0)
+        try:
+            saver.save(2, state(), {"step": 2, "contents": ["model"]})
+            if where == "store":
+                saver.wait_for_staging()
+            if failing:
+                with pytest.raises(CheckpointError, match="saving checkpoint step-2") as caught:
+                    saver.wait()
+                assert "\n" not in str(caught.value)
+            else:
+                saver.wait()
+        finally:
+            saver.close()
+        assert complete_steps(folder) == ([] if failing else [2])

@@ -29,7 +29,10 @@ is written under OUT; test_parallel.py asserts on it:
   two steps with document boundaries masked, FSDP 4 and PP 2 x DP 2;
 - ``hub/``: one step on a Hub-style dataset folder (a README's ``configs`` naming parquet
   files); ``records``' ``hub_resolutions``: how many times this rank resolved the folder
-  (``hub.folder_source``, counted by a wrapper that changes nothing);
+  (``hub.folder_source``, counted by a wrapper that changes nothing); ``start_reads``:
+  how many times this rank listed the unfinished saves and read a checkpoint's manifest
+  to resume (``partial_steps``; ``read_manifest`` as the manager, verification and
+  timeline call it) while the job was whole;
 - stdout: the loader through real DCP into a never-iterated loader (0 and 2 workers
   per rank) and the log line's view of all ranks (``dataloader_dcp.py``);
 - ``records/rank<r>.json``: per scenario, every training forward's digest of this
@@ -55,6 +58,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import train as train_script
 from torchtitan import parallel
+from torchtitan.checkpoint import integrity, timeline
+from torchtitan.checkpoint import manager as manager_module
 from torchtitan.config import parse_args
 from torchtitan.data import ParallelDataLoader, hub
 from torchtitan.hf import export, read_dcp_model
@@ -115,6 +120,37 @@ def next_step_counted(self):
 
 
 ParallelDataLoader.next_step = next_step_counted
+
+# How many times this rank read what a start needs once per job (the unfinished saves'
+# listing, the chosen checkpoint's manifest): counted by wrappers that change nothing.
+START_READS = {"partial_steps": 0, "read_manifest": 0, "loads": 0}
+LOADING = [False]  # inside CheckpointManager.load (a start), not an initial load or export
+
+
+def _counted(name: str, fn):
+    def counted(*args, **kwargs):
+        START_READS[name] += LOADING[0]
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _loading(load):
+    def counted_load(self, *args, **kwargs):
+        START_READS["loads"] += 1
+        LOADING[0] = True
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            LOADING[0] = False
+
+    return counted_load
+
+
+manager_module.CheckpointManager.load = _loading(manager_module.CheckpointManager.load)
+manager_module.partial_steps = _counted("partial_steps", manager_module.partial_steps)
+for _module in (manager_module, integrity, timeline):  # every reader of a manifest at a start
+    _module.read_manifest = _counted("read_manifest", _module.read_manifest)
 
 
 def resumable_copy(dump: str, deleted: tuple, dims) -> str:
@@ -406,6 +442,7 @@ def main():
     run("hub", os.path.join(out, "hub"), "--training.dataset_path", folder,
         "--training.steps", 1, "--training.seq_len", 32, dims=dims)  # fmt: skip
 
+    RECORDS["start_reads"] = dict(START_READS)  # every resume so far on the whole world
     dims = split_world(dims)
     if rank < 2:
         run("chain-1x2", chain, *data, *tp2, dims=dims)

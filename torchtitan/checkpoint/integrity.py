@@ -84,15 +84,17 @@ def _each(store, fn, names: list[str], at_once: bool = True):
         yield from pool.map(fn, names)
 
 
-def verify_share(path: str, rank: int, world_size: int) -> str | None:
+def verify_share(path: str, rank: int, world_size: int, manifest: dict | None = None
+                 ) -> str | None:  # fmt: skip
     """This rank's share of verifying a checkpoint. Locally (CRC32s): every
     ``world_size``-th file of its manifest, from ``rank``: O(total bytes / ranks). On a
     store (ETags): the files of the writers ``listing_share`` gives it, each writer's in
     one listing, and rank 0 the rest (DCP's ``.metadata``) by HEAD: about one request a
     rank where there were O(files / ranks) HEADs (~16 a rank at 1,000 ranks: 16,000
-    requests on one prefix at every start, which S3 serves at ~5,500 a second)."""
+    requests on one prefix at every start, which S3 serves at ~5,500 a second).
+    ``manifest``: the checkpoint's, read once for the job (the manager's), else read here."""
     try:
-        files = read_manifest(path).get("files", {})
+        files = (manifest if manifest is not None else read_manifest(path)).get("files", {})
     except (OSError, ValueError) as e:
         return f"unreadable {MANIFEST} ({e})"
     store = store_for(path)

@@ -131,8 +131,9 @@ class Saver:
                 )
             if isinstance(response, AsyncSaveResponse):
                 self._staging, written = response.staging_completion, response.upload_completion
-            else:  # staged state handed over at once: the stager's copy is the staging
-                self._staging, written = stager.completion, response
+            else:  # handed over at once: the stager's copies are the staging; one that
+                # failed fails the write on every rank, reported once by wait()
+                self._staging, written = stager.settled, response
             if self._finalizer is None:
                 self._finalizer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finalize")
             self._pending = self._finalizer.submit(self._write_and_finalize, written, step, begin)
@@ -226,12 +227,20 @@ class Saver:
         """Block until a pending async save is written and finalized (or raise its error),
         and the purge after the last save is done."""
         try:
-            self.wait_for_staging()
-            if self._pending is not None:
+            if self._pending is None:
+                self.wait_for_staging()
+            else:
                 future, step = self._pending, self._pending_step
                 self._pending = None
-                with self._save_errors(step):
-                    future.result()
+                with self._save_errors(step):  # a failed staging is the save's one line too
+                    staging = None
+                    try:
+                        self.wait_for_staging()
+                    except Exception as e:  # noqa: BLE001 - raised below, after the write ends
+                        staging = e
+                    future.result()  # the write's error (a failed staging fails it as well)
+                    if staging is not None:
+                        raise staging
         finally:  # even after a failed save, no purge outlives wait() (close, the lease)
             if self._purging is not None:  # set by the save just waited for, if it published
                 purging, self._purging = self._purging, None

@@ -10,7 +10,7 @@ save's; here the store writer serializes and uploads entry 1 while entry 2 is co
 (docs/benchmarks.md § 21).
 
 - **Training-safe.** The loop's ``wait_for_staging()`` (before the optimizer step)
-  waits for the last copy (``completion``), as it waits for DefaultStager's.
+  waits for the last copy (``settled``), as it waits for DefaultStager's.
 - **Never an entry before its copy.** A writer that uploads as it goes waits on the
   entry's own event first (``wait_for``); a writer that does not (a local folder's, DCP's
   own) is handed a future of the whole staged state, as DefaultStager's async staging
@@ -23,14 +23,21 @@ save's; here the store writer serializes and uploads entry 1 while entry 2 is co
 Used on CPU-only hosts. With CUDA, DefaultStager's pinned buffers and non-blocking copies
 stage (lifecycle.py), untouched here.
 
+- **A failed copy fails the save.** Its error is recorded before any waiter is woken,
+  so the writer raises it rather than upload a buffer not copied: DCP's write fails on
+  every rank together and the saver reports it in one line (the loop's
+  ``wait_for_staging()`` waits on ``settled``, which does not raise it a second time).
+
 Cost per save: one copy of the rank's own state (O(own shard) bytes, the same as
 DefaultStager's), on the stager's thread; memory: one CPU copy of the rank's state,
 allocated at the first save and reused (a tensor of another shape or dtype gets a new
-buffer).
+buffer, and one the state no longer names is freed). Tensors that alias each other are
+copied once each (DefaultStager's deep copy kept one).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,8 +57,10 @@ class PipelinedStager:
     def __init__(self):
         self.pipelined = False  # set per save: the writer calls wait_for before each entry
         self.completion: Future | None = None  # the last copy of the latest stage()
+        self.settled: Future | None = None  # the same, never failing (the loop waits on it)
         self._buffers: dict = {}  # (path in the state, shape, dtype): a CPU tensor
         self._ready: dict[int, threading.Event] = {}  # a buffer's storage address: copied
+        self._failed: list = []  # the latest stage's copy error, set before its events
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
 
     def stage(self, state_dict: dict):
@@ -59,12 +68,18 @@ class PipelinedStager:
         thread, in the state's order) and a deep copy of everything else. Returns it at
         once where ``pipelined``, else a future of it done once every copy is."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = self._mirror(state_dict, (), copies)
+        used: dict = {}
+        staged = self._mirror(state_dict, (), copies, used)
+        self._buffers = used  # a buffer this state no longer names is freed
+        for source, buffer in [c for c in copies if not c[1].nbytes]:
+            buffer.copy_(source)  # nothing to copy (and no storage address of its own)
         # the store writer's order (store_writer.small_first): its first object first
-        copies.sort(key=lambda pair: pair[1].nbytes >= SMALL)
+        copies = sorted((c for c in copies if c[1].nbytes), key=lambda c: c[1].nbytes >= SMALL)
         ready = {buffer.untyped_storage().data_ptr(): threading.Event() for _, buffer in copies}
-        self._ready = ready
-        self.completion = self._thread.submit(self._copy, copies, ready)
+        self._ready, self._failed = ready, []
+        self.completion = self._thread.submit(self._copy, copies, ready, self._failed)
+        self.settled = Future()  # done once the copies end, whether or not they failed
+        self.completion.add_done_callback(lambda _, settled=self.settled: settled.set_result(None))
         if self.pipelined:
             return staged
         whole: Future = Future()
@@ -83,13 +98,12 @@ class PipelinedStager:
         """Block until the entry whose staged buffer ``tensor`` views is copied; raise
         the staging's error if it failed. A tensor that is no buffer of this stage (not
         staged here) passes at once."""
-        event = self._ready.get(tensor.untyped_storage().data_ptr())
+        event, failed = self._ready.get(tensor.untyped_storage().data_ptr()), self._failed
         if event is None:
             return
         event.wait()
-        completion = self.completion
-        if completion is not None and completion.done() and completion.exception():
-            raise completion.exception()
+        if failed:  # set before any event of a failed stage: never a buffer not copied
+            raise failed[0]
 
     def synchronize_staging(self) -> None:
         if self.completion is not None:
@@ -104,9 +118,12 @@ class PipelinedStager:
         """One entry's copy, on the stager's thread."""
         buffer.copy_(source)
 
-    def _mirror(self, value, path: tuple, copies: list):
+    def _mirror(self, value, path: tuple, copies: list, used: dict):
+        """The staged ``value``: DCP's containers (dicts, lists) rebuilt around buffers
+        for their tensors; anything else (a tuple, which DCP pickles whole, a dict of
+        another kind) deep-copied now, its tensors with it."""
         if isinstance(value, DTensor):
-            local = self._mirror(value.to_local(), path, copies)
+            local = self._mirror(value.to_local(), path, copies, used)
             return DTensor.from_local(local, value.device_mesh, value.placements,
                                       run_check=False, shape=value.shape,
                                       stride=value.stride())  # fmt: skip
@@ -114,20 +131,25 @@ class PipelinedStager:
             key = (path, tuple(value.shape), value.dtype)
             buffer = self._buffers.get(key)
             if buffer is None:
-                buffer = self._buffers[key] = torch.empty(value.shape, dtype=value.dtype)
+                buffer = torch.empty(value.shape, dtype=value.dtype)
+            used[key] = buffer
             copies.append((value.detach(), buffer))
             return buffer
-        if isinstance(value, dict):
-            return type(value)((k, self._mirror(v, (*path, k), copies)) for k, v in value.items())
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self._mirror(v, (*path, i), copies) for i, v in enumerate(value))
+        if type(value) in (dict, collections.OrderedDict):
+            return type(value)((k, self._mirror(v, (*path, k), copies, used))
+                               for k, v in value.items())  # fmt: skip
+        if type(value) is list:
+            return [self._mirror(v, (*path, i), copies, used) for i, v in enumerate(value)]
         return copy.deepcopy(value)
 
-    def _copy(self, copies: list, ready: dict):
+    def _copy(self, copies: list, ready: dict, failed: list):
         try:
             for source, buffer in copies:
                 self.copy_entry(source, buffer)
                 ready[buffer.untyped_storage().data_ptr()].set()
-        finally:  # a failed copy wakes every waiter; wait_for raises its error
+        except BaseException as e:
+            failed.append(e)  # first: a waiter woken below raises it (wait_for)
+            raise
+        finally:  # a failed copy wakes every waiter
             for event in ready.values():
                 event.set()

@@ -7,6 +7,7 @@ Never: make process groups (groups.py) or run a model's collectives (torch does)
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,10 @@ def on_main(dims: ParallelDims, fn, *args):
         try:
             outcome = (True, fn(*args))
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            try:
+                pickle.dumps(e)
+            except Exception:  # noqa: BLE001 - one that cannot travel: its line does
+                e = RuntimeError(f"{type(e).__name__}: {e}")
             outcome = (False, e)
     ok, value = broadcast_from_main(dims, outcome)
     if not ok:
