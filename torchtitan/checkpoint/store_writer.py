@@ -4,7 +4,9 @@ to ``IN_FLIGHT`` requests upload the objects already serialized (several objects
 each one PUT up to ``SINGLE_PUT_MAX``, an entry larger than that in parallel multipart
 parts).
 
-Owns: packing a rank's write items into objects (``plan_objects``), the bytes of each
+Owns: the order a rank's write items are written in (``small_first``: bytes entries and
+small tensors together at the head, where another rank reads the replicated ones in one
+GET), packing them into objects (``plan_objects``), the bytes of each
 object (``ObjectStream``: DCP's own ``_write_item`` serializes into it, so the files are
 the ones DCP's readers expect), and the requests (``Uploader``: a PUT per object, a
 multipart upload of ``PART``-byte parts for an object that outgrows ``SINGLE_PUT_MAX``,
