@@ -65,8 +65,8 @@ class PipelinedStager:
 
     def stage(self, state_dict: dict):
         """The staged copy of ``state_dict``: its tensors' buffers (filled on the stager's
-        thread, in the state's order) and a deep copy of everything else. Returns it at
-        once where ``pipelined``, else a future of it done once every copy is."""
+        thread, in the store writer's order) and a deep copy of everything else. Returns
+        it at once where ``pipelined``, else a future of it done once every copy is."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         used: dict = {}
         staged = self._mirror(state_dict, (), copies, used)
