@@ -130,6 +130,7 @@ def test_a_failed_copy_fails_the_save_in_one_line_and_leaves_no_checkpoint(
         def copy_or_fail(source, buffer, failing=failing, copies=copies):
             copies.append(buffer)
             if failing and len(copies) == 3:
+                time.sleep(0.2)  # after async_save returned: its staging future fails, too
                 raise MemoryError("no room for the staging copy")
             buffer.copy_(source)
 

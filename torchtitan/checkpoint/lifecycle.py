@@ -202,9 +202,9 @@ class Saver:
 
     def wait_for_staging(self):
         """Call before the optimizer step: staging copies the parameters it would change."""
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        if self._staging is not None:  # cleared first: a failed one is raised once
+            staging, self._staging = self._staging, None
+            staging.result()
 
     def after_write(self, callback):
         """Call ``callback()`` once a pending async save is written and finalized (or has
