@@ -84,6 +84,14 @@ def _each(store, fn, names: list[str], at_once: bool = True):
         yield from pool.map(fn, names)
 
 
+def manifest_or_problem(path: str) -> tuple[dict | None, str | None]:
+    """A checkpoint's manifest, or the problem that names why it cannot be read."""
+    try:
+        return read_manifest(path), None
+    except (OSError, ValueError) as e:
+        return None, f"unreadable {MANIFEST} ({e})"
+
+
 def verify_share(path: str, rank: int, world_size: int, manifest: dict | None = None
                  ) -> str | None:  # fmt: skip
     """This rank's share of verifying a checkpoint. Locally (CRC32s): every
@@ -93,10 +101,11 @@ def verify_share(path: str, rank: int, world_size: int, manifest: dict | None = 
     rank where there were O(files / ranks) HEADs (~16 a rank at 1,000 ranks: 16,000
     requests on one prefix at every start, which S3 serves at ~5,500 a second).
     ``manifest``: the checkpoint's, read once for the job (the manager's), else read here."""
-    try:
-        files = (manifest if manifest is not None else read_manifest(path)).get("files", {})
-    except (OSError, ValueError) as e:
-        return f"unreadable {MANIFEST} ({e})"
+    if manifest is None:
+        manifest, problem = manifest_or_problem(path)
+        if problem is not None:
+            return problem
+    files = manifest.get("files", {})
     store = store_for(path)
     listing = storage.on_s3(path)  # s3fs lists by prefix; other stores' HEADs as before
     if not (listing and files and all("etag" in sig for sig in files.values())):

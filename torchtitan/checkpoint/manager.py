@@ -370,14 +370,7 @@ class CheckpointManager:
         problem. The manifest is read by rank 0 alone and sent to the others (kept for
         ``_load_from``): every rank read it, two requests each on a store, 2,000 on one
         object at 1,000 ranks."""
-
-        def read() -> tuple[dict | None, str | None]:
-            try:
-                return read_manifest(path), None
-            except (OSError, ValueError) as e:
-                return None, f"unreadable {MANIFEST} ({e})"
-
-        manifest, problem = parallel.on_main(self.dims, read)
+        manifest, problem = parallel.on_main(self.dims, integrity.manifest_or_problem, path)
         if problem is not None:
             return problem
         self._verified = (path, manifest)

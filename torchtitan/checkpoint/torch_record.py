@@ -93,9 +93,9 @@ class _TensorPickle(pickle.Unpickler):
         return dtype, str(key), int(numel)
 
 
-def _entry(view: memoryview, info: zipfile.ZipInfo, hole: tuple = (0, 0)) -> memoryview:
-    """The bytes of a stored (uncompressed) zip entry, where they lie in ``view``; an
-    entry or header reaching into ``hole`` (bytes ``view`` does not hold) is refused."""
+def _span(view: memoryview, info: zipfile.ZipInfo, hole: tuple = (0, 0)) -> tuple[int, int]:
+    """Where a stored (uncompressed) zip entry's bytes lie in ``view``: ``[begin, end)``,
+    its local header read (never from ``hole``, the bytes ``view`` does not hold)."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise zipfile.BadZipFile(f"{info.filename} is compressed")
     _outside(info.header_offset, info.header_offset + _LOCAL_HEADER.size, hole)
@@ -105,8 +105,16 @@ def _entry(view: memoryview, info: zipfile.ZipInfo, hole: tuple = (0, 0)) -> mem
     begin = info.header_offset + _LOCAL_HEADER.size + header[10] + header[11]
     if begin + info.compress_size > len(view):
         raise zipfile.BadZipFile(f"{info.filename} runs past the record")
-    _outside(info.header_offset, begin + info.compress_size, hole)
-    return view[begin : begin + info.compress_size]
+    _outside(info.header_offset, begin, hole)
+    return begin, begin + info.compress_size
+
+
+def _entry(view: memoryview, info: zipfile.ZipInfo, hole: tuple = (0, 0)) -> memoryview:
+    """The bytes of a stored zip entry, where they lie in ``view``; an entry reaching
+    into ``hole`` is refused."""
+    begin, end = _span(view, info, hole)
+    _outside(begin, end, hole)
+    return view[begin:end]
 
 
 def _outside(begin: int, end: int, hole: tuple):
@@ -114,21 +122,29 @@ def _outside(begin: int, end: int, hole: tuple):
         raise zipfile.BadZipFile(f"bytes {begin}-{end} of the record are where its values are")
 
 
+def _plain(view: memoryview, hole: tuple = (0, 0)):
+    """``(archive, its folder prefix, _Located)`` for a record holding a plain tensor of
+    this host's byte order, read from its directory, byte order and pickle (never from
+    ``hole``); None for a record of another shape or the other byte order."""
+    archive = zipfile.ZipFile(_ViewFile(view, hole))
+    first = archive.namelist()[0]
+    prefix = first[: first.index("/") + 1]
+    if f"{prefix}byteorder" in set(archive.namelist()):
+        order = bytes(_entry(view, archive.getinfo(f"{prefix}byteorder"), hole))
+        if order != sys.byteorder.encode():
+            return None  # torch.load swaps the values: not in a buffer read from the store
+    pickled = _entry(view, archive.getinfo(f"{prefix}data.pkl"), hole)
+    where = _TensorPickle(io.BytesIO(pickled), encoding="utf-8").load()
+    return (archive, prefix, where) if isinstance(where, _Located) else None
+
+
 def _in_place(view: memoryview) -> torch.Tensor | None:
     """The tensor over ``view``'s own bytes, or None where the record is not a plain
     tensor of this host's byte order."""
-    archive = zipfile.ZipFile(_ViewFile(view))
-    first = archive.namelist()[0]
-    prefix = first[: first.index("/") + 1]
-    names = set(archive.namelist())
-    if f"{prefix}byteorder" in names:
-        order = bytes(_entry(view, archive.getinfo(f"{prefix}byteorder")))
-        if order != sys.byteorder.encode():
-            return None  # torch.load swaps the values: not in a buffer read from the store
-    pickled = _entry(view, archive.getinfo(f"{prefix}data.pkl"))
-    where = _TensorPickle(io.BytesIO(pickled), encoding="utf-8").load()
-    if not isinstance(where, _Located):
+    plain = _plain(view)
+    if plain is None:
         return None
+    archive, prefix, where = plain
     data = _entry(view, archive.getinfo(f"{prefix}data/{where.key}"))
     if not where.numel:  # frombuffer refuses no bytes
         values = torch.empty(0, dtype=where.dtype)
@@ -216,28 +232,14 @@ def confirms(view: memoryview, layout: Layout, hole: tuple[int, int]) -> bool:
     byte order, its values at ``layout``'s place: its directory (at its end), pickle and
     byte order read again, nothing in ``hole`` read. Cost: O(directory + pickle)."""
     try:
-        archive = zipfile.ZipFile(_ViewFile(view, hole))
-        first = archive.namelist()[0]
-        prefix = first[: first.index("/") + 1]
-        names = set(archive.namelist())
-        if f"{prefix}byteorder" in names:
-            order = bytes(_entry(view, archive.getinfo(f"{prefix}byteorder"), hole))
-            if order != sys.byteorder.encode():
-                return False
-        pickled = _entry(view, archive.getinfo(f"{prefix}data.pkl"), hole)
-        where = _TensorPickle(io.BytesIO(pickled), encoding="utf-8").load()
-        info = archive.getinfo(f"{prefix}data/{layout.located.key}")
-        if info.compress_type != zipfile.ZIP_STORED:
+        plain = _plain(view, hole)
+        if plain is None:
             return False
-        _outside(info.header_offset, info.header_offset + _LOCAL_HEADER.size, hole)
-        header = _LOCAL_HEADER.unpack_from(view, info.header_offset)
-        begin = info.header_offset + _LOCAL_HEADER.size + header[10] + header[11]
-        _outside(info.header_offset, begin, hole)
+        archive, prefix, where = plain
+        span = _span(view, archive.getinfo(f"{prefix}data/{layout.located.key}"), hole)
     except Exception:  # noqa: BLE001 - any damage: not confirmed (the entry is read again whole)
         return False
-    return (header[0] == b"PK\x03\x04" and where == layout.located
-            and (begin, begin + info.compress_size) == (layout.begin, layout.end)
-            and layout.end <= len(view))  # fmt: skip
+    return where == layout.located and span == (layout.begin, layout.end)
 
 
 def saved_tensor(view: memoryview) -> torch.Tensor:
