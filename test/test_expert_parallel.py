@@ -5,14 +5,18 @@ Every check reads ONE 2-rank launch (test/dist/expert_parallel.py), in the slow 
 (a launch costs seconds of interpreter start-up; the fast tier's MoE tests are
 test/models/test_moe.py, in-process). Each test names its negative control.
 
-What is exact and what is not: routing, the forward outputs, the balancing bias and
-counts and the data are bit-equal across expert-parallel degrees. An expert's weight
-gradient is not: at EP 2 the rank holding an expert sums the rows of both ranks in one
-matmul, at EP 1 each rank sums its own and FSDP's reduce-scatter adds the two, another
-order of float additions (measured 9e-13 apart in a gradient of 3e-6: a few ulps). So
-losses after a change of degree are compared to a relative 1e-6: bit-equal in the runs
-measured here, the tolerance only allows for those ulps, and the negative control
-(the bias dropped on resume) is 8e-6 away.
+What is exact and what is not: the seed plan, the balancing bias and counts and the
+data are bit-equal across expert-parallel degrees, on any CPU. The forward outputs are
+not, on every CPU: at EP 2 an expert's group holds both ranks' rows, at EP 1 only its
+own rank's, and a CPU's matmul may give a row other bits in a matrix of another row
+count (AVX-512 and AVX2 kernels block rows differently; test_moe.py checks the dispatch
+bit for bit on equal shapes instead). Nor is an expert's weight gradient: at EP 2 the
+rank holding an expert sums the rows of both ranks in one matmul, at EP 1 each rank
+sums its own and FSDP's reduce-scatter adds the two, another order of float additions
+(measured 9e-13 apart in a gradient of 3e-6: a few ulps). So outputs, and losses after
+a change of degree, are compared to a relative 1e-6: the tolerance allows for those
+ulps, and the negative controls (experts swapped; the bias dropped on resume) are far
+(outputs) or 8e-6 (losses) away.
 """
 
 from __future__ import annotations
@@ -63,17 +67,18 @@ def test_the_seed_plan_is_bit_equal_at_ep_2(ep):
 
 def test_ep_2_computes_what_ep_1_computes(ep):
     """The same batch per rank: the outputs at EP 2 (tokens to the other rank's experts
-    and back by all-to-all) equal EP 1's bit for bit, every expert group holding 4 rows
-    or more (see test_moe's dispatch test); the expert gradient, gathered, agrees to a
-    relative 1e-6 (the module docstring says why not to the bit). Negative control: the
-    two ranks' experts swapped change the outputs."""
+    and back by all-to-all) and the expert gradient, gathered, agree with EP 1's to a
+    relative 1e-6 (the module docstring says why not to the bit; the dispatch itself is
+    checked bit for bit in test_moe.py). Every expert has rows of the batch. Negative
+    control: the two ranks' experts swapped move the outputs far beyond that."""
     for rank in (0, 1):
         saved = torch.load(ep.out / f"forward-rank{rank}.pt")
-        assert saved["smallest_group"] >= 4
-        assert torch.equal(saved["ep1"], saved["ep2"])
+        assert saved["smallest_group"] >= 1
+        scale = saved["ep1"].abs().max()
+        assert (saved["ep1"] - saved["ep2"]).abs().max() <= REL * scale
+        assert (saved["swapped"] - saved["ep2"]).abs().max() > 1e3 * REL * scale
         scale = saved["grad1"].abs().max()
         assert (saved["grad1"] - saved["grad2"]).abs().max() <= REL * scale
-        assert not torch.equal(saved["swapped"], saved["ep2"])
 
 
 def close(a: float, b: float) -> bool:

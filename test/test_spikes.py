@@ -201,6 +201,53 @@ def test_spikes_skipped_for_ever_stop_the_job():
             g.check_bad_steps()
 
 
+# Two ranks' losses around 3 and 5 (their mean around 4), then two steps: rank 1 alone
+# jumps (the mean is a spike, rank 0's own loss is not), and the ranks move apart
+# evenly (the mean stays, rank 0's own loss looks like a spike).
+APART = [[(3.0 + 0.01 * math.sin(i), 1.0), (5.0 - 0.01 * math.sin(i), 1.0)] for i in range(8)]
+APART += [[(3.0, 1.0), (6.0, 1.0)], [(3.5, 1.0), (4.5, 1.0)]]
+
+
+def _spike_rank(rank: int, store: str, out) -> None:
+    """One of 2 forked ranks on a gloo group: a skip_step guard fed this rank's losses
+    of ``APART``; reports its verdicts."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = parse_args(["--training.spike_window", "8", "--training.on_spike", "skip_step"])
+        dims = parallel.ParallelDims(rank, 2, rank, torch.device("cpu"), "gloo",
+                                     control_group=dist.new_group(backend="gloo"))  # fmt: skip
+        out.put((rank, feed(SpikeGuard(cfg, dims, TrainState()), [s[rank] for s in APART])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_whose_losses_differ_reach_one_verdict(tmp_path):
+    """Two forked ranks (gloo) whose losses differ: the spike check reads the loss
+    averaged over the ranks, so both drop the step where the mean jumps (rank 1 alone
+    spiked) and both apply the one where the ranks move apart evenly; a rank that
+    applied an update its peer dropped would leave the replicas different for ever.
+    Negative control: each rank's own losses, checked alone (what a guard reading its
+    own loss decides), give the ranks different verdicts at both steps."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_spike_rank, args=(r, str(tmp_path / "store"), out))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    verdicts = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert verdicts[0] == verdicts[1] == ["apply"] * 8 + ["skip!", "apply"]
+    alone = [feed(guard("--training.on_spike", "skip_step"), [s[r] for s in APART])[8:]
+             for r in range(2)]  # fmt: skip
+    assert alone == [["apply", "skip!"], ["skip!", "apply"]]
+
+
 def test_the_guards_state_resumes_its_checks_exactly():
     """A guard loaded from another's state decides as the other does on what follows
     (the window, the counters). Negative control: a fresh guard misses the spike."""

@@ -39,7 +39,7 @@ from helpers import (
 
 from torchtitan.data import build_dataloader, build_stream
 from torchtitan.data.loader import plan_steps
-from torchtitan.data.schedule import BatchSchedule
+from torchtitan.data.schedule import BatchSchedule, parse_schedule
 from torchtitan.data.sources import DataError
 from torchtitan.data.state import from_tensor, to_tensor
 
@@ -237,6 +237,31 @@ def test_a_changed_sequence_length_continues_at_the_token_offset(heavy_corpus, t
     skipped = spans[:20] + [s for step in global_steps([windows_based], 5) for _, s in step]
     with pytest.raises(AssertionError, match="gap or overlap"):
         assert_units_read_in_order(skipped, lengths)
+
+
+def test_a_skip_across_a_batch_size_change_passes_each_steps_own_batch(heavy_corpus, tokenizer):
+    """``batch_size_schedule`` 0:4,4:8, 2 ranks, training steps 4-7 skipped (loader steps
+    3-6: one step at 4 sequences, three at 8): the skip passes over exactly the windows
+    an unskipped run's steps 3-6 read (28, each step at its own global batch), and the
+    next step reads the windows that follow them, on both ranks. Negative control: the
+    plan of a run that skipped only steps 4-6 reads other windows there."""
+    schedule = BatchSchedule(parse_schedule("0:4,4:8"), 2, 2)
+    stream = build_stream(cfg(heavy_corpus).training, tokenizer)
+
+    def steps(skips, n, step=0, position=None):
+        plans = [plan_steps(stream, schedule, r, step, position or stream.start(), skips)
+                 for r in range(2)]  # fmt: skip
+        return [[next(p) for p in plans] for _ in range(n)]
+
+    whole = steps([], 7)
+    lo, hi = whole[2][0].after, whole[6][0].after  # before loader step 3, after step 6
+    assert hi.windows - lo.windows == 4 + 3 * 8
+    skipping = steps([(4, 4)], 4)
+    assert [p.skipped for p in skipping[3]] == [[[4, 4, lo.windows, hi.windows]]] * 2
+    after = steps([], 1, 3, hi)[0]  # loader step 3 from where step 6 ended
+    assert [p.micro for p in skipping[3]] == [p.micro for p in after]
+    shorter = steps([(4, 3)], 4)
+    assert [p.micro for p in shorter[3]] != [p.micro for p in after]
 
 
 def test_unequal_splits_weigh_every_sequence_alike(tiny_corpus, tokenizer):

@@ -25,6 +25,7 @@ from helpers import (
     assert_restores_at_every_step,
     assert_spans_tile_every_document,
     bundled_documents,
+    cfg,
     global_steps,
     loaders,
     read_unit,
@@ -35,6 +36,7 @@ from helpers import (
 from torchtitan.data import streaming as streaming_module
 from torchtitan.data.index import SourceCounts
 from torchtitan.data.order import Cursor
+from torchtitan.data.prepare import prepare
 from torchtitan.data.sources import DataError, SourceSpec, open_source, resolve_source
 from torchtitan.data.spec import MIN_FILE_UNITS
 from torchtitan.data.state import from_tensor, to_tensor
@@ -202,14 +204,28 @@ def step_spans(loader) -> list[list]:
     return [spans for batch in loader.next_step() for spans in batch["spans"]]
 
 
+def prepared(folder, tokenizer, counts, world, **kw) -> list:
+    """``world`` ranks' loaders over ``folder`` whose token counts were measured ahead
+    (scripts/prepare_data.py's way) into a folder of the test's own: what a rank then
+    decodes is what its windows read, never what measuring read. (Counts measured by the
+    simulated ranks themselves would be decoded by whichever loader of this one process
+    planned first, and counts another test left in a shared folder made that depend on
+    the order the tests ran in: the test failed alone and passed in the whole tier.)"""
+    kw = dict(length_index_dir=str(counts), streaming="true", **kw)
+    prepare(cfg(folder, **kw).training, tokenizer, num_proc=1)
+    return loaders(folder, tokenizer, world, **kw)
+
+
 @pytest.mark.parametrize("name", ["parquet_row_groups", "arrow_record_batches"])
-def test_a_rank_decodes_only_the_blocks_its_windows_lie_in(folders, tokenizer, name):
-    """4 ranks, 16 windows each a step, blocks of 2 rows as units: each rank decodes the
-    rows of the blocks its windows lie in and no others, each once; two ranks share at
-    most the one block at the boundary of their slices, and ranks that are not
-    neighbours none. Negative control: where units are row ranges of 32-row groups, a
-    rank decodes whole row groups, more than its units hold: the tally sees them."""
-    ranks = streaming(folders[name], tokenizer, 4, global_batch_size=64)
+def test_a_rank_decodes_only_the_blocks_its_windows_lie_in(folders, tokenizer, name,
+                                                           tmp_path):  # fmt: skip
+    """4 ranks, 16 windows each a step, blocks of 2 rows as units, counts prepared ahead:
+    each rank decodes the rows of the blocks its windows lie in and no others, each once;
+    two ranks share at most the one block at the boundary of their slices, and ranks
+    that are not neighbours none. Negative control: where units are row ranges of 32-row
+    groups, a rank decodes whole row groups, more than its units hold: the tally sees
+    them."""
+    ranks = prepared(folders[name], tokenizer, tmp_path / "counts", 4, global_batch_size=64)
     touched = [set() for _ in ranks]
     for _ in range(3):
         step = [units_touched(step_spans(r)) for r in ranks]
@@ -221,7 +237,8 @@ def test_a_rank_decodes_only_the_blocks_its_windows_lie_in(folders, tokenizer, n
         src = loader.stream.sources[0]
         assert 0 < src.rows_decoded == rows_of(src, touched[r]) < len(DOCS) / 2
 
-    (loader,) = streaming(folders["parquet_row_ranges"], tokenizer, 1, global_batch_size=16)
+    (loader,) = prepared(folders["parquet_row_ranges"], tokenizer, tmp_path / "ranges", 1,
+                         global_batch_size=16)  # fmt: skip
     touched = units_touched(step_spans(loader))
     src = loader.stream.sources[0]
     assert src.rows_decoded > rows_of(src, touched)
