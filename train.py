@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torchtitan import parallel
-from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.checkpoint import CheckpointError, CheckpointManager, TrainState, rewinds
 from torchtitan.checkpoint.stateful import training_components
 from torchtitan.config import ConfigError, JobConfig, load_config_or_exit
 from torchtitan.data import (
@@ -229,6 +229,10 @@ def train(cfg: JobConfig, dims: parallel.ParallelDims):
 def resume(run: Run):
     """The timeline's checkpoint, loaded into every component, or this run's initial weights."""
     run.checkpoint.load()  # the train state holds step 0 unless it was loaded
+    if run.checkpoint.enabled:  # skips a rewind decided, whichever checkpoint was loaded
+        done = parallel.on_main(run.dims, rewinds.read, run.checkpoint.folder)
+        run.dataloader.add_skips([r["skip"] for r in done])
+        run.guard.count_rewinds([r["counts"] for r in done])
     run.dataloader.set_step(run.train_state.step)  # the batch-size schedule is by training step
     if run.checkpoint.loaded_from is None:
         load_initial_weights(run.cfg, run.model, run.dims)
@@ -313,6 +317,11 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
         )
     guard.counts = {**counts, "rewinds": counts["rewinds"] + 1}
     skip = (to + 1, spike + t.skip_after - to)
+    # Durable before the next step trains: a requeue from here loads step-{to}, whose
+    # loader entry was written before the spike and does not hold the skip.
+    checkpoint = run.checkpoint
+    parallel.on_main(run.dims, lambda: (checkpoint.lease.check(), rewinds.record(
+        checkpoint.folder, guard.counts["rewinds"], spike, to, skip, guard.counts)))  # fmt: skip
     lo = loader.position.windows
     loader.add_skips([*skips, skip])
     loader.set_step(run.train_state.step)

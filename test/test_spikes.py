@@ -339,13 +339,15 @@ def test_a_rewind_trains_as_the_same_skip_list_from_the_start(tmp_path, monkeypa
 
 def test_a_requeue_after_a_rewind_keeps_its_skip(tmp_path, monkeypatch):
     """The rewound run stopped at step 8 (its checkpoint holds the skip) and resumed
-    trains as the uninterrupted one; its checkpoint's loader entry lists the skip with
-    its windows. Negative control: a resume from step-5 (before the skip) without the
-    fault hook (nothing to detect) and without the list trains other data."""
+    trains as the uninterrupted one, from its checkpoint's loader entry alone (the
+    rewind's record removed: test_a_kill_right_after_a_rewind... covers the record).
+    Negative control: a resume from step-5 (before the skip) without the fault hook
+    (nothing to detect), the record or the list trains other data."""
     monkeypatch.setenv(FAULT_ENV, "7:x1000")
     train_here(tmp_path / "ref", *REWIND)
     train_here(tmp_path / "a", *REWIND, "--training.stop_at_step", 8)
     monkeypatch.delenv(FAULT_ENV)
+    shutil.rmtree(tmp_path / "a" / "checkpoint" / "rewinds")
     train_here(tmp_path / "a", *REWIND)
     ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
     assert [a[k]["loss"] for k in a] == [ref[k]["loss"] for k in ref]
@@ -354,6 +356,59 @@ def test_a_requeue_after_a_rewind_keeps_its_skip(tmp_path, monkeypatch):
         shutil.rmtree(tmp_path / "b" / "checkpoint" / f"step-{step}")
     train_here(tmp_path / "b", *REWIND)
     assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+class _Killed(BaseException):
+    """A kill -9 just after the rewind: nothing of the loop runs after it (no save)."""
+
+
+def test_a_kill_right_after_a_rewind_relaunches_into_the_same_skip(tmp_path, monkeypatch):
+    """The spike at step 7 rewinds to step-5 and skips steps 6-8; the job dies at once
+    after the rewind (before any later checkpoint) and is relaunched WITHOUT the fault
+    hook (the spike's cause was transient): it loads step-5, whose loader entry predates
+    the skip, reads the rewind's record and trains as the uninterrupted rewound run,
+    losses ==, the rewind counted. Negative control: the record removed before the
+    relaunch (the skip held in memory only, as before the record existed) trains the
+    skipped data: step 6's loss differs."""
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    train_here(tmp_path / "ref", *REWIND)
+    real = train_script.rewind
+
+    def rewind_then_die(*args):
+        real(*args)
+        raise _Killed
+
+    monkeypatch.setattr(train_script, "rewind", rewind_then_die)
+    for dump in ("a", "b"):
+        with pytest.raises(_Killed):
+            train_here(tmp_path / dump, *REWIND)
+    monkeypatch.setattr(train_script, "rewind", real)
+    monkeypatch.delenv(FAULT_ENV)
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoint" / "rewinds")) == ["rewind-1.json"]
+    train_here(tmp_path / "a", *REWIND)
+    ref, a = records(tmp_path / "ref"), records(tmp_path / "a")
+    assert [a[k]["loss"] for k in range(6, 10)] == [ref[k]["loss"] for k in range(6, 10)]
+    assert a[9]["rewinds"] == ref[9]["rewinds"] == 1
+    shutil.rmtree(tmp_path / "b" / "checkpoint" / "rewinds")
+    train_here(tmp_path / "b", *REWIND)
+    assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+def test_a_damaged_rewind_record_stops_the_start_in_one_line(tmp_path, monkeypatch):
+    """A rewind record that does not parse (damaged by something else: it is published
+    whole) stops the start with one line naming it, rather than guess the skip.
+    Negative control: the record whole, the same start trains."""
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    train_here(tmp_path / "a", *REWIND, "--training.stop_at_step", 8)
+    monkeypatch.delenv(FAULT_ENV)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    record = tmp_path / "a" / "checkpoint" / "rewinds" / "rewind-1.json"
+    record.write_text(record.read_text()[:20])
+    status, log = train_here(tmp_path / "a", *REWIND, expect_ok=False)
+    assert status == 1
+    (line,) = error_lines(log)
+    assert "rewind record" in line and "rewind-1.json" in line and "skip_steps" in line
+    train_here(tmp_path / "b", *REWIND)
 
 
 def test_repeated_spikes_stop_after_max_rewinds(tmp_path, monkeypatch):
@@ -395,8 +450,9 @@ def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkey
     line each); a spike on rank 0 alone at step 7 (seen through the mean loss) rewinds
     both to step-5. The run equals one started with --training.skip_steps 6-8 (losses
     ==, provenance ==); a run killed (SIGKILL to the whole job) just after its rewind
-    and relaunched finishes on the same losses (the skip held: from the checkpoint's
-    entry, or the spike met again). Negative control: the list one step off differs."""
+    and relaunched without the fault hook (the spike does not recur) finishes on the
+    same losses: the skip held, from the rewind's record (checkpoint/rewinds.py).
+    Negative control: the list one step off differs."""
     args = [*REWIND, "--training.num_workers", 1]
     monkeypatch.setenv(FAULT_ENV, "3:nan@1,7:x1000@0")
     out = train(tmp_path / "ref", *args).stderr
@@ -421,6 +477,7 @@ def test_two_ranks_rewind_is_exact_and_survives_a_kill_after_it(tmp_path, monkey
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    monkeypatch.delenv(FAULT_ENV)  # the spike's cause was transient: the relaunch meets none
     train(dump, *args)
     assert losses(dump) == ref
     monkeypatch.setenv(FAULT_ENV, "3:nan@1")

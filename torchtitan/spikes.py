@@ -251,6 +251,15 @@ class SpikeGuard(Adapter):
                 "from an earlier checkpoint with --training.skip_steps"
             )
 
+    def count_rewinds(self, recorded: list[dict]):
+        """Counters from the rewinds' records (checkpoint/rewinds.py) where they are ahead
+        of the loaded checkpoint's (a requeue between a rewind and the next save): the
+        counters only grow, so the larger is the job's."""
+        for counts in recorded:
+            for name, value in counts.items():
+                if name in self.counts:
+                    self.counts[name] = max(self.counts[name], value)
+
     def metrics(self) -> dict:
         """The counters, for the step's metrics."""
         return dict(self.counts)
