@@ -3,7 +3,8 @@
 One file per job: ``manager`` (what to save and load, as ``train.py`` drives it),
 ``lifecycle`` (write, finalize, finish a killed save), ``timeline`` (what to resume
 from, what to keep), ``integrity`` (digests, verification, format), ``compat`` (does
-a checkpoint fit this run), ``stateful`` (the components' adapters), ``entries``
+a checkpoint fit this run), ``branch`` (a run started from another run's checkpoint,
+which it only reads), ``stateful`` (the components' adapters), ``entries``
 (the project's entries as tensors; DCP reads that execute nothing), ``lease`` (one job
 per folder), ``changes`` (config diffs) and ``folder`` (names and manifests
 on disk). None of them imports ``manager``, and none imports the Hugging Face interop.

@@ -21,7 +21,8 @@ other replica groups, read only) and plans (O(checkpoints) manifest reads each),
 rank finishes or removes ``.partial`` folders and verifies the chosen checkpoint's
 files by shares (O(total / ranks) each), then loads its own shard.
 
-Never: decide what a component's state is, build components, or load initial weights
+Never: decide what a component's state is, build components, write into a branch's
+source (``checkpoint.branch_from``, ``branch.py``: only read), or load initial weights
 from another job (``initial_weights.py`` does, when this run has no checkpoint).
 """
 
@@ -37,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan import parallel
-from torchtitan.checkpoint import integrity, timeline
+from torchtitan.checkpoint import branch, integrity, timeline
 from torchtitan.checkpoint.changes import resumable_changes
 from torchtitan.checkpoint.entries import DataOnlyLoadPlanner
 from torchtitan.checkpoint.folder import (
@@ -195,14 +196,17 @@ class CheckpointManager:
         ``peers``: the checkpoint folders of the same job's other writers (fault
         tolerance: the other replica groups'), read only: the job's newest checkpoint is
         resumed from wherever it is (``timeline.resume_order``); nothing in a peer's
-        folder is finished, set aside or removed (its own group does that). Cost: rank 0
-        reads O(checkpoints) manifests in each peer folder too."""
+        folder is finished, set aside or removed (its own group does that). With none
+        anywhere, ``checkpoint.branch_from``'s source, read only (``_branch_source``).
+        Cost: rank 0 reads O(checkpoints) manifests in each peer folder too."""
         if not self.enabled:
             return []
         for folder, saver in self.tiers:  # listed by rank 0 alone: O(1) requests a start
             for step in parallel.on_main(self.dims, partial_steps, folder):
                 saver.finish_partial(step)
         path, exclude = self._choose(list(peers))
+        if path is None:  # nothing of this run's own: a branch starts from its source
+            path, exclude = self._branch_source()
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch",
                         " or ".join([folder for folder, _ in self.tiers] + list(peers)))  # fmt: skip
@@ -217,6 +221,27 @@ class CheckpointManager:
             time.perf_counter() - begin,
         )
         return loaded
+
+    # ---- a branch's source (checkpoint.branch_from; branch.py): read, never written ----
+    def _branch_source(self) -> tuple[str | None, list[str]]:
+        """The source checkpoint of a branch whose own tiers hold none, checked (rank 0)
+        and verified (every rank a share), and the components not to load
+        (``checkpoint.exclude_from_loading``); (None, []) without ``branch_from``. Nothing
+        is written, finished, set aside or leased there. Collective. Cost: one manifest
+        read on rank 0, O(checkpoint / ranks) verified by each rank."""
+        path = self.config_dict["checkpoint"]["branch_from"]
+        if not path:
+            return None, []
+        parallel.on_main(self.dims, branch.check_source, path)
+        problem = self._verify(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint.branch_from {path} is damaged: {problem}; branch from another "
+                "step of the source run"
+            )
+        logger.info("no checkpoint of this run yet: branching from %s (read only); this run's "
+                    "checkpoints go to %s", path, self.folder)  # fmt: skip
+        return path, list(self.options["exclude_from_loading"]) if self.options else []
 
     def rewind(self, latest: int, earliest: int = 0) -> int | None:
         """Load, in this process, the newest complete checkpoint of a step in

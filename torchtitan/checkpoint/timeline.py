@@ -15,6 +15,11 @@ removes the checkpoint it has just written.
 Checkpoints after the resume point belong to an abandoned timeline: they are renamed
 ``step-N.abandoned`` (never deleted, never resumed, never purged).
 
+A run started from another run's checkpoint (``checkpoint.branch_from``, ``branch.py``)
+is not such a branch: the other run's folder is never surveyed, planned or set aside
+here; the new run's timeline begins in its own folder, and its own checkpoints,
+once it has one, are what its starts resume.
+
 Every function here runs on rank 0 and reads small manifests only: O(checkpoints)
 per start or save, independent of their size. The manager broadcasts the decisions.
 

@@ -106,7 +106,23 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = _opt(200, "steps of linear warmup from 0 to optimizer.lr", ge=0)
     decay_type: str = _opt(
-        "linear", "shape of the decay after warmup", choices=["linear", "cosine", "constant"]
+        "linear",
+        "shape of the decay to min_lr_ratio: linear, cosine, sqrt (1 - sqrt of its progress) "
+        "or constant (none)",
+        choices=["linear", "cosine", "sqrt", "constant"],
+    )
+    decay_ratio: float = _opt(
+        0.0,
+        "warmup-stable-decay: optimizer.lr after warmup, then the decay over the last "
+        "decay_ratio of training.steps (rounded to a step); 0: the decay follows the warmup",
+        ge=0.0,
+        le=1.0,
+    )
+    decay_steps: int = _opt(
+        0,
+        "warmup-stable-decay with the decay over the last decay_steps of training.steps "
+        "(instead of decay_ratio); 0: unset",
+        ge=0,
     )
     min_lr_ratio: float = _opt(0.1, "final lr as a fraction of optimizer.lr", ge=0.0, le=1.0)
 
@@ -393,6 +409,12 @@ class Checkpoint:
     )
     initial_load_format: str = _opt(
         "dcp", "format of checkpoint.initial_load_path", choices=["dcp", "hf"]
+    )
+    branch_from: str = _opt(
+        "",
+        "another run's step-N checkpoint folder to start from whole (weights, optimizer, data "
+        "position, RNG, step, spike guard) while this run has no checkpoint of its own: a "
+        "cooldown or any branch, saved in this run's folder; the source is only read",
     )
     save_on_signal: list[str] = _opt(
         ["SIGTERM", "SIGUSR1"],

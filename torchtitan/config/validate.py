@@ -32,6 +32,8 @@ COMPONENTS = (
     "torchtitan.models",
     "torchtitan.faults.fault_tolerance",
     "torchtitan.spikes",
+    "torchtitan.optim",
+    "torchtitan.checkpoint.branch",
 )
 
 
