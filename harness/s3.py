@@ -77,6 +77,10 @@ class Traffic:
     damage: str = "checksum"  # "checksum": a wrong x-amz-checksum-crc32; "cut": half a body
     damaged: int = 0
     presigned: int = 0  # requests answered that were signed in their URL (query string)
+    # (what, until time.monotonic()): every request meanwhile held to ``until`` ("pause":
+    # a store that stops answering), delayed 0.3 s ("slow"), or its connection dropped
+    # unanswered ("restart": a server coming back with its data kept). The campaign's.
+    hold: tuple | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self):
@@ -86,6 +90,11 @@ class Traffic:
 
     def wrap(self, app):
         def counted(environ, start_response):
+            held = self.hold
+            if held is not None and time.monotonic() < held[1]:
+                if held[0] == "restart":
+                    return self._drop(environ, start_response)
+                time.sleep(max(0.0, held[1] - time.monotonic()) if held[0] == "pause" else 0.3)
             kind = environ["REQUEST_METHOD"] + (" range" if environ.get("HTTP_RANGE") else "")
             with self.lock:
                 name = environ.get("PATH_INFO", "").rstrip("/").rsplit("/", 1)[-1]
@@ -161,12 +170,16 @@ class Traffic:
             getattr(body, "close", lambda: None)()  # the WSGI contract: the app's iterable
         environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
 
+    def _drop(self, environ, start_response):
+        """The connection closed under the request, unanswered."""
+        start_response("500 Dropped", [])  # never sent: the socket is shut first
+        environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+        return []
+
     def _fail(self, environ, start_response):
         environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
-        if self.fail_status == 0:  # the connection closed under the request, unanswered
-            start_response("500 Dropped", [])  # never sent: the socket is shut first
-            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
-            return []
+        if self.fail_status == 0:
+            return self._drop(environ, start_response)
         code, message = _FAULTS.get(self.fail_status, ("InternalError", "Injected."))
         body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
                 f"<Message>{message}</Message></Error>").encode()  # fmt: skip

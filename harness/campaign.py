@@ -1,0 +1,713 @@
+"""One seeded fault campaign over every fault and feature, judged against the uninterrupted run.
+
+A trial is drawn whole from its seed (``draw``): a job (1-3 ranks, 0-2 loader workers,
+sync or async saves, the local tier on or off, a local folder or a bucket on the
+loopback S3 server, one source or a mix with or without a schedule, a spike policy,
+FSDP, DDP or TP), the faults planted in its data path (a NaN or a spike at a step, which
+does or does not recur on relaunch), and a schedule of faults, one per life of the job:
+
+- ``kill``: SIGKILL to one rank, to the launcher alone, or to the whole job, after a
+  drawn step, during a save or an upload, or just after a rewind;
+- ``term``: SIGTERM to every rank, each 0-500 ms after the last (a scheduler's skew);
+- ``store`` (a bucket only): 503s, dropped connections, a slow store, a store paused
+  past the lease's timeout, or restarted (connections refused, its data kept);
+- ``double``: a second copy of the job started while the first lives (a double requeue);
+- ``layout``: the next life on another rank count or worker count.
+
+After each fault the same command is launched again, as a scheduler would, until the job
+finishes. ``Trial.run`` then judges the history (``judge``) with an oracle that does not
+ask the code under test what should have happened:
+
+- the losses of every step, and every tensor of the final checkpoint, bit-equal to an
+  uninterrupted run of the same job given the skips the records say were applied (the
+  rewinds' skips) and the broken steps the final timeline dropped; where a life ran on
+  another layout, every step's windows exactly (provenance) and the losses within
+  ``ELASTIC_REL`` (the gradient's sum runs over other ranks in another order: ulps per
+  step, 1e-6 after a dozen steps of the debug model; 1e-4 leaves a margin while a step
+  off by one moves the loss by ~1e-2);
+- exactly-once provenance (``check_provenance``);
+- every life exits within ``EXIT_BOUND_S`` of its fault, the last one with 0, no
+  traceback in any log, and no process of any life left behind;
+- the lease released, and no unfinished multipart upload left in the bucket.
+
+A failing trial prints its seed, its schedule as JSON and the command that replays it.
+Cost: a trial is 2-5 launches of a 12-step debug job (each ~5-8 s of a 2-core machine,
+most of it interpreter start-up) plus its reference, which is cached by what decides it
+(the job, the skips, the dropped steps), so later trials of the same job reuse it.
+
+Never: import the code under test's decisions (which checkpoint, which skip): the oracle
+reads only what a run wrote (metrics, provenance, rewind records, checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from torchtitan import REPO_ROOT
+from torchtitan.tools.launch import DEBUG_CONFIG, free_port, launcher_workers, run_env
+
+EXIT_BOUND_S = 90.0  # a life ends within this of its fault (a preemption's save included)
+LIFE_BOUND_S = 240.0  # a life without a fault ends within this
+ELASTIC_REL = 1e-4
+STEPS, INTERVAL, SPIKE_LOSS = 12, 3, 100.0
+LEASE_TIMEOUT_S, LEASE_WAIT_S = 6.0, 30.0
+FAULT_ENV = "TORCHTITAN_TEST_FAULT"
+
+
+@dataclass
+class Job:
+    ranks: int = 1
+    workers: int = 0
+    async_mode: str = "disabled"
+    local_tier: bool = False
+    bucket: bool = False
+    mix: str = "none"  # none | mix | schedule
+    spike: str = "none"  # none | skip_step | rewind
+    layout: str = "fsdp"  # fsdp | ddp | tp
+    # Dropout draws a stream per data-parallel rank: a life on another rank count draws
+    # other masks, so a job whose rank count changes trains without it.
+    dropout: float = 0.1
+
+    def args(self, ranks: int, workers: int) -> list[str]:
+        """The job's command line (without the dump folder) at a rank and worker count."""
+        a = ["--job.config_file", DEBUG_CONFIG, "--training.steps", STEPS,
+             "--training.seq_len", 32, "--training.batch_size", 2,
+             "--training.global_batch_size", 6, "--training.num_workers", workers,
+             "--checkpoint.enable_checkpoint", "--checkpoint.interval", INTERVAL,
+             "--checkpoint.async_mode", self.async_mode,
+             "--checkpoint.lease_timeout_seconds", LEASE_TIMEOUT_S,
+             "--checkpoint.lease_wait_seconds", LEASE_WAIT_S,
+             "--metrics.log_freq", 1, "--metrics.data_provenance",
+             "--training.data_parallel", "ddp" if self.layout == "ddp" else "fsdp",
+             "--lr_scheduler.warmup_steps", 2, "--model.dropout", self.dropout]  # fmt: skip
+        if self.layout == "tp":
+            a += ["--parallelism.tensor_parallel_degree", 2]
+        if self.local_tier:
+            a += ["--checkpoint.local_interval", 2]
+        if self.mix != "none":
+            a += ["--training.datasets", "shakespeare:0.7,kjv:0.3"]
+        if self.mix == "schedule":
+            a += ["--training.mix_schedule",
+                  json.dumps([{"step": 5, "weights": {"shakespeare": 0.2, "kjv": 0.8},
+                               "ramp": 3}])]  # fmt: skip
+        if self.spike != "none":
+            a += ["--training.spike_window", 0, "--training.spike_max_loss", SPIKE_LOSS,
+                  "--training.on_spike", self.spike, "--training.rewind_steps", 2,
+                  "--training.skip_after", 1, "--training.max_bad_steps", 3]  # fmt: skip
+        return [str(v) for v in a]
+
+
+@dataclass
+class Plant:
+    """A fault in the data path at a step: ``nan`` or ``x1000`` (a spike)."""
+
+    step: int
+    kind: str
+    recurs: bool  # armed again on every relaunch, or only in the first life
+
+
+@dataclass
+class Fault:
+    kind: str  # kill | term | store | double | layout
+    moment: str = "step"  # step | save | rewind (kill); the store's fault (store)
+    target: str = "job"  # job | one | launcher (kill)
+    at_step: int = 1
+    seconds: float = 0.0  # a store fault's length; a term's skew bound (ms / 1000)
+    ranks: int = 0  # layout
+    workers: int = 0  # layout
+
+
+@dataclass
+class Trial:
+    seed: int
+    job: Job
+    plants: list[Plant] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Trial:
+        d = json.loads(text)
+        return Trial(d["seed"], Job(**d["job"]), [Plant(**p) for p in d["plants"]],
+                     [Fault(**f) for f in d["faults"]])  # fmt: skip
+
+
+def draw(seed: int, bucket_ok: bool = True) -> Trial:
+    """The trial of ``seed``: a job, its planted faults and its schedule."""
+    rng = random.Random(seed)
+    layout = rng.choice(["fsdp", "fsdp", "ddp", "tp"])
+    ranks = 2 if layout == "tp" else rng.choice([1, 2, 2, 3])
+    job = Job(ranks=ranks, workers=rng.choice([0, 1, 2]),
+              async_mode=rng.choice(["disabled", "async"]), local_tier=rng.random() < 0.3,
+              bucket=bucket_ok and rng.random() < 0.35,
+              mix=rng.choice(["none", "none", "mix", "schedule"]),
+              spike=rng.choice(["none", "skip_step", "rewind", "rewind"]), layout=layout)  # fmt: skip
+    plants = []
+    if job.spike != "none":
+        if rng.random() < 0.8:
+            plants.append(Plant(rng.randint(5, 9), "x1000", rng.random() < 0.5))
+        if rng.random() < 0.3:
+            plants.append(Plant(rng.randint(2, 4), "nan", rng.random() < 0.5))
+    kinds = ["kill", "kill", "kill", "term", "term", "double"]
+    if job.bucket:
+        kinds += ["store", "store"]
+    if layout != "tp":
+        kinds += ["layout"]
+    faults, at = [], 0
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(kinds)
+        at = rng.randint(at + 1, min(at + 5, STEPS - 1)) if at < STEPS - 1 else STEPS - 1
+        f = Fault(kind, at_step=at)
+        if kind == "kill":
+            moments = ["step", "save"] + (["rewind"] if any(p.kind == "x1000" for p in plants)
+                                          and job.spike == "rewind" else [])  # fmt: skip
+            f.moment = rng.choice(moments)
+            f.target = rng.choice(["job", "one", "launcher"])
+        elif kind == "term":
+            f.seconds = rng.uniform(0, 0.5)
+        elif kind == "store":
+            f.moment = rng.choice(["503", "reset", "slow", "pause", "restart"])
+            f.seconds = {"pause": LEASE_TIMEOUT_S * 2}.get(f.moment, rng.uniform(1, 3))
+        elif kind == "layout":
+            f.ranks = rng.choice([r for r in (1, 2, 3) if r != ranks] if layout != "ddp"
+                                 else [ranks])  # fmt: skip
+            f.workers = rng.choice([0, 1, 2])
+        faults.append(f)
+    if any(f.kind == "layout" and f.ranks != ranks for f in faults[1:]):
+        job.dropout = 0.0
+    return Trial(seed, job, plants, faults)
+
+
+# ---- running a job ----------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+def last_step(dump: Path) -> int:
+    try:
+        lines = (dump / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
+def _saving(dump: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return any(e.name.endswith(".partial") for e in os.scandir(dump / "checkpoint"))
+    return False
+
+
+def _rewinds(dump: Path) -> int:
+    with contextlib.suppress(OSError):
+        return (dump / "spikes.jsonl").read_text().count('"kind": "rewind"')
+    return 0
+
+
+def _written_since(dump: Path, t: float) -> bool:
+    with contextlib.suppress(OSError):
+        return (dump / "metrics.jsonl").stat().st_mtime > t
+    return False
+
+
+class Life:
+    """One launch of the job: its process, every pid it started, its log."""
+
+    def __init__(self, cmd: list[str], env: dict, log: Path):
+        self.log, self.started = log, time.time()
+        self.offset = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as f:
+            f.write(("$ " + " ".join(cmd) + "\n").encode())
+        self.out = open(log, "ab")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self.out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.pids: set[int] = set()
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._collect, daemon=True)
+        self._watch.start()
+
+    def _collect(self):
+        while not self._stop.is_set() and self.proc.poll() is None:
+            self.pids.update(_descendants(self.proc.pid))
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        """What this life wrote to the log."""
+        with open(self.log, "rb") as f:
+            f.seek(self.offset)
+            return f.read().decode(errors="replace")
+
+    def ranks(self) -> list[int]:
+        return launcher_workers(self.proc.pid) or []
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._stop.set()
+        self._watch.join()
+        return code
+
+    def kill_all(self):
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def left(self, grace: float = EXIT_BOUND_S) -> list[int]:
+        """Pids of this life still running ``grace`` seconds after the launcher ended."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            alive = [p for p in self.pids if _alive(p)]
+            if not alive:
+                return []
+            time.sleep(0.1)
+        return [p for p in self.pids if _alive(p)]
+
+    def close(self):
+        self.out.close()
+
+
+@dataclass
+class Outcome:
+    lives: int = 0
+    violations: list[str] = field(default_factory=list)
+    moments: list[str] = field(default_factory=list)  # "kill/save", "term", "store/pause" ...
+    reference: str = ""
+
+
+class Runner:
+    """Runs trials in ``root``; ``store`` is a (bucket, endpoint, traffic) of the loopback
+    S3 server or None."""
+
+    def __init__(self, root: Path, store=None, cache: Path | None = None):
+        self.root, self.store = root, store
+        self.cache = cache or root / "references"
+
+    # -- a life ---------------------------------------------------------------------------
+    def _cmd(self, job: Job, dump: Path, ranks: int, workers: int, extra=()) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                f"--master_port={free_port()}", str(REPO_ROOT / "train.py"),
+                *job.args(ranks, workers), "--job.dump_folder", str(dump),
+                *self._folder(job, dump), *extra]  # fmt: skip
+
+    def _folder(self, job: Job, dump: Path) -> list[str]:
+        if not job.bucket:
+            return []
+        return ["--checkpoint.folder", f"s3://{self.store[0]}/{dump.name}"]
+
+    def _env(self, plants: list[Plant], life: int) -> dict:
+        env = run_env()
+        armed = [f"{p.step}:{p.kind}" for p in plants if p.recurs or life == 0]
+        env[FAULT_ENV] = ",".join(armed)
+        return env
+
+    # -- a trial --------------------------------------------------------------------------
+    def run(self, trial: Trial) -> Outcome:
+        out = Outcome()
+        job, dump = trial.job, self.root / f"trial-{trial.seed}"
+        shutil.rmtree(dump, ignore_errors=True)
+        dump.mkdir(parents=True)
+        log = dump / "lives.log"
+        ranks, workers, changed = job.ranks, job.workers, False
+        pending, lives = list(trial.faults), []
+        while True:
+            if out.lives > len(trial.faults) + 3:
+                out.violations.append(f"the job did not finish in {out.lives} lives")
+                break
+            f = pending.pop(0) if pending else None
+            while f is not None and f.kind == "layout":  # this life on another layout
+                if out.lives:
+                    changed = changed or f.ranks != ranks
+                    ranks, workers = f.ranks or ranks, f.workers
+                    out.moments.append("layout")
+                f = pending.pop(0) if pending else None
+            life = Life(self._cmd(job, dump, ranks, workers),
+                        self._env(trial.plants, out.lives), log)  # fmt: skip
+            lives.append(life)
+            out.lives += 1
+            hit = f is not None and self._until(life, dump, job, f, LIFE_BOUND_S)
+            if hit:
+                out.moments.append(self._inject(f, life, dump, job, trial, out))
+            bound = EXIT_BOUND_S if hit and f.kind in ("kill", "term") else LIFE_BOUND_S
+            code = life.wait(bound)
+            if code is None:
+                life.kill_all()
+                life.wait(10)
+                what = f"after {f.kind}" if hit else "without a fault"
+                out.violations.append(f"life {out.lives}: no exit within {bound:g}s {what}")
+                break
+            if hit and f.kind == "term" and "preempted at step" not in life.output():
+                out.violations.append(f"life {out.lives}: SIGTERM did not stop it by preemption")
+            if code == 0 and last_step(dump) >= STEPS:
+                break
+            if hit and f.kind in ("store", "double") and code and "error:" not in life.output():
+                out.violations.append(f"life {out.lives}: exit {code} after {f.kind} without "
+                                      "its one line")  # fmt: skip
+            if not hit and code != 0:
+                out.violations.append(f"life {out.lives}: exit {code} without a fault")
+                break
+        for life in lives:
+            life.close()
+            stray = life.left()
+            if stray:
+                out.violations.append(f"processes left behind: {stray}")
+                for pid in stray:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        if not out.violations:
+            out.violations += self.judge(trial, dump, changed, out)
+        return out
+
+    def _until(self, life: Life, dump: Path, job: Job, f: Fault, timeout: float) -> bool:
+        """Wait for the fault's moment; False if the life ended first."""
+        deadline = time.monotonic() + timeout
+        rng = random.Random(f.at_step)
+        rewinds = _rewinds(dump)
+        while life.proc.poll() is None and time.monotonic() < deadline:
+            # Only what this life wrote: a relaunch starts with its predecessor's lines.
+            step = last_step(dump) if _written_since(dump, life.started) else -1
+            if f.moment == "rewind":
+                if _rewinds(dump) > rewinds:
+                    return True
+            elif f.kind == "kill" and f.moment == "save":
+                if _saving(dump) and step >= f.at_step - 1:
+                    return True
+                # A save a store writes (or one too quick to see): just after a saved step,
+                # while its (async) upload runs.
+                if step >= f.at_step and step % INTERVAL == 0:
+                    time.sleep(rng.uniform(0, 0.15))
+                    return True
+            elif step >= f.at_step:
+                return True
+            time.sleep(0.002)
+        return False
+
+    def _inject(self, f: Fault, life: Life, dump: Path, job: Job, trial: Trial, out) -> str:
+        if f.kind == "kill":
+            ranks = life.ranks()
+            if f.target == "one" and ranks:
+                targets = [random.Random(trial.seed).choice(ranks)]
+            elif f.target == "launcher":
+                targets = [life.proc.pid]
+            else:
+                targets = [*_descendants(life.proc.pid), life.proc.pid]
+            during = "save" if _saving(dump) else f.moment
+            for pid in targets:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return f"kill/{f.target}/{during}"
+        if f.kind == "term":
+            ranks = life.ranks()
+            rng = random.Random(trial.seed + 1)
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+                time.sleep(rng.uniform(0, f.seconds) / max(1, len(ranks) - 1))
+            return "term"
+        if f.kind == "store":
+            self._store_fault(f)
+            if f.moment == "pause":  # past the lease's timeout, then a scheduler's requeue
+                time.sleep(f.seconds)
+                return "store/pause/" + self._twin(life, dump, job, trial, out)
+            return f"store/{f.moment}"
+        if f.kind == "double":
+            return "double/" + self._twin(life, dump, job, trial, out)
+        return f.kind
+
+    def _twin(self, life: Life, dump: Path, job: Job, trial: Trial, out) -> str:
+        """A second copy of the job started while the first may live; it must wait out
+        the lease and stop in one line, or (the first gone) resume and finish."""
+        cmd = self._cmd(job, dump, len(life.ranks()) or job.ranks, job.workers,
+                        ["--checkpoint.lease_wait_seconds", "3"])  # fmt: skip
+        twin = Life(cmd, self._env(trial.plants, 1), dump / "twin.log")
+        code = twin.wait(LIFE_BOUND_S)
+        twin.close()
+        text = _tail(dump / "twin.log")
+        if code is None:
+            twin.kill_all()
+            out.violations.append("the second copy did not exit")
+        elif code != 0 and "in use by another job" not in text:
+            out.violations.append(f"the second copy exited {code} without the lease's line")
+        if tracebacks(text):
+            out.violations.append(f"the second copy printed a traceback: {tracebacks(text)[0]}")
+        stray = twin.left()
+        if stray:
+            out.violations.append(f"the second copy left processes: {stray}")
+        return "waited-out" if code != 0 else "took-over"
+
+    def _store_fault(self, f: Fault):
+        traffic = self.store[2]
+        with traffic.lock:
+            if f.moment == "503":
+                traffic.fail_kinds = ("GET", "GET range", "PUT", "HEAD", "POST", "DELETE")
+                traffic.fail_status, traffic.fail_next = 503, 12
+            elif f.moment == "reset":
+                traffic.fail_kinds = ("GET", "GET range", "PUT", "HEAD", "POST", "DELETE")
+                traffic.fail_status, traffic.fail_next = 0, 6
+            else:  # slow, pause, restart: every request held (a restart: refused) a while
+                traffic.hold = (f.moment, time.monotonic() + f.seconds)
+
+    # -- the oracle -----------------------------------------------------------------------
+    def judge(self, trial: Trial, dump: Path, changed: bool, out: Outcome) -> list[str]:
+        bad = []
+        raised = tracebacks((dump / "lives.log").read_text(errors="replace"))
+        if raised:
+            bad.append(f"a traceback in the job's output: {raised[0]}")
+        skips = applied_skips(dump, self.checkpoint_listing(trial.job, dump))
+        dropped = dropped_steps(dump, trial.job)
+        ref = self.reference(trial.job, skips, dropped)
+        out.reference = str(ref)
+        got, want = read_losses(dump), read_losses(ref)
+        if sorted(got) != sorted(want):
+            bad.append(f"steps logged {sorted(got)} against the reference's {sorted(want)}")
+        elif changed:
+            far = [s for s in want if not _close(got[s], want[s])]
+            if far:
+                bad.append(f"losses beyond {ELASTIC_REL} at steps {far}")
+        else:
+            off = [s for s in want if not _same(got[s], want[s])]
+            if off:
+                bad.append(f"losses differ at steps {off}")
+            final = self.final_tensors(trial.job, dump)
+            expected = self.final_tensors(Job(), ref)
+            if final.keys() != expected.keys():
+                bad.append("the final checkpoint holds other entries than the reference's")
+            else:
+                import torch
+
+                diff = [k for k in final if not torch.equal(final[k], expected[k])]
+                if diff:
+                    bad.append(f"final checkpoint tensors differ: {diff[:4]}")
+        # Exactly once: every step read the reference's windows (the reference passed over
+        # the same skips from its command line), no token twice, and, where nothing was
+        # skipped, every document of a finished pass read whole.
+        if step_windows(dump) != step_windows(ref):
+            bad.append("the windows of some step differ from the reference's")
+        twice = _read_twice(dump)
+        if twice:
+            bad.append(f"tokens read twice: {twice}")
+        if not skips and _provenance_problem(dump, trial.job):
+            bad.append("provenance: not every token once")
+        bad += self.leftovers(trial.job, dump)
+        return bad
+
+    def checkpoint_listing(self, job: Job, dump: Path) -> Path:
+        """The checkpoint folder, locally (a bucket's copied down once judged)."""
+        if not job.bucket:
+            return dump / "checkpoint"
+        import s3fs
+
+        local = dump / "from-bucket"
+        if not local.exists():
+            s3fs.S3FileSystem(skip_instance_cache=True).get(
+                f"{self.store[0]}/{dump.name}/", str(local), recursive=True
+            )
+        return local
+
+    def final_tensors(self, job: Job, dump: Path) -> dict:
+        folder = self.checkpoint_listing(job, dump)
+        return read_tensors(folder / f"step-{STEPS}")
+
+    def leftovers(self, job: Job, dump: Path) -> list[str]:
+        bad = []
+        if not job.bucket:
+            if (dump / "checkpoint" / "lease.json").exists():
+                bad.append("the lease was not released")
+            return bad
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.store[1])
+        bucket, prefix = self.store[0], f"{dump.name}/"
+        with contextlib.suppress(Exception):
+            s3.head_object(Bucket=bucket, Key=f"{prefix}lease.json")
+            bad.append("the lease was not released")
+        uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+        if uploads:
+            bad.append(f"{len(uploads)} unfinished multipart uploads left in the bucket")
+        return bad
+
+    def reference(self, job: Job, skips: list, dropped: dict) -> Path:
+        """The uninterrupted run of ``job`` (local folder) with ``skips`` applied and the
+        ``dropped`` steps' faults planted: cached by what decides it."""
+        # Workers, async saves, the local tier and the bucket must change no bit: the
+        # reference runs without them (0 workers, sync, one local folder).
+        plain = Job(**{**asdict(job), "bucket": False, "workers": 0, "async_mode": "disabled",
+                       "local_tier": False})  # fmt: skip
+        key = hashlib.sha256(json.dumps([asdict(plain), skips, sorted(dropped.items())],
+                                        sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+        ref = self.cache / key
+        if (ref / "done").exists():
+            return ref
+        shutil.rmtree(ref, ignore_errors=True)
+        ref.mkdir(parents=True)
+        extra = []
+        if skips:
+            extra += ["--training.skip_steps", ",".join(f"{a}-{a + n - 1}" for a, n in skips)]
+        env = run_env()
+        env[FAULT_ENV] = ",".join(f"{s}:{k}" for s, k in sorted(dropped.items()))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={plain.ranks}",
+               f"--master_port={free_port()}", str(REPO_ROOT / "train.py"),
+               *plain.args(plain.ranks, plain.workers), "--job.dump_folder", str(ref), *extra]  # fmt: skip
+        life = Life(cmd, env, ref / "lives.log")
+        code = life.wait(LIFE_BOUND_S)
+        life.close()
+        if code != 0:
+            raise RuntimeError(f"the reference run failed (exit {code}); see {ref}/lives.log")
+        (ref / "done").write_text("")
+        return ref
+
+
+# torchrun's own report of a rank that a fault killed: the launcher's, not the job's.
+_LAUNCHER_REPORT = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def tracebacks(text: str) -> list[str]:
+    """The last line (the exception) of every traceback in ``text`` but torchrun's report
+    of a rank that a fault killed."""
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        prefix = line.split("Traceback")[0]  # "[rank1]:" where torchrun tags a rank's lines
+        j = i + 1
+        while j < len(lines) and lines[j].startswith(prefix + " "):
+            j += 1
+        last = lines[j] if j < len(lines) else ""
+        if _LAUNCHER_REPORT not in last:
+            out.append(last.strip()[:200])
+    return out
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _close(a: float, b: float) -> bool:
+    return _same(a, b) or math.isclose(a, b, rel_tol=ELASTIC_REL, abs_tol=0.0)
+
+
+def read_losses(dump: Path) -> dict[int, float]:
+    out = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def applied_skips(dump: Path, checkpoint: Path) -> list:
+    """The skips the records say were applied: every rewind's, from its event and from its
+    durable record (``[first, steps]``, each once)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for line in (dump / "spikes.jsonl").read_text().splitlines():
+            e = json.loads(line)
+            if e.get("kind") == "rewind":
+                found.add(tuple(e["skip_steps"]))
+    with contextlib.suppress(OSError):
+        for p in (checkpoint / "rewinds").iterdir():
+            found.add(tuple(json.loads(p.read_text())["skip"]))
+    return sorted(list(s) for s in found)
+
+
+def dropped_steps(dump: Path, job: Job) -> dict[int, str]:
+    """The steps the final timeline dropped ({step: the fault that makes the reference drop
+    it}): where its counters of broken steps (and, under skip_step, spikes) went up."""
+    out, before = {}, {"bad_steps": 0, "spikes": 0}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("bad_steps", 0) > before["bad_steps"]:
+            out[r["step"]] = "nan"
+        elif job.spike == "skip_step" and r.get("spikes", 0) > before["spikes"]:
+            out[r["step"]] = "x1000"
+        before = {k: r.get(k, 0) for k in before}
+    return out
+
+
+def step_windows(dump: Path) -> dict:
+    from torchtitan.records.provenance import read_provenance, sequences_by_step
+
+    by_step = sequences_by_step(read_provenance(dump / "provenance"))
+    return {s: sorted(map(json.dumps, v)) for s, v in by_step.items()}
+
+
+def _read_twice(dump: Path) -> dict:
+    from torchtitan.records.provenance import check_exactly_once, read_provenance
+
+    reports = check_exactly_once(read_provenance(dump / "provenance"))
+    return {s: r.duplicate_tokens for s, r in reports.items() if r.duplicate_tokens}
+
+
+def _provenance_problem(dump: Path, job: Job) -> bool:
+    from torchtitan.tools.check_provenance import main as check_provenance
+
+    args = [
+        str(dump / "provenance"),
+        "--job.config_file",
+        DEBUG_CONFIG,
+        *job.args(job.ranks, job.workers)[2:],
+    ]
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        return check_provenance(args) != 0
+
+
+def read_tensors(step_dir: Path) -> dict:
+    """The model's, the optimizer's and the schedule's tensors of a checkpoint, in this
+    process (the loader's entry names the layout it was written on: the provenance and
+    the losses judge the data)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.checkpoint.store import store_for
+
+    store = store_for(str(step_dir))
+    metadata = store.reader(str(step_dir)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, dcp.TensorStorageMetadata)
+             and k.split(".")[0] in ("model", "optimizer", "lr_scheduler")}  # fmt: skip
+    dcp.load(state, checkpoint_id=str(step_dir), storage_reader=store.reader(str(step_dir)),
+             no_dist=True)  # fmt: skip
+    return state
+
+
+def replay_command(trial: Trial) -> str:
+    return f"python scripts/campaigns/campaign.py --replay '{trial.to_json()}'"

@@ -1,0 +1,129 @@
+"""The fault campaign (harness/campaign.py, scripts/campaigns/campaign.py): trials drawn
+whole from their seed, every fault kind and feature drawn, the oracle's readings of a
+run's records; and, in the slow tier, as many trials as fit in the campaign's CI budget
+with seeds that rotate by commit (a failure prints the command that replays it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+from harness import campaign
+
+
+def test_a_trial_is_drawn_whole_from_its_seed_and_replays_from_its_json():
+    """The same seed draws the same trial; its JSON gives it back; another seed draws
+    another. Negative control: a trial with one fault moved is not equal."""
+    a, b = campaign.draw(11), campaign.draw(11)
+    assert a == b and campaign.Trial.from_json(a.to_json()) == a
+    assert campaign.draw(12) != a
+    moved = campaign.Trial.from_json(a.to_json())
+    moved.faults[0].at_step += 1
+    assert moved != a
+
+
+def test_the_draws_cover_every_fault_and_feature():
+    """Over 300 seeds every fault kind and moment, every kill target, every store fault,
+    every job feature and both kinds of planted fault (recurring or not) are drawn, with
+    one to three faults a trial and the steps of a trial's faults in order."""
+    trials = [campaign.draw(s) for s in range(300)]
+    faults = [f for t in trials for f in t.faults]
+    assert {f.kind for f in faults} == {"kill", "term", "store", "double", "layout"}
+    assert {f.moment for f in faults if f.kind == "kill"} == {"step", "save", "rewind"}
+    assert {f.target for f in faults if f.kind == "kill"} == {"job", "one", "launcher"}
+    assert {f.moment for f in faults if f.kind == "store"} == {
+        "503", "reset", "slow", "pause", "restart"}  # fmt: skip
+    jobs = [t.job for t in trials]
+    assert {j.ranks for j in jobs} == {1, 2, 3} and {j.workers for j in jobs} == {0, 1, 2}
+    assert {j.layout for j in jobs} == {"fsdp", "ddp", "tp"}
+    assert {j.spike for j in jobs} == {"none", "skip_step", "rewind"}
+    assert {j.mix for j in jobs} == {"none", "mix", "schedule"}
+    assert {(j.async_mode, j.bucket, j.local_tier) for j in jobs} >= {
+        ("async", True, True), ("disabled", False, False)}  # fmt: skip
+    plants = {(p.kind, p.recurs) for t in trials for p in t.plants}
+    assert plants == {("nan", True), ("nan", False), ("x1000", True), ("x1000", False)}
+    assert all(1 <= len(t.faults) <= 3 for t in trials)
+    for t in trials:
+        steps = [f.at_step for f in t.faults]
+        assert steps == sorted(steps) and all(1 <= s < campaign.STEPS for s in steps)
+        assert not any(f.kind == "store" for f in t.faults) or t.job.bucket
+        assert t.job.layout != "tp" or t.job.ranks == 2
+
+
+def _records(tmp_path, metrics: list[dict], events: list[dict], records: list[dict]):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (tmp_path / "spikes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    folder = tmp_path / "checkpoint" / "rewinds"
+    folder.mkdir(parents=True)
+    for k, r in enumerate(records, 1):
+        (folder / f"rewind-{k}.json").write_text(json.dumps(r))
+
+
+def test_the_oracle_reads_the_skips_and_the_dropped_steps_from_the_records(tmp_path):
+    """The skips applied are every rewind's, from its event and its durable record, each
+    once; the dropped steps are where the final timeline's counters went up (a broken
+    step: NaN; a spike under skip_step: the spike). Negative controls: under rewind a
+    spike is not a dropped step (its skip covers it); a record alone still counts (the
+    event of a life that was killed may be missing)."""
+    counters = [(0, 0), (1, 0), (1, 0), (1, 1), (1, 1)]
+    metrics = [{"step": s, "loss": 1.0, "bad_steps": b, "spikes": k}
+               for s, (b, k) in enumerate(counters, 1)]  # fmt: skip
+    _records(tmp_path, metrics, [{"step": 7, "kind": "rewind", "skip_steps": [6, 3]}],
+             [{"skip": [6, 3]}, {"skip": [10, 2]}])  # fmt: skip
+    assert campaign.applied_skips(tmp_path, tmp_path / "checkpoint") == [[6, 3], [10, 2]]
+    assert campaign.dropped_steps(tmp_path, campaign.Job(spike="skip_step")) == {
+        2: "nan", 4: "x1000"}  # fmt: skip
+    assert campaign.dropped_steps(tmp_path, campaign.Job(spike="rewind")) == {2: "nan"}
+
+
+def test_losses_compare_exactly_or_within_the_elastic_tolerance():
+    """NaN equals NaN (a dropped step on both sides); a bit off is not the same, but is
+    close; a loss 1e-3 off is neither."""
+    nan = float("nan")
+    assert campaign._same(nan, nan) and campaign._same(8.25, 8.25)
+    assert not campaign._same(8.25, 8.25 + 1e-6) and campaign._close(8.25, 8.25 + 1e-6)
+    assert not campaign._close(8.25, 8.25 * (1 + 1e-3)) and not campaign._same(nan, 8.25)
+
+
+def test_a_traceback_is_found_but_torchruns_report_of_a_killed_rank():
+    """A rank's traceback (tagged or not) is a violation; torchrun's own report of a rank
+    the campaign killed (ChildFailedError) is not. Negative control: the same report with
+    another exception is found."""
+    report = ("Traceback (most recent call last):\n  File \"run.py\", line 1\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")  # fmt: skip
+    rank = (
+        '[rank1]: Traceback (most recent call last):\n[rank1]:   File "a"\n[rank1]: KeyError: 1\n'
+    )
+    assert campaign.tracebacks(report) == []
+    assert campaign.tracebacks("ok\n" + rank + report) == ["[rank1]: KeyError: 1"]
+    assert campaign.tracebacks(report.replace("ChildFailedError", "OtherError")) != []
+
+
+def _commit_seed() -> int:
+    """The trials' first seed: this commit's (seeds rotate by commit), unless
+    TORCHTITAN_CAMPAIGN_SEED replays a failure."""
+    if "TORCHTITAN_CAMPAIGN_SEED" in os.environ:
+        return int(os.environ["TORCHTITAN_CAMPAIGN_SEED"])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True)  # fmt: skip
+    return int(head.stdout.strip()[:8] or "0", 16) % 1_000_000
+
+
+@pytest.mark.slow
+def test_the_campaign_finds_no_violation(tmp_path):
+    """As many trials as fit in TORCHTITAN_CAMPAIGN_MINUTES (8 in CI), seeds from this
+    commit's: no violation. Each trial's line, and a failure's replay command, are in
+    the output."""
+    minutes = os.environ.get("TORCHTITAN_CAMPAIGN_MINUTES", "8")
+    cmd = [sys.executable, str(REPO / "scripts" / "campaigns" / "campaign.py"), "--minutes",
+           minutes, "--seed", str(_commit_seed()), "--root", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          timeout=float(minutes) * 60 + 600)  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert proc.returncode == 0 and report["violations"] == 0, proc.stdout[-6000:]
+    assert report["trials"] >= 1, proc.stdout[-3000:]
