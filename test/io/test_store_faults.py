@@ -7,6 +7,10 @@ try here (s3fs's ``retries``, botocore's through fsspec's per-protocol config), 
 fails in a second rather than after ~20 s; the product's path is otherwise unchanged.
 Negative control: with the store reachable and the credentials right, the same runs
 succeed (the faults, not the runs, fail them).
+
+A fault retried changes nothing a checkpoint saves: the generators after retries of the
+store writer, the store reader and botocore (legacy and standard modes), and a whole run
+behind a server that throttles every fifth request against one without (slow).
 """
 
 from __future__ import annotations
@@ -178,3 +182,143 @@ def test_a_bucket_gone_mid_run_is_one_line_and_the_last_checkpoint_stays(server,
     if scope:  # the negative control, once
         train_here(tmp_path / "control", *args[:-1], f"{url}-control")
         assert complete_steps(f"{url}-control") == [2, 4]
+
+
+# ---- a retry changes no generator a checkpoint saves ------------------------------------
+def generators() -> tuple:
+    """The process's generators that a checkpoint saves (checkpoint/stateful.py
+    ``RNGState``): Python's ``random``, numpy's global one, torch's CPU one."""
+    import random
+
+    import numpy as np
+    import torch
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return random.getstate(), (name, keys.tolist(), pos, has_gauss, cached), torch.get_rng_state()
+
+
+def same_generators(a: tuple, b: tuple) -> bool:
+    import torch
+
+    return a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("mode", ["legacy", "standard"])
+def test_retries_leave_the_generators_a_checkpoint_saves_as_they_were(server, env, tmp_path,
+                                                                      mode):  # fmt: skip
+    """Behind 503 SlowDown answers, each request retried once: a checkpoint saved by the
+    store writer (2 PUTs retried), loaded by the store reader (2 ranged GETs retried), and
+    a claim written through s3fs with botocore's own retries (its ``mode``: legacy, or
+    standard, whose waits ``ExponentialBackoff`` draws; s3fs's retries off, so that only
+    botocore's can succeed). Python's, numpy's and torch's generators are exactly as they
+    were: every wait was drawn from the OS (storage.JITTER). The retries happened (the
+    server's count and the clients'). Negative control: one wait drawn as the writer drew
+    it before (``random.uniform``) is seen."""
+    import random
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.checkpoint import store_reader, store_writer
+
+    bucket, _, traffic = server
+    url = f"s3://{bucket}/generators-{mode}"
+    env.setattr(store_reader, "BACKOFF", 0.01)
+    env.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"retries": {
+        "mode": mode, "total_max_attempts": 2}}})  # fmt: skip
+    saved = {"w": torch.arange(1000, dtype=torch.float32), "b": {"note": "bytes", "n": 3}}
+    before = generators()
+    traffic.reset()
+    traffic.fail_next, traffic.fail_status, traffic.fail_kinds = 2, 503, ("PUT",)
+    writer = store_writer.StoreWriter(url)
+    dcp.save(saved, checkpoint_id=url, storage_writer=writer, no_dist=True)
+    assert traffic.failed == 2 and writer.stats["retries"] == 2
+    traffic.reset()
+    traffic.fail_next, traffic.fail_kinds, traffic.fail_suffix = 2, ("GET range",), ".distcp"
+    loaded = {"w": torch.zeros(1000), "b": {"note": None, "n": None}}
+    reader = store_reader.StoreReader(url)
+    dcp.load(loaded, checkpoint_id=url, storage_reader=reader, no_dist=True)
+    assert traffic.failed == 2 and reader.stats["retries"] == 2
+    assert torch.equal(loaded["w"], saved["w"]) and loaded["b"] == saved["b"]
+    traffic.reset()
+    traffic.fail_next, traffic.fail_kinds, traffic.fail_suffix = 1, ("PUT",), ""
+    assert storage.put_object(f"{url}/claim.json", b"{}", absent=True) is not None
+    assert traffic.failed == 1 and traffic.fail_next == 0
+    traffic.fail_next, traffic.fail_kinds = 0, ("GET", "GET range")
+    assert same_generators(generators(), before)
+
+    random.uniform(0, store_reader.BACKOFF)
+    assert not same_generators(generators(), before), "negative control"
+
+
+class EveryFifth(Traffic):
+    """A server that answers 503 SlowDown to every fifth request while ``on``."""
+
+    on = False
+    seen = 0
+
+    def wrap(self, app):
+        answer = super().wrap(app)
+
+        def every_fifth(environ, start_response):
+            with self.lock:
+                self.seen += self.on
+                if self.on and self.seen % 5 == 0:
+                    kind = environ["REQUEST_METHOD"] + (
+                        " range" if environ.get("HTTP_RANGE") else ""
+                    )
+                    self.fail_next, self.fail_status, self.fail_kinds = 1, 503, (kind,)
+            return answer(environ, start_response)
+
+        return every_fifth
+
+
+def saved_entries(url: str, local) -> dict:
+    """Every entry of the checkpoint at ``url``, flat (``rng.rank_0``...), as DCP reads it."""
+    import s3fs
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    s3fs.S3FileSystem().get(url.split("://", 1)[1], str(local / "ck"), recursive=True)
+    dcp_to_torch_save(str(local / "ck"), str(local / "ck.pt"))
+
+    def flat(entries: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in entries.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict)
+                       else {f"{prefix}{key}": value})  # fmt: skip
+        return out
+
+    return flat(torch.load(local / "ck.pt", weights_only=False))
+
+
+@pytest.mark.slow  # two in-process runs on a server of its own (~20 s)
+def test_a_run_behind_a_store_that_throttles_saves_the_checkpoint_of_a_run_without(env, tmp_path):
+    """Corpus, counts and checkpoints in a bucket whose server answers 503 to every fifth
+    request (the run's clients retry: s3fs's, botocore's, the store writer's and reader's):
+    step-4 holds every entry ``torch.equal`` to a run's without the faults, the RNG states
+    (``rng.rank_0``: Python's and numpy's) among them. The faulty run did retry (the
+    server's count). Mutant: botocore's waits left on the global ``random`` (no
+    ``_draw_privately``): ``rng.rank_0`` differs."""
+    import s3fs
+    import torch
+
+    env.delitem(fsspec.config.conf, "s3", raising=False)  # the clients' own retries, as a run has
+    env.setattr(s3fs.S3FileSystem, "retries", 5)  # s3fs's default
+    traffic = EveryFifth()
+    entries = {}
+    with local_s3(traffic) as (bucket, _):
+        upload_corpus(bucket)
+        for name, faulty in (("clean", False), ("faulty", True)):
+            traffic.on = faulty
+            train_here(tmp_path / name, "--training.steps", 4, *CKPT, "--checkpoint.folder",
+                       f"s3://{bucket}/{name}", "--training.dataset_path", f"s3://{bucket}/corpus",
+                       "--training.length_index_dir", f"s3://{bucket}/counts-{name}")  # fmt: skip
+            entries[name] = saved_entries(f"s3://{bucket}/{name}/step-4", tmp_path / name)
+        traffic.on = False
+    assert traffic.failed >= 10, traffic.failed
+    clean, faulty = entries["clean"], entries["faulty"]
+    assert clean.keys() == faulty.keys() and "rng.rank_0" in clean
+    differ = [k for k in clean if not (torch.equal(clean[k], faulty[k])
+              if isinstance(clean[k], torch.Tensor) else clean[k] == faulty[k])]  # fmt: skip
+    assert differ == []

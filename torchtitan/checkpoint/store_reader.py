@@ -39,7 +39,8 @@ which fetched 3.3x the checkpoint's bytes (docs/benchmarks.md § 21).
   as botocore checks it.
 - **Transient faults retried** (throttling, 5xx, a connection refused, dropped or timed
   out, a body cut short or failing its checksum): ``ATTEMPTS`` tries with full-jitter
-  exponential backoff, at most 3.75 s of waiting per request; a fault that persists, or
+  exponential backoff (``backoff``: drawn from the OS, so a retry changes no generator a
+  checkpoint saves), at most 3.75 s of waiting per request; a fault that persists, or
   one that is not transient (credentials, a missing object), is one line naming the
   object.
 
@@ -65,7 +66,6 @@ import http.client
 import io
 import logging
 import mmap
-import random
 import threading
 import time
 from collections import deque
@@ -190,6 +190,14 @@ def _s3_client():
         connect_timeout=10,
         read_timeout=120,
     )
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait after try ``attempt`` (0-based) failed: full jitter, uniform(0,
+    BACKOFF x 2^attempt), drawn from the OS (``storage.JITTER``), never from the process's
+    ``random``: a checkpoint saves that generator's state, which a retry must not move.
+    Cost: one ~1 us draw."""
+    return storage.JITTER.uniform(0, BACKOFF * 2**attempt)
 
 
 def transient(error: BaseException) -> bool:
@@ -469,7 +477,7 @@ class SpanFetcher:
                     raise
                 with self.lock:
                     self.retries += 1
-            time.sleep(random.uniform(0, BACKOFF * 2**attempt))
+            time.sleep(backoff(attempt))
         raise AssertionError("unreachable")
 
     def fetch(self, spans: list[Span], unit: int, places: dict | None = None):

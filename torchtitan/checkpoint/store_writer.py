@@ -41,7 +41,8 @@ retried like the reader's GETs). ``.metadata`` is one PUT (DCP's fsspec writer w
   each object's size and ETag (a HEAD) in the manifest, and the reader's GETs are
   conditional on that ETag.
 - **Faults.** Transient ones (throttling, 5xx, a dropped connection) are retried as the
-  reader's are (``store_reader.ATTEMPTS`` tries, full-jitter backoff, at most 3.75 s of
+  reader's are (``store_reader.ATTEMPTS`` tries, full-jitter backoff drawn from the OS:
+  ``store_reader.backoff``, never the ``random`` a checkpoint saves; at most 3.75 s of
   waiting per request); one that persists or is not transient (no bucket, credentials)
   stops the save with one line naming the object and the fix (``StoreWriteError``); the
   manager keeps the previous checkpoint.
@@ -78,7 +79,6 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,7 +190,8 @@ class Uploader:
 
     def call(self, name: str, method: str, **args):
         """One request, retried on a transient fault (store_reader.transient) with
-        full-jitter backoff; a fault that persists is a StoreWriteError naming ``name``."""
+        full-jitter backoff (store_reader.backoff); a fault that persists is a
+        StoreWriteError naming ``name``."""
         for attempt in range(ATTEMPTS):
             try:
                 reply = getattr(self.client, method)(Bucket=self.bucket, Key=self.key(name), **args)
@@ -202,7 +203,7 @@ class Uploader:
                     raise StoreWriteError(one_line(e, self.url(name), self.bucket)) from None
                 with self.room:
                     self.retries += 1
-            time.sleep(random.uniform(0, store_reader.BACKOFF * 2**attempt))
+            time.sleep(store_reader.backoff(attempt))
         raise AssertionError("unreachable")
 
     def submit(self, size: int, fn, *args, **kwargs) -> Future:

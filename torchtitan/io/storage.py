@@ -22,6 +22,12 @@ of s3fs's Python a request), falling back to s3fs, whose errors it keeps.
   record carries a token of its own, so no one else sends those bytes), it was this
   process's write, and it says so.
 
+- **A retry changes no training state.** The waits between a request's tries are drawn
+  from ``JITTER`` (the OS's entropy), never from the process's ``random``, which a
+  checkpoint saves (checkpoint/stateful.py ``RNGState``): the project's own retries
+  (store_reader, store_writer) draw from it, and so do botocore's and aiohttp's (their
+  module-level draws pointed at it once they are imported: ``_draw_privately``).
+
 Cost: each operation is one request on a store (``put_object`` two when its condition
 fails: the look that tells a lost reply from a loss), one system call or two locally.
 
@@ -33,9 +39,11 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import importlib
 import io
 import logging
 import os
+import random
 import tempfile
 import threading
 import time
@@ -143,6 +151,63 @@ def publish(path: str, write):
     else:
         fs, inner = _fs(path)
         fs.pipe_file(inner, buffer.getvalue())
+
+
+# ---- retry waits drawn off the process's generators -------------------------------------
+# The OS's entropy (os.urandom, ~1 us a draw), for the random waits between the tries of a
+# request: it has no state, so a retry changes nothing a checkpoint saves, a forked
+# process does not wait exactly as its parent does, and no seed puts ranks' retries in step.
+JITTER = random.SystemRandom()
+
+# The libraries on a store's path whose draws took the process's ``random``: botocore's
+# legacy retries (``retryhandler.delay_exponential``), its standard and adaptive ones
+# (``ExponentialBackoff``'s default ``random``), its refresh of instance credentials
+# (``utils``) and aiohttp's choice of the host a freed connection goes to (``connector``,
+# s3fs's pool, with several hosts waiting: a bucket each on AWS).
+_DRAWING = ("botocore.retryhandler", "botocore.retries.standard", "botocore.utils",
+            "aiohttp.connector")  # fmt: skip
+
+
+def _draw_privately(module) -> None:
+    """Point ``module``'s draws at ``JITTER``: the same functions (``random()``,
+    ``randint``, ``shuffle``), so the same waits in distribution.
+
+    Why here, for the whole process, and not per client: s3fs's clients are built by
+    fsspec wherever a module opens an ``s3://`` URL (the corpus, the counts, the
+    checkpoint folder, the claims), with the caller's options; no one place sees them
+    all. Why not botocore's retries off (``max_attempts`` 1) with the project's own
+    retrying instead, as store_reader and store_writer do for their own client: s3fs's
+    loop retries only throttling and dropped connections, so a 500 on a lease's heartbeat
+    or a count file would stop a run that botocore's retries carry through today. A
+    module whose draws moved elsewhere (another release) is left as it is: the test of
+    the generators after retries (test_store_faults.py) then fails."""
+    if module.__name__ == "botocore.retries.standard":
+        init = module.ExponentialBackoff.__init__
+        init.__defaults__ = tuple(JITTER.random if d == random.random else d
+                                  for d in init.__defaults__ or ())  # fmt: skip
+    elif getattr(module, "random", None) is random:
+        module.random = JITTER
+
+
+def _draw_privately_once_imported() -> None:
+    """``_draw_privately`` on each of ``_DRAWING`` as soon as it is imported (at once if
+    it is): wrapt's post-import hooks (wrapt comes with aiobotocore, the s3 extra). Cost:
+    wrapt's import (~20 ms) where it is installed; without it, botocore's modules are
+    imported here (~60 ms, where botocore is installed) and aiohttp's are left alone."""
+    try:
+        from wrapt import register_post_import_hook
+    except ImportError:
+        for name in _DRAWING[:3]:
+            try:
+                _draw_privately(importlib.import_module(name))
+            except ImportError:
+                return
+        return
+    for name in _DRAWING:
+        register_post_import_hook(_draw_privately, name)
+
+
+_draw_privately_once_imported()
 
 
 # ---- a whole object in one presigned GET ------------------------------------------------
@@ -288,18 +353,37 @@ def store_fault(error: BaseException) -> str | None:
     """One line naming a fault of the object store behind ``error`` (anywhere in its
     chain of causes) and its fix: the store unreachable (no ``AWS_ENDPOINT_URL``, or
     nobody listening there), no or wrong credentials, a bucket that does not exist (a
-    local server restarted empty). None for anything else. The client (s3fs, botocore)
-    has retried a transient fault already: s3fs's and botocore's retries, 5 tries each
-    with exponential backoff, before an error reaches here. Cost: none (no request)."""
-    import os
+    local server restarted empty); failing those, a local file this process may not
+    open (a PermissionError naming it: the file's mode or owner). None for anything
+    else. The client (s3fs, botocore) has retried a transient fault already: s3fs's and
+    botocore's retries, 5 tries each with exponential backoff, before an error reaches
+    here. Cost: none (no request)."""
+    line = _store_line(error)
+    if line is not None:
+        return line
+    for cause in _chain(error):
+        if isinstance(cause, PermissionError) and cause.filename:
+            return (f"permission denied on {cause.filename} ({cause.strerror}): give the "
+                    "job's user access to it (chmod / chown), or point the run at files it "
+                    "may read and folders it may write")  # fmt: skip
+    return None
 
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    """``error`` and its causes (or contexts), outermost first, each once."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not e for e in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _store_line(error: BaseException) -> str | None:
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
     where = f"AWS_ENDPOINT_URL={endpoint}" if endpoint else "AWS_ENDPOINT_URL is not set: AWS"
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        name, text = type(error).__name__, str(error).splitlines()[0] if str(error) else ""
-        code, _ = _answer(error) if hasattr(error, "response") else (None, None)
+    for cause in _chain(error):
+        name, text = type(cause).__name__, str(cause).splitlines()[0] if str(cause) else ""
+        code, _ = _answer(cause) if hasattr(cause, "response") else (None, None)
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ProxyConnectionError"):
             return (f"the object store cannot be reached ({text}; {where}): set "
                     "AWS_ENDPOINT_URL to the store's address and check that it is up")  # fmt: skip
@@ -313,7 +397,6 @@ def store_fault(error: BaseException) -> str | None:
             return (f"the bucket does not exist ({text}; {where}): create it, or point the "
                     "URL at an existing one (a local server restarted empty loses its "
                     "buckets)")  # fmt: skip
-        error = error.__cause__ or error.__context__
     return None
 
 
