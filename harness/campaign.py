@@ -188,6 +188,10 @@ def draw(seed: int, bucket_ok: bool = True) -> Trial:
                                  else [ranks])  # fmt: skip
             f.workers = rng.choice([0, 1, 2])
         faults.append(f)
+    if job.spike == "rewind" and any(p.kind == "x1000" for p in plants) and rng.random() < 0.5:
+        # The rewind's window (a kill between the rewind and the next save) is where a
+        # skip held only in memory is lost: drawn first in half of the jobs that rewind.
+        faults[0] = Fault("kill", "rewind", rng.choice(["job", "one", "launcher"]), 1)
     if any(f.kind == "layout" and f.ranks != ranks for f in faults[1:]):
         job.dropout = 0.0
     return Trial(seed, job, plants, faults)
