@@ -273,6 +273,7 @@ def train_loop(run: Run, preemption: Preemption):
                 validation_loss = validator.run(run.model)
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
                            data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
+            run.checkpoint.check_lease()  # a lapsed lease stops every rank here, unsaved
             if run.guard.verdict == "rewind":  # the spike's data and the steps since go
                 rewind(run, metrics, state.step)
                 continue

@@ -17,6 +17,12 @@ rename) the save is written into ``step-N`` itself and the manifest, written by 
 after every rank's digest arrived (so after every rank's upload and DCP's
 ``.metadata``), is what publishes it; async saves upload from DCP's thread alike.
 
+Only while this job holds the folder's lease (``lease.Lease``, rank 0's): rank 0 asks it
+right before each write that starts, publishes or removes a checkpoint (a save's first
+write, the manifest, the rename, the purge, the tidying after a failed save), so a job
+whose lease lapsed (a store that stopped answering its heartbeat) publishes nothing more,
+even a save that was in flight when the store paused. Cost: a clock read each.
+
 Never: choose what to save or what to resume from.
 """
 
@@ -50,6 +56,7 @@ from torchtitan.checkpoint.folder import (
     step_folder,
     write_json,
 )
+from torchtitan.checkpoint.lease import LeaseLost
 from torchtitan.checkpoint.staging import PipelinedStager
 from torchtitan.checkpoint.store import join, store_for
 from torchtitan.checkpoint.store_writer import StoreWriteError
@@ -66,10 +73,13 @@ class Saver:
     """Writes and finalizes checkpoints in ``folder``; at most one async save in flight."""
 
     def __init__(self, folder: str, dims, async_mode: str, keep_latest_k: int,
-                 shares_stager_of: Saver | None = None):  # fmt: skip
+                 shares_stager_of: Saver | None = None, lease=None):  # fmt: skip
         """``shares_stager_of``: another tier's saver whose staging buffers this one reuses
-        (its saves never overlap this one's: the manager waits for both)."""
+        (its saves never overlap this one's: the manager waits for both). ``lease``: the
+        job's lease (``Lease``: its ``check()`` raises once the job may not write), asked
+        before each write; None: no lease to keep."""
         self.folder, self.dims = folder, dims
+        self.lease = lease
         self._stager_owner = shares_stager_of
         self.store = store_for(folder)
         self.async_mode, self.keep_latest_k = async_mode, keep_latest_k
@@ -93,6 +103,13 @@ class Saver:
         """An async save is being written or finalized, or a save's purge is running."""
         return any(f is not None and not f.done() for f in (self._pending, self._last_purge))
 
+    def _may_write(self):
+        """Raise ``LeaseLost`` unless this job still holds the folder (rank 0 holds the
+        lease; elsewhere always true). Asked right before a write: a request that waited on
+        a paused store may return past the lease's deadline."""
+        if self.lease is not None:
+            self.lease.check()
+
     @property
     def _no_dist(self) -> bool:
         return not torch.distributed.is_initialized()
@@ -107,11 +124,13 @@ class Saver:
         partial = save_folder(self.folder, step)
         if self.dims.is_main:
             with self._save_errors(step):  # rank 0 alone: train.main tells the others
+                self._may_write()
                 if self.store.in_place:  # written in place: an older timeline's step-N first
                     timeline.make_room(self.folder, step)
                 remove_checkpoint(partial)
                 self.store.makedirs(partial)
                 _write_pending(join(partial, PENDING), manifest)
+                self._may_write()  # no data written after a prep that outlived the lease
         parallel.barrier(self.dims)
         begin = time.perf_counter()
         if self.async_mode == "async":
@@ -255,7 +274,11 @@ class Saver:
         """
         try:
             yield
+        except LeaseLost:
+            raise  # the folder may be another job's: nothing here is ours to tidy
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            if self.lease is not None and not self.lease.valid():  # lapsed during the save
+                raise LeaseLost(self.lease.problem()) from None
             remove_checkpoint(save_folder(self.folder, step))
             done = complete_steps(self.folder)
             last = ("step-" + str(done[-1])) if done else "none"
@@ -299,11 +322,16 @@ class Saver:
                 files = {name: info for d in every for name, info in d.items()}
                 try:
                     manifest = {**read_manifest(partial, PENDING), "files": files}
+                    self._may_write()  # the commit point: a store's manifest publishes
                     write_json(join(partial, MANIFEST), manifest)
                     self.publish(step, purge_later=share is None)
+                except LeaseLost as e:  # every rank raises it: none tidies the folder
+                    outcome = e
                 except (OSError, ValueError) as e:  # the others wait for the outcome: send one
                     outcome = f"rank 0 could not publish step-{step}: {e}"
         outcome = parallel.broadcast_from_main(self.dims, outcome)
+        if isinstance(outcome, LeaseLost):
+            raise LeaseLost(str(outcome))
         if outcome is not None:
             raise CheckpointError(outcome)
 
@@ -324,9 +352,11 @@ class Saver:
         self.store.remove(join(partial, PENDING))
         if not self.store.in_place:
             timeline.make_room(self.folder, step)
+            self._may_write()  # the commit point on a disk: the rename publishes
             self.store.move_folder(partial, step_folder(self.folder, step), last=MANIFEST)
             fsync_dir(self.folder)
         if not purge_later:
+            self._may_write()
             timeline.purge(self.folder, self.keep_latest_k)
             return
         if self._purger is None:
@@ -337,7 +367,10 @@ class Saver:
         """The purge after ``step-N``; a failure is a warning (the step is published; a
         later save's purge removes what is left)."""
         try:
+            self._may_write()
             timeline.purge(self.folder, self.keep_latest_k)
+        except LeaseLost:
+            pass  # the folder may be another job's; the loop stops on the lease's line
         except Exception as e:  # noqa: BLE001 - cleanup: never fails a published save
             logger.warning("removing checkpoints older than step-%d in %s failed: %s; a later "
                            "save removes them", step, self.folder, e)  # fmt: skip
@@ -376,6 +409,8 @@ class Saver:
             else:
                 files = integrity.data_files(path)
                 self.finalize(step, share=files[self.dims.rank :: self.dims.world_size])
+        except LeaseLost:
+            raise  # not this job's folder any more: nothing removed
         except CheckpointError as e:  # every rank gets the same outcome
             if self.dims.is_main:
                 logger.warning("removing %s: %s", path, e)
@@ -392,9 +427,13 @@ class Saver:
             try:
                 read_manifest(path)  # readable, or the partial is not finished
                 self.publish(step)
+            except LeaseLost as e:
+                outcome = e
             except (OSError, ValueError) as e:
                 outcome = f"rank 0 could not publish step-{step}: {e}"
         outcome = parallel.broadcast_from_main(self.dims, outcome)
+        if isinstance(outcome, LeaseLost):
+            raise LeaseLost(str(outcome))
         if outcome is not None:
             raise CheckpointError(outcome)
 

@@ -10,7 +10,12 @@ and finalizes, ``timeline`` chooses and keeps, ``integrity`` verifies, ``statefu
 adapts (and, through ``compat``, refuses what does not fit).
 
 One job per folder: rank 0 holds the folder's lease (``lease``) from construction to
-``close()``; a second job waits for it, then stops in one line naming the holder.
+``close()``; a second job waits for it, then stops in one line naming the holder. The
+loop asks ``check_lease`` after every step: once rank 0's lease lapsed (its heartbeat
+could not renew it: ``Lease`` counts it lost before another job may take it over) or was
+taken, every rank stops there with the same line, before it saves; the savers ask the
+lease before each write that starts, publishes or removes a checkpoint. Cost: one 4-byte
+gloo all-reduce per step on the control group (a CPU tensor), rank 0's clock read.
 
 Loading executes nothing from the checkpoint: the project's own entries are tensors
 (``entries``), every other non-tensor entry is read with torch's weights-only
@@ -50,7 +55,7 @@ from torchtitan.checkpoint.folder import (
     read_manifest,
     step_folder,
 )
-from torchtitan.checkpoint.lease import Lease
+from torchtitan.checkpoint.lease import Lease, LeaseLost
 from torchtitan.checkpoint.lifecycle import Saver, root_cause
 from torchtitan.checkpoint.stateful import Adapter, Saved
 from torchtitan.checkpoint.store import join, store_for
@@ -77,7 +82,8 @@ class CheckpointManager:
         self.fingerprint = fingerprint
         self.config_dict = cfg.to_dict()
         self.states = dict(components)
-        self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k)
+        self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
+        self.saver = Saver(self.folder, dims, ck.async_mode, ck.keep_latest_k, lease=self.lease)
         # The local tier (checkpoint.local_interval): frequent saves to a local folder.
         self.local_interval = ck.local_interval
         self.local_folder = (
@@ -86,12 +92,11 @@ class CheckpointManager:
         self.local_saver = None
         if self.local_folder is not None:
             self.local_saver = Saver(self.local_folder, dims, ck.async_mode, ck.keep_latest_k,
-                                     shares_stager_of=self.saver)  # fmt: skip
+                                     shares_stager_of=self.saver, lease=self.lease)  # fmt: skip
         # What this run's checkpoints record of their timeline (set by load()).
         self.timeline = {"generation": 0, "origin": self.options}
         self._verified: tuple[str, dict] | None = None  # (path, manifest) _verify read
         self.loaded_from: str | None = None
-        self.lease = Lease(self.folder, ck.lease_timeout_seconds, ck.lease_wait_seconds)
         if self.enabled:
             check_writable(self.folder)
             if self.local_folder is not None:
@@ -124,6 +129,16 @@ class CheckpointManager:
             raise
         if problem:
             raise CheckpointError(problem)
+
+    def check_lease(self):
+        """After every step (collective): raise ``LeaseLost`` on every rank, with rank 0's
+        one line, once rank 0 may no longer write the folder (``Lease.valid``). Cost: one
+        4-byte all-reduce on the control group; the line is sent only then."""
+        if not self.enabled:
+            return
+        if parallel.any_rank(self.dims, self.dims.is_main and not self.lease.valid()):
+            problem = self.lease.problem() if self.dims.is_main else None
+            raise LeaseLost(parallel.broadcast_from_main(self.dims, problem))
 
     # ---- saving ---------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -278,6 +293,7 @@ class CheckpointManager:
         if problem is not None:
             raise CheckpointError(f"rewinding: checkpoint {path} is damaged: {problem}")
         if self.dims.is_main:
+            self.lease.check()  # setting aside writes the folder
             for tier, _ in self.tiers:
                 entries = timeline.survey(tier)
                 later = [e for e in entries if e.step > step]
@@ -354,6 +370,7 @@ class CheckpointManager:
         if chosen is None:
             return None, []
         if self.dims.is_main:
+            self.lease.check()
             timeline.set_aside_after(folder, survey, chosen)
             if plan.branch and self.options:
                 logger.info(

@@ -50,6 +50,14 @@ the lock do here.
 The liveness rule is the same: a holder on another machine or in another container is
 judged by its heartbeat's age alone.
 
+**Errors.** On a disk a failure is an ``OSError``. A store's client raises more than that:
+s3fs turns a store's refusal (4xx, 5xx) into an ``OSError`` but passes botocore's own
+errors through unchanged (``EndpointConnectionError``: nobody listens;
+``ConnectionClosedError``; ``NoCredentialsError``), and a read timeout is botocore's
+``ReadTimeoutError``. So ``create``, ``read``, ``take_over`` and ``release`` may raise any
+of them on a store, and a caller that must outlive a store's fault (the lease's heartbeat)
+catches ``Exception``; ``touch`` keeps its promise of a bool on a store whatever failed.
+
 Cost: creating: one small file written, one link, one unlink; a heartbeat: one ``utime``;
 judging a holder: one stat and one read of ~300 bytes (and of ``/proc/<pid>/stat``). On a
 store: creating, one PUT (and one GET when another won); a heartbeat, one GET and one
@@ -281,7 +289,7 @@ def touch(path: str, token: str | None = None, seen: Seen | None = None) -> bool
     """Renew the heartbeat (False: the claim is gone, or the folder failed us). In a store
     (where ``token`` is the holder's): the record rewritten, its ``beat`` counted up, only
     if it is still the one read (``seen``, else read now) and holds ``token``; False when
-    another process replaced it."""
+    another process replaced it, or the store failed (any error of its client)."""
     if storage.is_remote(path):
         try:
             seen = seen or read(path)
@@ -289,7 +297,7 @@ def touch(path: str, token: str | None = None, seen: Seen | None = None) -> bool
                 return False
             beat = {**seen.record, "beat": int(seen.record.get("beat", 0)) + 1}
             return storage.put_object(path, _body(beat), etag=seen.etag) is not None
-        except OSError:
+        except Exception:  # noqa: BLE001 - botocore's errors are no OSError: a missed beat
             return False
     try:
         os.utime(path)
