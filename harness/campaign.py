@@ -11,7 +11,9 @@ does or does not recur on relaunch), and a schedule of faults, one per life of t
 - ``term``: SIGTERM to every rank, each 0-500 ms after the last (a scheduler's skew);
 - ``store`` (a bucket only): 503s, dropped connections, a slow store, a store paused
   past the lease's timeout, or restarted (connections refused, its data kept);
-- ``double``: a second copy of the job started while the first lives (a double requeue);
+- ``double``: a second copy of the job started with the first (a scheduler's double
+  requeue): one takes the lease, the other waits it out and stops in one line, or
+  resumes where the first finished;
 - ``layout``: the next life on another rank count or worker count.
 
 After each fault the same command is launched again, as a scheduler would, until the job
@@ -399,6 +401,8 @@ class Runner:
         deadline = time.monotonic() + timeout
         rng = random.Random(f.at_step)
         rewinds = _rewinds(dump)
+        if f.kind == "double":  # a double requeue: both copies start together
+            return True
         while life.proc.poll() is None and time.monotonic() < deadline:
             # Only what this life wrote: a relaunch starts with its predecessor's lines.
             step = last_step(dump) if _written_since(dump, life.started) else -1
