@@ -1,6 +1,7 @@
 """Optimizer and learning-rate schedule.
 
-Owns: building the optimizer named in the config, and the LR schedule: linear
+Owns: building the optimizer named in the config (Muon, with AdamW for what is not a
+hidden matrix: muon.py, ``build_muon``), and the LR schedule: linear
 warmup, then a decay to ``min_lr_ratio`` (linear, cosine, or 1-sqrt) or none
 (constant). The decay follows the warmup, or, warmup-stable-decay (WSD), holds the peak
 LR and decays over the last ``lr_scheduler.decay_steps`` (or ``decay_ratio`` of
@@ -24,14 +25,18 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.config import ConfigError
+from torchtitan.muon import Muon
 
-_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
+               "Muon": Muon}  # fmt: skip
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     opt = cfg.optimizer
     if opt.name not in _OPTIMIZERS:
         raise ConfigError(f"optimizer.name {opt.name!r}: choose one of {sorted(_OPTIMIZERS)}")
+    if opt.name == "Muon":
+        return build_muon(model, opt)
     if opt.name == "SGD":
         return torch.optim.SGD(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
     # fused=True: one kernel for the whole update of every parameter (CPU and CUDA,
@@ -45,6 +50,30 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
         eps=opt.eps,
         weight_decay=opt.weight_decay,
         fused=True,
+    )
+
+
+def build_muon(model: torch.nn.Module, opt) -> Muon:
+    """Muon from the ``optimizer`` section: ``lr``, ``weight_decay`` and the ``muon_*``
+    fields for the hidden matrices; ``muon_adamw_lr`` (0: ``lr``),
+    ``muon_adamw_weight_decay`` (negative: ``weight_decay``), ``beta1``, ``beta2`` and
+    ``eps`` for the AdamW part."""
+    return Muon(
+        model.named_parameters(),
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        momentum=opt.muon_momentum,
+        nesterov=opt.muon_nesterov,
+        ns_coefficients=(opt.muon_ns_a, opt.muon_ns_b, opt.muon_ns_c),
+        ns_steps=opt.muon_ns_steps,
+        eps=opt.muon_eps,
+        adjust_lr_fn=opt.muon_adjust_lr,
+        adamw_lr=opt.muon_adamw_lr or opt.lr,
+        adamw_weight_decay=(
+            opt.weight_decay if opt.muon_adamw_weight_decay < 0 else opt.muon_adamw_weight_decay
+        ),
+        betas=(opt.beta1, opt.beta2),
+        adamw_eps=opt.eps,
     )
 
 
@@ -127,7 +156,8 @@ class LRSchedule(Stateful):
     """Sets every param group's ``lr`` to ``peak_lr * lr_factor(step, ...)``.
 
     Its state is ``{"step": n}``: the peak LR and the shape come from the config of
-    the run that loads it, never from the checkpoint.
+    the run that loads it, never from the checkpoint. A param group holding a
+    ``peak_lr`` (Muon's, set from the config by ``build_muon``) is scaled from that one.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, warmup: int, total: int,
@@ -139,9 +169,10 @@ class LRSchedule(Stateful):
         self._apply()
 
     def _apply(self):
-        lr = self.peak_lr * lr_factor(self.step_count, *self.shape)
+        factor = lr_factor(self.step_count, *self.shape)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            # A group with a peak of its own (Muon's AdamW part) is scaled alike.
+            group["lr"] = group.get("peak_lr", self.peak_lr) * factor
 
     def get_last_lr(self) -> list[float]:
         """The LR of each param group for the coming optimizer step."""

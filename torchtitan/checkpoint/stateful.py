@@ -160,9 +160,10 @@ class OptimizerState(Adapter):
         problem = optimizer_mismatch(state, saved.entries, saved.config)
         if problem:
             old = (saved.config.get("optimizer") or {}).get("name", "of the run that wrote it")
+            new = type(self.optimizer).__name__  # the config's name (AdamW, Muon, ...)
             raise CheckpointError(
-                f"checkpoint {saved.path}: {problem}; resume with --optimizer.name {old}, or start "
-                "the new optimizer's state afresh with --checkpoint.exclude_from_loading optimizer"
+                f"checkpoint {saved.path}: {problem} ({new}); resume with --optimizer.name {old}, "
+                f"or start {new}'s state afresh with --checkpoint.exclude_from_loading optimizer"
             )
         return state
 

@@ -94,12 +94,38 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = _opt("AdamW", "optimizer", choices=["AdamW", "Adam", "SGD"])
-    lr: float = _opt(8e-4, "peak learning rate", gt=0.0)
+    name: str = _opt(
+        "AdamW",
+        "optimizer; Muon: Muon on the hidden matrices (experts: per expert), AdamW on the rest",
+        choices=["AdamW", "Adam", "SGD", "Muon"],
+    )
+    lr: float = _opt(8e-4, "peak learning rate (Muon: of the hidden matrices)", gt=0.0)
     weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0.0)
     beta1: float = _opt(0.9, "Adam beta1 (SGD momentum)", ge=0.0, lt=1.0)
     beta2: float = _opt(0.95, "Adam beta2", ge=0.0, lt=1.0)
     eps: float = _opt(1e-8, "Adam epsilon", gt=0.0)
+    muon_momentum: float = _opt(0.95, "Muon momentum", ge=0.0, lt=1.0)
+    muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum")
+    muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations", ge=1, lt=100)
+    muon_ns_a: float = _opt(3.4445, "Muon: Newton-Schulz coefficient a (of X)")
+    muon_ns_b: float = _opt(-4.775, "Muon: Newton-Schulz coefficient b (of A X, A = X X^T)")
+    muon_ns_c: float = _opt(2.0315, "Muon: Newton-Schulz coefficient c (of A^2 X)")
+    muon_eps: float = _opt(1e-7, "Muon: floor of the norm a matrix is divided by", gt=0.0)
+    muon_adjust_lr: str = _opt(
+        "original",
+        "Muon: LR scale per matrix: original (sqrt(max(1, rows/cols)); lr ~0.02) or "
+        "match_rms_adamw (0.2 sqrt(max(rows, cols)); an AdamW lr and weight decay carry over)",
+        choices=["original", "match_rms_adamw"],
+    )
+    muon_adamw_lr: float = _opt(
+        0.0,
+        "Muon: peak LR of the AdamW part (embeddings, output, norms, router); 0: optimizer.lr",
+        ge=0.0,
+    )
+    muon_adamw_weight_decay: float = _opt(
+        -1.0,
+        "Muon: weight decay of the AdamW part; negative: optimizer.weight_decay",
+    )
 
 
 @dataclass
