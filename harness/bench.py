@@ -1,10 +1,13 @@
 """The benchmarks' harness: what every ``scripts/benchmarks/bench_*.py`` shares.
 
 Owns: the common arguments (``--smoke`` and the sizes it sets, ``--json PATH``,
-``--work DIR``, ``--rounds``, ``--peer-python``) and the work folder; a program run in a
-fresh interpreter that answers with one ``RESULT`` line (ours, another checkout, or the
-peer: torchtitan 0.3.0 in a virtual environment of its own, which ``peer_check`` admits
-or skips, saying why); the report (markdown tables, the JSON dump, what was run where).
+``--work DIR``, ``--rounds``, ``--peer-python``, ``--require-quiet``) and the work
+folder; a program run in a fresh interpreter that answers with one ``RESULT`` line (ours,
+another checkout, or the peer: torchtitan 0.3.0 in a virtual environment of its own,
+which ``peer_check`` admits or skips, saying why); the report (markdown tables, the JSON dump, what was run where);
+the machine every run records (``harness.machine``: the CPU, its vector level, and the
+share of the machine other processes used from the arguments' parse to the save: over
+``machine.QUIET_PCT`` the run says so, and with ``--require-quiet`` refuses).
 
 Never: measure or decide a figure (each benchmark keeps its measurement and its JSON
 keys), or install a peer. Corpora are ``harness.corpus``'s.
@@ -25,16 +28,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness import machine
 from torchtitan import REPO_ROOT
 
 PEER_VERSION = "0.3.0"
+# Set to 1, as --require-quiet: a run on a busy machine exits 2 and writes no JSON.
+REQUIRE_QUIET_ENV = "TORCHTITAN_BENCH_REQUIRE_QUIET"
 
 
 class Arguments(argparse.ArgumentParser):
     """A benchmark's command line: its docstring as the help, ``--smoke`` (setting each of
     ``smoke``'s arguments, which its help lists) and ``--json PATH``; ``--rounds`` where
     ``rounds`` (its default) is given, ``--work DIR`` where ``work`` is (its default; ""
-    is a temporary folder removed at the end), ``--peer-python`` where ``peer``."""
+    is a temporary folder removed at the end), ``--peer-python`` where ``peer``, and
+    ``--require-quiet``."""
 
     def __init__(self, doc: str, *, smoke: dict, rounds: int | None = None,
                  work: str | None = None, peer: bool = False):  # fmt: skip
@@ -44,6 +51,10 @@ class Arguments(argparse.ArgumentParser):
         self.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script "
                           "runs" + (f" ({sizes})" if sizes else ""))  # fmt: skip
         self.add_argument("--json", default="", metavar="PATH", help="the result as JSON, to PATH")
+        self.add_argument("--require-quiet", action="store_true",
+                          help=f"refuse (exit 2) where other processes keep more than "
+                          f"{machine.QUIET_PCT:g} %% of the machine busy: checked for 1 s "
+                          f"before and over the whole run ({REQUIRE_QUIET_ENV}=1 sets it)")  # fmt: skip
         if rounds is not None:
             self.add_argument("--rounds", type=int, default=rounds,
                               help="interleaved rounds; the figures are their medians")  # fmt: skip
@@ -57,11 +68,22 @@ class Arguments(argparse.ArgumentParser):
                               f"{PEER_VERSION} (without it the peer is skipped, saying why)")  # fmt: skip
 
     def parse(self, argv=None) -> argparse.Namespace:
+        """The arguments; the run's load is measured from here (``args.load_from``) to
+        ``save``."""
         args = self.parse_args(argv)
         if args.smoke:
             for key, value in self.smoke.items():
                 assert hasattr(args, key), f"--smoke sets {key}, which is no argument"
                 setattr(args, key, value)
+        # Taken from the environment once: the processes this run starts (its ranks parse
+        # too) must not refuse for the load their siblings make.
+        args.require_quiet |= os.environ.pop(REQUIRE_QUIET_ENV, "") == "1"
+        if args.require_quiet:  # a busy machine is refused before the work, not after it
+            load = machine.sample(1.0)
+            if not load["quiet"]:
+                print(refusal(load), file=sys.stderr)
+                raise SystemExit(2)
+        args.load_from = machine.read()
         return args
 
 
@@ -161,11 +183,45 @@ def about(argv, commit: bool = False) -> dict:
                               capture_output=True, text=True)  # fmt: skip
         facts["commit"] = proc.stdout.strip()
     cpus = f"{os.cpu_count()} CPUs, {platform.platform()}"
-    return facts | {"machine": f"{cpus}, Python {platform.python_version()}"}
+    return facts | {"platform": f"{cpus}, Python {platform.python_version()}"}
 
 
-def save(args, result) -> int:
-    """``result`` as JSON to ``--json PATH``, where given; 0, the benchmark's exit status."""
+def machine_report(args) -> dict:
+    """{"cpu", "vector", "torch_capability", "cores", "others_busy_pct", "quiet", "wall_s"}:
+    the machine, and the share of it that other processes used since ``parse``."""
+    return machine.cpu_facts() | machine.load_between(args.load_from, machine.read())
+
+
+def load_lines(facts: dict) -> list[str]:
+    """What the table output ends with: the machine and its load, and a warning where
+    others kept it busy."""
+    lines = [f"machine: {machine.describe(facts)}; other processes used "
+             f"{facts['others_busy_pct']:.1f} % of it over {facts['wall_s']:.1f} s"]  # fmt: skip
+    if not facts["quiet"]:
+        lines.append(f"WARNING: not a quiet machine: other processes used "
+                     f"{facts['others_busy_pct']:.1f} % of its {facts['cores']} cores while "
+                     f"this ran (over {machine.QUIET_PCT:g} %): its figures are not a quiet "
+                     f"machine's")  # fmt: skip
+    return lines
+
+
+def refusal(load: dict) -> str:
+    return (f"refused (--require-quiet): other processes used {load['others_busy_pct']:.1f} % "
+            f"of this machine over {load['wall_s']:.1f} s, over {machine.QUIET_PCT:g} %; "
+            f"run it when the machine is quiet")  # fmt: skip
+
+
+def save(args, result: dict) -> int:
+    """Print the machine and its load under the tables; ``result`` with ``"machine"`` (see
+    ``machine_report``) as JSON to ``--json PATH``, where given. The benchmark's exit
+    status: 0, or 2 with one line where ``--require-quiet`` and the machine was busy
+    (nothing written)."""
+    assert isinstance(result, dict), "a benchmark's result is a dict (rows under a key)"
+    facts = machine_report(args)
+    print("\n" + "\n".join(load_lines(facts)))
+    if args.require_quiet and not facts["quiet"]:
+        print(refusal(facts), file=sys.stderr)
+        return 2
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(result | {"machine": facts}, indent=1))
     return 0

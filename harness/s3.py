@@ -38,8 +38,8 @@ _VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_
 
 
 def missing() -> str | None:
-    for module, extra in (("moto", "moto[server] (the dev extra)"), ("s3fs", "s3fs (the s3 extra)"),
-                          ("flask", "moto[server] (the dev extra)")):  # fmt: skip
+    for module, extra in (("moto", "moto[s3] (the dev extra)"), ("s3fs", "s3fs (the s3 extra)"),
+                          ("flask", "flask (the dev extra)")):  # fmt: skip
         if importlib.util.find_spec(module) is None:
             return f"no local S3 server: {module} is not installed (pip install {extra})"
     return None

@@ -35,7 +35,7 @@ import pytest
 import torch
 from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
 
-from harness import tiers
+from harness import machine, tiers
 from torchtitan.data.pretokenized_write import pretokenize
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -59,6 +59,13 @@ os.environ[SESSION_ENV] = ":".join(filter(None, [os.environ.get(SESSION_ENV), TO
 # on two). train.main and the processes the tests start read the variable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_report_header(config):
+    """The CPU at the top of the run ("cpu: Intel(R) Xeon(R) Processor, AVX-512 (torch
+    capability AVX512), 2 cores"): a failure that depends on the kernels torch picks, or on
+    the cores, reads with the machine it happened on."""
+    return f"cpu: {machine.describe(machine.cpu_facts())}"
 
 
 def pytest_configure(config):

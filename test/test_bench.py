@@ -1,5 +1,7 @@
 """Benchmarks are not tests: each runs here in smoke mode, and what it reports must make sense
-(speeds positive, ratios finite, the state it claims to measure actually in effect).
+(speeds positive, ratios finite, the state it claims to measure actually in effect), with
+the machine it ran on and how much of it other processes used meanwhile
+(``harness/machine.py``, which also gives the test session's header line).
 
 The smoke runs start several processes each, so they are in the ``slow`` tier (CI runs
 it as its second command); the checks' own negative controls run in the fast tier."""
@@ -8,13 +10,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO
 
+from harness import bench, machine
+
 BENCHMARKS = REPO / "scripts" / "benchmarks"
+# Results whose rows are what the check reads: the first row, or (s3_checkpoint) all.
+FIRST_ROW = {"bench_attention.py", "bench_checkpoint.py", "bench_tp_loader.py"}
 
 
 def positive(*values) -> bool:
@@ -209,6 +218,13 @@ def check_moe(r: dict):
     assert positive(r["a2a_ms"]) and 0 < r["a2a_share"] < 1, "the all-to-alls take part of the step"
 
 
+def check_machine(m: dict):
+    assert m["cpu"] and m["vector"] in ("AVX-512", "AVX2", "other"), m
+    assert m["cores"] >= 1 and m["torch_capability"], m
+    assert 0 <= m["others_busy_pct"] <= 100 and m["wall_s"] >= 0, m
+    assert m["quiet"] == (m["others_busy_pct"] <= machine.QUIET_PCT), "quiet is the share's"
+
+
 CHECKS = {
     "bench_moe.py": check_moe,
     "bench_firstpass.py": check_firstpass,
@@ -252,8 +268,9 @@ def test_benchmark_smoke(script, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    CHECKS[script](result if script == "bench_s3_checkpoint.py" else
-                   result[0] if isinstance(result, list) else result)  # fmt: skip
+    check_machine(result["machine"])
+    CHECKS[script](result["rows"] if script == "bench_s3_checkpoint.py" else
+                   result["rows"][0] if script in FIRST_ROW else result)  # fmt: skip
 
 
 NONSENSE = [
@@ -347,6 +364,9 @@ NONSENSE = [
                                                   "result": "4 of 4 steps bit-equal"}],
                        "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]},
      "'backend': 'flex', 'note': ''"),
+    (check_machine, {"cpu": "x", "vector": "AVX2", "torch_capability": "AVX2", "cores": 2,
+                     "others_busy_pct": 40.0, "quiet": True, "wall_s": 3.0},
+     "quiet is the share's"),
 ]  # fmt: skip
 
 
@@ -394,9 +414,12 @@ def test_sampling_benchmark_smoke(tmp_path, capsys, monkeypatch):
     spec.loader.exec_module(bench)
     out = tmp_path / "result.json"
     assert bench.main(["--smoke", "--json", str(out)]) == 0
-    assert "| ranks (resumed halfway into pass 0) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ranks (resumed halfway into pass 0) |" in printed
+    assert f"machine: {machine.describe(machine.cpu_facts())}; other processes used" in printed
     result = json.loads(out.read_text())
     check_sampling(result)
+    check_machine(result["machine"])
     for path, value, why in (
         (("coverage", 1, "coverage"), 0.084, "a document repeated before pass 0 ended"),
         (("coverage", 0, "planned_equals_read"), False, "the simulation must be what the"),
@@ -410,3 +433,201 @@ def test_sampling_benchmark_smoke(tmp_path, capsys, monkeypatch):
         target[key] = value
         with pytest.raises(AssertionError, match=why):
             check_sampling(broken)
+
+
+# ---- the machine a figure was taken on, and how busy others kept it -----------------------
+
+
+def stat_text(cpu0: tuple, cpu1: tuple) -> str:
+    """/proc/stat's text for two CPUs given as (user, system, idle, steal, guest) ticks (guest
+    is already inside user, as the kernel counts it), with the aggregate line first."""
+    both = tuple(a + b for a, b in zip(cpu0, cpu1))
+    lines = [f"{name} {u} 0 {s} {i} 0 0 0 {st} {g} 0"
+             for name, (u, s, i, st, g) in (("cpu", both), ("cpu0", cpu0), ("cpu1", cpu1))]  # fmt: skip
+    return "\n".join([*lines, "intr 12 3 4", "ctxt 99", "btime 1700000000"])
+
+
+def reading(stat: str, own: int, cpus=None) -> machine.Reading:
+    return machine.Reading(0.0, *machine.machine_ticks(stat, cpus), own)
+
+
+def test_others_busy_share_is_the_machines_busy_ticks_less_this_trees():
+    """Two synthetic snapshots 2 s apart on 2 CPUs (400 ticks): cpu0 busy 150 (user), cpu1
+    busy 50 (user 30, system 10, steal 10: a hypervisor's other guest takes the core too);
+    this tree used 120 of the 200, so others used 80 of 400: 20 %. Negative controls: not
+    subtracting this tree's ticks reads 50 %, and guest ticks (inside user) are not
+    counted twice."""
+    start = stat_text((100, 50, 800, 0, 0), (100, 50, 800, 0, 0))
+    end = stat_text((250, 50, 850, 0, 70), (130, 60, 950, 10, 0))
+    for cpus in (None, {0, 1}):
+        assert machine.machine_ticks(end, cpus)[0] - machine.machine_ticks(start, cpus)[0] == 200
+        assert machine.machine_ticks(end, cpus)[1] - machine.machine_ticks(start, cpus)[1] == 400
+        assert machine.others_busy_pct(reading(start, 1000, cpus), reading(end, 1120, cpus)) == 20.0
+    assert machine.others_busy_pct(reading(start, 0), reading(end, 0)) == 50.0, "own counted"
+    # Only the CPUs this process may run on: cpu1 alone, busy 50 of its 200 ticks.
+    assert machine.others_busy_pct(reading(start, 0, {1}), reading(end, 0, {1})) == 25.0
+    load = machine.load_between(reading(start, 1000), reading(end, 1120))
+    assert load["others_busy_pct"] == 20.0 and load["quiet"] is False
+    assert machine.load_between(reading(start, 1000), reading(end, 1184))["quiet"] is True  # 4 %
+    assert machine.others_busy_pct(reading(start, 0), reading(start, 0)) == 0.0, "no tick"
+
+
+def test_the_cpu_model_and_vector_level_come_from_cpuinfo():
+    """The first processor's model and flags; AVX-512 where avx512f is set, AVX2 where only
+    avx2 is, "other" on an ARM machine (no model name, "Features" for flags)."""
+    xeon = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse2 avx "
+            "avx2 avx512f avx512bw\n\nprocessor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n")  # fmt: skip
+    epyc = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU part\t: 0xd0c\n"
+    model, flags = machine.cpu_of(xeon)
+    assert (model, machine.vector_level(flags)) == ("Intel(R) Xeon(R) Processor", "AVX-512")
+    model, flags = machine.cpu_of(epyc)
+    assert (model, machine.vector_level(flags)) == ("AMD EPYC 7B13", "AVX2")
+    model, flags = machine.cpu_of(arm)
+    assert (model, machine.vector_level(flags)) == ("", "other") and "asimd" in flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads /proc/cpuinfo (Linux)")
+def test_the_session_header_names_this_cpu_its_vector_level_and_cores(pytestconfig):
+    """conftest's pytest_report_header, through pytest's own hook call, against this
+    machine's facts read here on their own."""
+    import torch
+
+    said = pytestconfig.hook.pytest_report_header(config=pytestconfig,
+                                                  start_path=pytestconfig.rootpath)  # fmt: skip
+    lines = [line for group in said for line in ([group] if isinstance(group, str) else group)]
+    ours = [line for line in lines if line.startswith("cpu: ")]
+    info = open("/proc/cpuinfo").read()
+    model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name"))  # fmt: skip
+    flags = next(line.split(":", 1)[1].split() for line in info.splitlines()
+                 if line.startswith("flags"))  # fmt: skip
+    level = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert ours == [f"cpu: {model}, {level} (torch capability {capability}), "
+                    f"{len(os.sched_getaffinity(0))} cores"], lines  # fmt: skip
+
+
+SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass"
+
+
+def spinner_outside_this_tree(seconds: float) -> int:
+    """The pid of a process that spins for ``seconds`` and is no descendant of this one:
+    its parent starts it in a session of its own and exits, so it is re-parented."""
+    launcher = ("import subprocess, sys\n"
+                f"p = subprocess.Popen([sys.executable, '-c', {SPIN.format(seconds=seconds)!r}],"
+                " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"
+                "\nprint(p.pid)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True,
+                          check=True, timeout=60)  # fmt: skip
+    return int(proc.stdout)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc (Linux)")
+def test_a_process_spinning_outside_this_tree_counts_as_others():
+    """A spinning process that is not ours shows as others' use, at least its own CPU time
+    (read from its /proc/<pid>/stat) and at least 30 % of one core's share; this tree,
+    asleep meanwhile, counts next to nothing of it."""
+    pid = spinner_outside_this_tree(20)
+    try:
+        assert pid not in machine.descendants(os.getpid()), "re-parented away from this tree"
+        time.sleep(0.3)  # past its interpreter's start
+        start, spun_before = machine.read(), machine.process_ticks(pid)
+        time.sleep(1.5)
+        end, spun = machine.read(), machine.process_ticks(pid) - spun_before
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    own, span = end.own - start.own, end.total - start.total
+    others = (end.busy - start.busy) - own
+    assert own < spun / 2, f"this tree counted {own} ticks while the spinner ran {spun}"
+    assert others >= 0.8 * spun, f"others {others} ticks, the spinner alone {spun}"
+    assert machine.others_busy_pct(start, end) >= 30 / machine.cores(), (others, span)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc (Linux)")
+def test_this_trees_children_live_or_reaped_are_not_others():
+    """A child spinning through the window and one that ran 0.3 CPU-s and was reaped in it
+    are this tree's. Negative control: counting this process alone (its children as
+    others) reads the machine busier by their share."""
+    hz = os.sysconf("SC_CLK_TCK")
+    child = subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=20)])
+    try:
+        time.sleep(0.3)
+        start, child_before, alone_before = (
+            machine.read(),
+            machine.process_ticks(child.pid),
+            os.times(),
+        )
+        subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3:\n"
+                        "    pass"], check=True, timeout=60)  # fmt: skip
+        time.sleep(1.0)
+        end, alone = machine.read(), os.times()
+        spun = machine.process_ticks(child.pid) - child_before
+    finally:
+        child.kill()
+        child.wait()
+    reaped = (alone.children_user + alone.children_system
+              - alone_before.children_user - alone_before.children_system) * hz  # fmt: skip
+    own = end.own - start.own
+    assert reaped >= 25 and spun >= 10, (reaped, spun)  # both ran
+    assert own >= 0.8 * (spun + reaped), f"the tree counted {own}: child {spun}, reaped {reaped}"
+    self_only = [(t.user + t.system) * hz for t in (alone_before, alone)]
+    naive = machine.others_busy_pct(machine.Reading(0, start.busy, start.total, self_only[0]),
+                                    machine.Reading(0, end.busy, end.total, self_only[1]))  # fmt: skip
+    share = 100 * 0.8 * (spun + reaped) / (end.total - start.total)
+    assert naive - machine.others_busy_pct(start, end) >= share, "children read as others"
+
+
+def test_a_run_says_its_machine_and_load_and_warns_when_others_kept_it_busy(
+    tmp_path, capsys, monkeypatch
+):
+    """save() ends the output with the machine and others' share, warns over QUIET_PCT and
+    puts "machine" in the JSON; with --require-quiet a busy run exits 2 with one line and
+    writes nothing. The readings are synthetic: 400 ticks, this tree 100 of them."""
+    out = tmp_path / "result.json"
+    for require in ([], ["--require-quiet"]):
+        monkeypatch.setattr(machine, "sample", lambda s: {"others_busy_pct": 0.0,
+                                                          "quiet": True, "wall_s": s})  # fmt: skip
+        args = bench.Arguments("doc", smoke={}).parse(["--json", str(out), *require])
+        args.load_from = machine.Reading(0.0, 0, 0, 0)
+        for busy, pct in ((110, 2.5), (300, 50.0)):  # others 10 or 200 of 400 ticks
+            monkeypatch.setattr(machine, "read", lambda b=busy: machine.Reading(2.0, b, 400, 100))
+            out.unlink(missing_ok=True)
+            refused = require and pct > machine.QUIET_PCT
+            assert bench.save(args, {"figure": 1.5}) == (2 if refused else 0)
+            printed = capsys.readouterr()
+            assert f"other processes used {pct:.1f} % of it over 2.0 s" in printed.out
+            assert ("WARNING: not a quiet machine" in printed.out) == (pct > machine.QUIET_PCT)
+            if refused:
+                assert printed.err.count("\n") == 1 and "refused (--require-quiet)" in printed.err
+                assert not out.exists(), "a refused run writes no figures"
+                continue
+            result = json.loads(out.read_text())
+            assert result["figure"] == 1.5 and result["machine"]["others_busy_pct"] == pct
+            check_machine(result["machine"])
+
+
+def test_require_quiet_from_the_environment_refuses_a_busy_machine_before_the_work(
+    capsys, monkeypatch
+):
+    """TORCHTITAN_BENCH_REQUIRE_QUIET=1 is --require-quiet: a busy 1 s sample at the parse
+    exits 2 with one line, a quiet one goes on; the variable is taken from the environment
+    so that the run's own ranks (which parse too) do not refuse for their siblings' load.
+    Negative control: without it nothing is sampled."""
+
+    def load(pct):
+        return lambda seconds: {"others_busy_pct": pct, "quiet": pct <= machine.QUIET_PCT,
+                                "wall_s": seconds}  # fmt: skip
+
+    monkeypatch.setenv(bench.REQUIRE_QUIET_ENV, "1")
+    monkeypatch.setattr(machine, "sample", load(40.0))
+    with pytest.raises(SystemExit) as exited:
+        bench.Arguments("doc", smoke={}).parse([])
+    assert exited.value.code == 2 and bench.REQUIRE_QUIET_ENV not in os.environ
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refused (--require-quiet): other processes used 40.0 %" in err
+    monkeypatch.setenv(bench.REQUIRE_QUIET_ENV, "1")
+    monkeypatch.setattr(machine, "sample", load(1.0))
+    assert bench.Arguments("doc", smoke={}).parse([]).require_quiet is True
+    monkeypatch.setattr(machine, "sample", None)  # not called: a call would raise
+    assert bench.Arguments("doc", smoke={}).parse([]).require_quiet is False

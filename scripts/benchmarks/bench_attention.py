@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                       [[r["flavor"], r["seq_len"], f"{r['causal_ms']:.1f}",
                         f"{r['block_causal_ms']:.1f}", f"{r['block_over_causal']:.3f}"]
                        for r in rows])  # fmt: skip
-    return bench.save(args, rows)
+    return bench.save(args, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     print(
         "targets: async/sync <= 0.05 at >= 100 M parameters; integrity/save <= 0.10, flat in ranks"
     )
-    return bench.save(args, rows)
+    return bench.save(args, {"rows": rows})
 
 
 if __name__ == "__main__":

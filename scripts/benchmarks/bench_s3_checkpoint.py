@@ -446,7 +446,7 @@ def main(argv=None) -> int:
         for r in rows])  # fmt: skip
     report_limit(rows)
     report_upload(rows)
-    return bench.save(args, rows)
+    return bench.save(args, {"rows": rows})
 
 
 def checkpoint_bytes(bucket: str, rows: list) -> dict:

@@ -126,7 +126,7 @@ def main(argv=None) -> int:
                         f"{row[mode]['peer_ms_per_batch']:.2f}",
                         f"{row[mode]['group_cpu_ms_per_batch']:.2f}"]
                        for row in rows for mode in ("build", "broadcast")])  # fmt: skip
-    return bench.save(args, rows)
+    return bench.save(args, {"rows": rows})
 
 
 if __name__ == "__main__":
