@@ -190,6 +190,12 @@ def draw(seed: int, bucket_ok: bool = True) -> Trial:
                                  else [ranks])  # fmt: skip
             f.workers = rng.choice([0, 1, 2])
         faults.append(f)
+    if job.bucket and not any(f.kind == "store" for f in faults) and rng.random() < 0.6:
+        # A bucket's own faults, drawn in most of its jobs: the store is why it is there.
+        f = faults[-1]
+        f.kind, f.moment = "store", rng.choice(["503", "reset", "slow", "pause", "pause",
+                                                "restart"])  # fmt: skip
+        f.seconds = LEASE_TIMEOUT_S * 2 if f.moment == "pause" else rng.uniform(1, 3)
     if job.spike == "rewind" and any(p.kind == "x1000" for p in plants) and rng.random() < 0.5:
         # The rewind's window (a kill between the rewind and the next save) is where a
         # skip held only in memory is lost: drawn first in half of the jobs that rewind.
