@@ -274,14 +274,14 @@ def train_loop(run: Run, preemption: Preemption):
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
                            data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
             run.checkpoint.check_lease()  # a lapsed lease stops every rank here, unsaved
-            if run.guard.verdict == "rewind":  # the spike's data and the steps since go
-                rewind(run, metrics, state.step)
-                continue
-            run.guard.check_bad_steps()
+            if heed_guard(run, metrics, state.step, now=save_due(run, state.step, last_step)):
+                continue  # rewound: the spike's data and the steps since go
             saved = save_if_due(run, state.step, last_step)
             # Asked after every step, save steps included: a signal that lands during a
             # save is acted on right after it, and that save is the preemption's.
             if preemption.requested():
+                if heed_guard(run, metrics, state.step, now=True):  # before the stop's save
+                    continue
                 stop_with_checkpoint(run.checkpoint, preemption, state.step, saved)
                 break
             profiler.step(state.step)
@@ -290,6 +290,25 @@ def train_loop(run: Run, preemption: Preemption):
         run.replicas.finish(state.step, last_step)
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+def heed_guard(run: Run, metrics: StepMetrics, step: int, now: bool) -> bool:
+    """Act on the guard's verdicts the host learns at ``step`` (spikes.py): the previous
+    step's, copied to the host a step ago, and with ``now`` (a save or a stop is next)
+    or on a log line (metrics read it) ``step``'s own. Writes their events; a spike
+    under on_spike rewind rewinds (True: the loop goes on from the checkpoint, the steps
+    trained since the spike undone with it); max_bad_steps in a row stop the job."""
+    guard = run.guard
+    guard.learn(step, now)
+    for event in guard.take_events():
+        if run.dims.is_main:
+            metrics.event(event)
+    spike, guard.rewind_at = guard.rewind_at, None
+    if spike is not None:
+        rewind(run, metrics, spike)
+        return True
+    guard.check_bad_steps()
+    return False
 
 
 def rewind(run: Run, metrics: StepMetrics, spike: int):
@@ -351,12 +370,15 @@ def stop_with_checkpoint(checkpoint, preemption: Preemption, step: int, saved: b
     preemption.said_stop(step, written)
 
 
+def save_due(run: Run, step: int, last_step: int) -> bool:
+    return run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
+
+
 def save_if_due(run: Run, step: int, last_step: int) -> bool:
     """Save ``step`` every checkpoint.interval steps and where the job stops (weights
     only at the training's last step under checkpoint.model_weights_only); whether it
     saved (fault tolerance: False in a group that does not write the job's)."""
-    due = run.checkpoint.should_save(step) or (run.checkpoint.enabled and step == last_step)
-    if due:  # LowestGroupSaves.save says False where it skipped; a plain manager None
+    if save_due(run, step, last_step):  # LowestGroupSaves.save: False where it skipped
         return run.checkpoint.save(step, final=step == run.cfg.training.steps) is not False
     return False
 

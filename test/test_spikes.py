@@ -161,9 +161,11 @@ def guard(*argv) -> SpikeGuard:
 
 
 def feed(g: SpikeGuard, values: list[tuple[float, float]]) -> list[str]:
+    """Each step decided on the device and learned by the host at once (a log step's way)."""
     verdicts = []
     for loss, norm in values:
         g.decide(torch.tensor(loss), torch.tensor(norm), [])
+        g.learn(g.next_step, now=True)
         verdicts.append(g.verdict if g.last_event is None else g.last_event["action"] + "!")
         g.train_state.step += 1
     return verdicts

@@ -3,7 +3,7 @@
 Owns: gradient accumulation with the loss (loss.py) scaled so that the gradient is the
 one big batch's (normalized by the labels that count over all micro-batches and ranks
 when boundaries are masked), clipping, the guard's verdict on the update (spikes.py: a broken step or a spike
-is not applied) and the optimizer and schedule step (`TrainStep`), and the same under pipeline parallelism (`PipelineStep`).
+is not applied, by a device flag: no host read) and the optimizer and schedule step (`TrainStep`), and the same under pipeline parallelism (`PipelineStep`).
 
 Never: pull training batches (the loop hands them over, so what a step consumed is
 what the checkpoint records), save checkpoints, or write logs.
@@ -84,12 +84,10 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         lr = self.scheduler.get_last_lr()[0]
-        if guard is None or guard.decide(total, grad_norm, batches):
-            self.before_update()
-            self.optimizer.step()
-            balance_experts(self.model)  # the experts' bias moves with an applied step only
-        else:
-            forget_expert_loads(self.model)
+        ok = None if guard is None else guard.decide(total, grad_norm, batches)
+        self.before_update()
+        update_unless_dropped(self.optimizer, ok)
+        balance_experts(self.model, ok)  # the experts' bias moves with an applied step only
         # A dropped step still counts: the schedule moves on with the step counter and the
         # data (spikes.py).
         self.scheduler.step()
@@ -97,16 +95,47 @@ class TrainStep:
         return total, grad_norm, lr
 
 
-def balance_experts(model: torch.nn.Module):
+def update_unless_dropped(optimizer: torch.optim.Optimizer, ok: torch.Tensor | bool | None):
+    """``optimizer.step()`` where the guard's device flag ``ok`` holds (None or True:
+    always), and where it does not, weights, moments and step count left exactly as they
+    were, without a host read. A fused optimizer (optim.py builds AdamW and Adam fused)
+    takes it as ``found_inf``, GradScaler's way: its kernel returns before touching a
+    weight or a moment, and the step count, +1 then -found_inf, is exact; cost: none (a
+    first step dropped creates the moments, zeros at step 0, as an applied one would
+    before its update). Another (SGD): apply, then ``torch.where(ok, new, old)`` over the
+    parameters and the tensors of the state it had; cost: a copy of both per step."""
+    if ok is None or ok is True:
+        optimizer.step()
+        return
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = (~ok).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [(t, t.detach().clone()) for p in params
+              for t in (p, *(v for v in optimizer.state.get(p, {}).values()
+                             if isinstance(v, torch.Tensor)))]  # fmt: skip
+    optimizer.step()
+    with torch.no_grad():
+        for t, old in before:
+            t.copy_(torch.where(ok, t, old))
+
+
+def balance_experts(model: torch.nn.Module, ok: torch.Tensor | None = None):
     """A mixture of experts' balancing update, after the optimizer step: each layer's
     tokens per expert in this step, summed over all ranks (every rank is a data-parallel
     rank: MoE refuses TP and PP), given to every rank's model alike, so every rank's bias
-    stays the same. Nothing for a dense model. Cost: one all-reduce of layers x experts
-    integers per step."""
+    stays the same; zeros where the guard's ``ok`` drops the step (the bias and the
+    counts move by exactly 0; its log line shows no load). Nothing for a dense model.
+    Cost: one all-reduce of layers x experts integers per step."""
     inner = getattr(model, "module", model)  # DDP's
     loads = inner.expert_loads() if hasattr(inner, "expert_loads") else None
     if loads is not None:
-        inner.balance_experts(parallel.sum_tensor_over_ranks(loads))
+        loads = parallel.sum_tensor_over_ranks(loads)
+        inner.balance_experts(loads if ok is None else loads * ok)
 
 
 def forget_expert_loads(model: torch.nn.Module):
@@ -182,9 +211,9 @@ class PipelineStep:
         grad_norm = pp.clip_grad_norm(list(self.model.parameters()), self.max_norm, pl)
         lr = self.scheduler.get_last_lr()[0]
         # Every stage holds the last stage's loss and the norm over all stages: they agree.
-        if self.guard is None or self.guard.decide(loss, grad_norm, batches):
-            self.before_update()
-            self.optimizer.step()
+        ok = None if self.guard is None else self.guard.decide(loss, grad_norm, batches)
+        self.before_update()
+        update_unless_dropped(self.optimizer, ok)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, lr

@@ -229,9 +229,9 @@ def test_a_healed_group_judges_spikes_as_its_peers():
     assert "spikes" in HEALED
     joined.load_state_dict(_fill(joined.state_dict(), _local(peer.state_dict())))
     assert joined.losses == peer.losses
-    spike = (torch.tensor(4.0), torch.tensor(1.0), [])
-    assert peer.decide(*spike) is joined.decide(*spike) is False
-    assert fresh.decide(*spike) is True
+    spike = (torch.tensor(4.0), torch.tensor(1.0), [])  # decide: a device flag, read here
+    assert not peer.decide(*spike) and not joined.decide(*spike)
+    assert fresh.decide(*spike)
 
 
 def test_a_heal_that_fails_inside_the_quorum_is_named_not_blamed_on_the_lighthouse():

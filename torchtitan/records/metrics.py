@@ -10,8 +10,9 @@ data-parallel rank (TP peers train on the same data). On resume, lines of steps 
 the resumed step (left by the interrupted run) are dropped, so the files always
 describe the run as it finally counts.
 
-Cost: on a log step, one small gather to rank 0 (``across_ranks``); nothing on other
-steps but the provenance line.
+Cost: on a log step, one read of the device (``StepMetrics.read``: every logged device
+value, the guard's verdict included, stacked: one copy, a sync on a GPU) and one small
+gather to rank 0 (``across_ranks``); nothing on other steps but the provenance line.
 
 Never: compute losses, pull batches, run validation, count the tokens seen or decide
 when to stop (the loop in ``train.py`` does).
@@ -162,13 +163,11 @@ MIX_WEIGHT, SOURCE_PASS, SOURCE_READ = "mix_weight/", "source_pass/", "source_re
 EXPERT_LOAD_MAX_MEAN, EXPERT_LOADS = "expert_load_max_mean/", "expert_loads"
 
 
-def expert_load_values(model) -> dict:
-    """The last step's expert loads of ``model`` as metrics (none for a dense model)."""
-    inner = getattr(model, "module", model)
-    loads = getattr(inner, "last_loads", None)
+def expert_load_values(loads: torch.Tensor | None) -> dict:
+    """The last step's expert loads (read to the host: [layers, experts]) as metrics (none
+    for a dense model)."""
     if loads is None:
         return {}
-    loads = loads.cpu()
     mean = loads.double().mean(-1).clamp(min=1e-12)
     ratio = (loads.double().max(-1).values / mean).tolist()
     values = {f"{EXPERT_LOAD_MAX_MEAN}{i}": r for i, r in enumerate(ratio)}
@@ -413,9 +412,6 @@ class StepMetrics:
         if self.provenance is not None and self.dims.is_main:
             for first, count, lo, hi in passed_over:
                 self.provenance.write_skip(step, first, count, lo, hi)
-        event = None if self.guard is None else self.guard.last_event
-        if event is not None and self.dims.is_main:
-            self.event(event)
         self.epoch_starts += [[step, *e] for e in self.loader.take_epoch_starts()]
         validation = {} if validation_loss is None else {"validation_loss": validation_loss}
         if not validation and not self.logger.should_log(step, self.last_step):
@@ -423,6 +419,7 @@ class StepMetrics:
         per_rank = step_tokens / self.dims.world_size / step_s
         peak, per_token = self.peak, self.flops_per_token
         mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
+        loss, grad_norm, loads = self.read(step, loss, grad_norm)
         ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s)
         sources = {f"{SOURCE_TOKENS}{k}": v for k, v in self.loader.tokens_by_source().items()}
         sources.update({f"{MIX_WEIGHT}{k}": v for k, v in self.loader.mix_by_source().items()})
@@ -430,7 +427,7 @@ class StepMetrics:
             sources[f"{SOURCE_PASS}{name}"], sources[f"{SOURCE_READ}{name}"] = pass_, read
         values = {
             "loss": ranks.get("loss", 0.0),
-            "grad_norm": grad_norm.item(),
+            "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": per_rank,
             **mfu,
@@ -444,11 +441,30 @@ class StepMetrics:
             "skipped_documents": self.loader.skipped_documents(),
             **({} if self.guard is None else self.guard.metrics()),
             **sources,
-            **expert_load_values(self.model),
+            **expert_load_values(loads),
             **validation,
         }
         self.logger.log(step, values, epoch_starts=self.epoch_starts)
         self.epoch_starts = []
+
+    def read(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor):
+        """What a log line reads of the device, in one read (a sync on a GPU): the loss,
+        the gradient norm, the guard's verdict of the step (the guard learns it here, not
+        a step later) and a mixture of experts' loads, cast to float64 (exact: float32
+        values, counts below 2**53) and stacked. Returns the loss and the norm as floats
+        and the loads ([layers, experts] int64 on the host, or None)."""
+        record = None if self.guard is None else self.guard.newest(step)
+        inner = getattr(self.model, "module", self.model)
+        loads = getattr(inner, "last_loads", None)
+        parts = [loss.detach().reshape(1), grad_norm.detach().reshape(1)]
+        parts += [t.reshape(-1) for t in (record, loads) if t is not None]
+        values = torch.cat([t.to(torch.float64) for t in parts]).tolist()  # one device
+        if record is not None:
+            self.guard.learn(step, now=True, newest=values[2 : 2 + record.numel()])
+        if loads is not None:
+            loads = torch.tensor(values[len(values) - loads.numel() :]).to(torch.int64)
+            loads = loads.view(inner.last_loads.shape)
+        return values[0], values[1], loads
 
     def event(self, record: dict):
         """Rank 0: a broken step, a spike or a rewind, one line of ``spikes.jsonl`` (a
