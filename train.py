@@ -231,8 +231,9 @@ def resume(run: Run):
     run.checkpoint.load()  # the train state holds step 0 unless it was loaded
     if run.checkpoint.enabled:  # skips a rewind decided, whichever checkpoint was loaded
         done = parallel.on_main(run.dims, rewinds.read, run.checkpoint.folder)
-        run.dataloader.add_skips([r["skip"] for r in done])
-        run.guard.count_rewinds([r["counts"] for r in done])
+        if done:  # none under fault tolerance (its groups never rewind)
+            run.dataloader.add_skips([r["skip"] for r in done])
+            run.guard.count_rewinds([r["counts"] for r in done])
     run.dataloader.set_step(run.train_state.step)  # the batch-size schedule is by training step
     if run.checkpoint.loaded_from is None:
         load_initial_weights(run.cfg, run.model, run.dims)
