@@ -388,3 +388,39 @@ def test_muon_on_2_fsdp_ranks_resumes_bit_exact_and_on_1_reads_every_token_once(
     assert_run_read_every_token_once(elastic)
     control = ["--dump-folder", str(tmp_path / "control"), *args]
     assert resume_check(control, launcher_for("optimizer")) == 1
+
+
+def test_a_dropped_first_step_leaves_muon_as_if_it_never_ran():
+    """The spike guard drops step 1 (NaN gradients, its device flag false) through
+    step.update_unless_dropped, then steps 2-3 apply: the weights equal, bit for bit,
+    those of a run that took only steps 2-3's gradients; the state the dropped step
+    created (Muon's momentum, its AdamW part's moments and step) went back to zeros.
+    Negative control: the state left as the dropped step made it is NaN, and so would
+    be every later step."""
+    from torchtitan.step import update_unless_dropped
+
+    cfg = muon_cfg()
+
+    def run(drop_first: bool) -> tuple[dict, torch.optim.Optimizer]:
+        model = build_model("debugmodel", 4096, device="cpu", seed=3)
+        optimizer = build_optimizer(model, cfg)
+        named = dict(model.named_parameters())
+        for step in range(3):
+            if step == 0 and not drop_first:
+                continue
+            for name, g in grads_for(named, step).items():
+                named[name].grad = torch.full_like(g, float("nan")) if step == 0 else g
+            update_unless_dropped(optimizer, torch.tensor(step > 0))
+        return {n: p.detach().clone() for n, p in named.items()}, optimizer
+
+    dropped, optimizer = run(True)
+    skipped, _ = run(False)
+    for name in skipped:
+        assert torch.equal(dropped[name], skipped[name]), name
+    model = build_model("debugmodel", 4096, device="cpu", seed=3)
+    plain = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    plain.step()  # the step applied as it came, NaN gradients and all
+    assert any(torch.isnan(v).any() for s in plain.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))  # fmt: skip

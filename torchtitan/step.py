@@ -118,10 +118,18 @@ def update_unless_dropped(optimizer: torch.optim.Optimizer, ok: torch.Tensor | b
     before = [(t, t.detach().clone()) for p in params
               for t in (p, *(v for v in optimizer.state.get(p, {}).values()
                              if isinstance(v, torch.Tensor)))]  # fmt: skip
+    had = {(id(p), k) for p in params for k in optimizer.state.get(p, {})}
     optimizer.step()
     with torch.no_grad():
         for t, old in before:
             t.copy_(torch.where(ok, t, old))
+        # State the step created (a first step: Muon's momentum, its AdamW part's moments
+        # and step) goes back to what creating it gives, zeros, where the step is dropped:
+        # a NaN kept there would poison every later step.
+        for p in params:
+            for k, v in optimizer.state.get(p, {}).items():
+                if (id(p), k) not in had and isinstance(v, torch.Tensor):
+                    v.copy_(torch.where(ok, v, torch.zeros_like(v)))
 
 
 def balance_experts(model: torch.nn.Module, ok: torch.Tensor | None = None):
