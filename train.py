@@ -342,7 +342,7 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
     # loader entry was written before the spike and does not hold the skip.
     checkpoint = run.checkpoint
     parallel.on_main(run.dims, lambda: (checkpoint.lease.check(), rewinds.record(
-        checkpoint.folder, guard.counts["rewinds"], spike, to, skip, guard.counts)))  # fmt: skip
+        checkpoint.folder, spike, to, skip, guard.counts)))  # fmt: skip
     lo = loader.position.windows
     loader.add_skips([*skips, skip])
     loader.set_step(run.train_state.step)

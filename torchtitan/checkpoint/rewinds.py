@@ -1,7 +1,7 @@
 """A rewind's record: the skip a loss spike's rewind decided, durable before the next step.
 
 Owns: the files ``<checkpoint folder>/rewinds/rewind-<k>.json``, one per rewind of the
-job (k = 1, 2, ... the guard's rewind count after it), each holding the spike's step, the
+job (k = 1, 2, ..., in the order they happened), each holding the spike's step, the
 checkpoint step it went back to, the skip (``[first step, steps]``) and the guard's
 counters after it. A rewind reloads a checkpoint written before the spike, whose loader
 entry holds no such skip; until the next checkpoint is written the skip lived in memory
@@ -40,15 +40,22 @@ def path_of(folder: str, k: int) -> str:
     return storage.join(folder, FOLDER, f"rewind-{k}.json")
 
 
-def record(folder: str, k: int, spike: int, to: int, skip: tuple[int, int], counts: dict):
-    """Publish rewind ``k``'s record (rank 0), synced before it returns."""
+def record(folder: str, spike: int, to: int, skip: tuple[int, int], counts: dict) -> int:
+    """Publish the next record (rank 0), synced before it returns; its number. Numbered
+    by the records the folder holds, never by the guard's counters (a branch starts
+    with its source's): ``read`` stops at the first number missing, so none may be.
+    Cost: one existence check per record already there (O(rewinds))."""
     where = storage.join(folder, FOLDER)
     storage.makedirs(where)
+    k = 1
+    while storage.exists(path_of(folder, k)):
+        k += 1
     body = json.dumps({"rewind": k, "spike": spike, "to": to, "skip": list(skip),
                        "counts": counts}, sort_keys=True).encode()  # fmt: skip
     storage.publish(path_of(folder, k), lambda f: f.write(body))
     if not storage.is_remote(where):
         fsync_dir(where)
+    return k
 
 
 def read(folder: str) -> list[dict]:
@@ -69,7 +76,8 @@ def read(folder: str) -> list[dict]:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"rewind record {path} is damaged ({type(e).__name__}: {e}); it names data "
-                "a loss spike's rewind skipped: restore it, or remove it and pass the skip "
-                "as --training.skip_steps (spikes.jsonl's rewind event names it)"
+                "a loss spike's rewind skipped: restore it, or remove the rewinds folder and "
+                "pass every rewind's skip as --training.skip_steps (spikes.jsonl's rewind "
+                "events name them)"
             ) from None
         k += 1
