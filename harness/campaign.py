@@ -664,15 +664,16 @@ def applied_skips(dump: Path, checkpoint: Path) -> list:
 
 def dropped_steps(dump: Path, job: Job) -> dict[int, str]:
     """The steps the final timeline dropped ({step: the fault that makes the reference drop
-    it}): where its counters of broken steps (and, under skip_step, spikes) went up."""
-    out, before = {}, {"bad_steps": 0, "spikes": 0}
+    it}), read from the loss each step logged: not finite (a broken step), or past the
+    spike bound under skip_step. (Not from the guard's counters: they outlive a rewind,
+    so a step retaken after one would carry an earlier step's count.)"""
+    out = {}
     for line in (dump / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        if r.get("bad_steps", 0) > before["bad_steps"]:
+        if not math.isfinite(r["loss"]):
             out[r["step"]] = "nan"
-        elif job.spike == "skip_step" and r.get("spikes", 0) > before["spikes"]:
+        elif job.spike == "skip_step" and r["loss"] > SPIKE_LOSS:
             out[r["step"]] = "x1000"
-        before = {k: r.get(k, 0) for k in before}
     return out
 
 

@@ -66,13 +66,15 @@ def _records(tmp_path, metrics: list[dict], events: list[dict], records: list[di
 
 def test_the_oracle_reads_the_skips_and_the_dropped_steps_from_the_records(tmp_path):
     """The skips applied are every rewind's, from its event and its durable record, each
-    once; the dropped steps are where the final timeline's counters went up (a broken
-    step: NaN; a spike under skip_step: the spike). Negative controls: under rewind a
-    spike is not a dropped step (its skip covers it); a record alone still counts (the
-    event of a life that was killed may be missing)."""
-    counters = [(0, 0), (1, 0), (1, 0), (1, 1), (1, 1)]
-    metrics = [{"step": s, "loss": 1.0, "bad_steps": b, "spikes": k}
-               for s, (b, k) in enumerate(counters, 1)]  # fmt: skip
+    once; the dropped steps are those whose logged loss is not finite (broken) or, under
+    skip_step, past the spike bound. Negative controls: under rewind a spike's step is
+    not a dropped step (its skip covers it); a step retaken after a rewind, whose guard
+    counters still count an earlier broken step, is not dropped (the counters outlive a
+    rewind); a record alone still counts (the event of a killed life may be missing)."""
+    nan = float("nan")
+    rows = [(1, 8.3, 0), (2, nan, 1), (3, 8.2, 1), (4, 8200.0, 1), (5, 8.1, 1)]
+    metrics = [{"step": s, "loss": loss, "bad_steps": b, "spikes": 1 if s >= 4 else 0}
+               for s, loss, b in rows]  # fmt: skip
     _records(tmp_path, metrics, [{"step": 7, "kind": "rewind", "skip_steps": [6, 3]}],
              [{"skip": [6, 3]}, {"skip": [10, 2]}])  # fmt: skip
     assert campaign.applied_skips(tmp_path, tmp_path / "checkpoint") == [[6, 3], [10, 2]]
