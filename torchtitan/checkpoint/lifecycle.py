@@ -110,6 +110,14 @@ class Saver:
         if self.lease is not None:
             self.lease.check()
 
+    def _writer(self, partial: str):
+        """DCP's writer for ``partial``; a store's asks ``_may_write`` before every request
+        (rank 0: a save that began in time sends nothing once the lease has lapsed)."""
+        writer = self.store.writer(partial)
+        if hasattr(writer, "may_write"):
+            writer.may_write = self._may_write
+        return writer
+
     @property
     def _no_dist(self) -> bool:
         return not torch.distributed.is_initialized()
@@ -134,7 +142,7 @@ class Saver:
         parallel.barrier(self.dims)
         begin = time.perf_counter()
         if self.async_mode == "async":
-            stager, writer = self._async_stager(), self.store.writer(partial)
+            stager, writer = self._async_stager(), self._writer(partial)
             if isinstance(stager, PipelinedStager):  # a store writer uploads as it goes
                 stager.pipelined = hasattr(writer, "staging")
                 if stager.pipelined:
@@ -164,7 +172,7 @@ class Saver:
             )
         else:
             with self._save_errors(step):
-                dcp.save(state, checkpoint_id=partial, storage_writer=self.store.writer(partial),
+                dcp.save(state, checkpoint_id=partial, storage_writer=self._writer(partial),
                          process_group=self.dims.cpu_group, no_dist=self._no_dist)  # fmt: skip
                 self.finalize(step)
             logger.info("saved checkpoint step-%d in %.2fs", step, time.perf_counter() - begin)

@@ -169,8 +169,12 @@ class Uploader:
     ``budget`` bytes handed to requests and not yet acknowledged (``submit`` waits)."""
 
     def __init__(self, client, bucket: str, prefix: str, in_flight: int = IN_FLIGHT,
-                 budget: int = IN_FLIGHT * OBJECT_MAX):  # fmt: skip
+                 budget: int = IN_FLIGHT * OBJECT_MAX, may_write=None):  # fmt: skip
         self.client, self.bucket, self.prefix = client, bucket, prefix
+        # Raises where this job may no longer write the folder (the saver's lease check):
+        # asked before every request and every retry, so a save that began in time sends
+        # nothing once the lease may be another job's (a paused store's held uploads).
+        self.may_write = may_write
         self.in_flight, self.budget = in_flight, budget
         self.pool = ThreadPoolExecutor(in_flight, thread_name_prefix="store-write")
         # Completions wait for their parts, so not on the pool the parts need; off the
@@ -193,6 +197,11 @@ class Uploader:
         full-jitter backoff (store_reader.backoff); a fault that persists is a
         StoreWriteError naming ``name``."""
         for attempt in range(ATTEMPTS):
+            if self.may_write is not None:
+                try:
+                    self.may_write()
+                except Exception as e:  # noqa: BLE001 - the lease's own line, as the save's
+                    raise StoreWriteError(str(e)) from None
             try:
                 reply = getattr(self.client, method)(Bucket=self.bucket, Key=self.key(name), **args)
                 with self.room:
@@ -346,6 +355,7 @@ class StoreWriter(FsspecWriter):
         # an async save's stager (staging.PipelinedStager), set by the saver: an entry is
         # serialized once its copy is done, while later entries are still being copied
         self.staging = None
+        self.may_write = None  # the saver's lease check (Uploader.may_write)
 
     def _locate(self, path):
         bucket, _, prefix = str(path).split("://", 1)[1].partition("/")
@@ -358,7 +368,7 @@ class StoreWriter(FsspecWriter):
 
     def uploader(self) -> Uploader:
         return Uploader(store_reader._s3_client(), self.bucket, self.prefix, self.in_flight,
-                        self.in_flight * self.object_max)  # fmt: skip
+                        self.in_flight * self.object_max, self.may_write)  # fmt: skip
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         """Serialize and upload this rank's items; returns once every object is stored.
@@ -424,7 +434,8 @@ class StoreWriter(FsspecWriter):
         name = (
             ".metadata" if self.use_collectives or self.rank is None else f"__{self.rank}.metadata"
         )
-        uploader = Uploader(store_reader._s3_client(), self.bucket, self.prefix, 1)
+        uploader = Uploader(store_reader._s3_client(), self.bucket, self.prefix, 1,
+                            may_write=self.may_write)  # fmt: skip
         try:
             uploader.call(name, "put_object", Body=pickle.dumps(metadata))
         finally:
