@@ -45,17 +45,22 @@ def torch_ns(g: torch.Tensor, coefficients=(A, B, C)) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", [(8, 64, 64), (8, 96, 64), (8, 64, 96), (3, 32, 64)])
 def test_newton_schulz_of_a_3d_weight_is_each_expert_alone(shape):
-    """Each expert of a 3-D weight (square, tall, wide; debug_moe's experts are 8 x 64 x
-    64) orthogonalized in one batch equals torch.optim.Muon's iteration on that expert
-    alone, bit for bit; a 2-D matrix equals it too. Negative control: each expert
-    against its neighbour's result differs (the comparison can fail)."""
+    """A 2-D matrix orthogonalized here equals torch.optim.Muon's iteration bit for bit
+    (the same kernels on the same shapes, so on any CPU). Each expert of a 3-D weight
+    (square, tall, wide; debug_moe's experts are 8 x 64 x 64) orthogonalized in one
+    batch (baddbmm) agrees with torch's iteration on that expert alone to 2 bf16 ulps
+    of its scale, not to the bit: a batched and a single matmul are other kernels, whose
+    blocking an AVX2 and an AVX-512 CPU choose differently. Negative control: each
+    expert against its neighbour's result is far beyond that."""
     g = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
     batched = muon.newton_schulz(g)
     assert batched.shape == g.shape and batched.dtype == torch.bfloat16
     for e in range(shape[0]):
-        assert torch.equal(batched[e], torch_ns(g[e])), e
+        alone = torch_ns(g[e]).float()
+        tolerance = 2 * 2**-8 * alone.abs().max()  # bf16: 8 bits of mantissa
         assert torch.equal(muon.newton_schulz(g[e]), torch_ns(g[e])), e
-        assert not torch.equal(batched[e], torch_ns(g[e - 1])), e
+        assert (batched[e].float() - alone).abs().max() <= tolerance, e
+        assert (batched[e].float() - torch_ns(g[e - 1]).float()).abs().max() > 10 * tolerance
 
 
 def test_the_lr_scale_of_an_expert_is_that_of_its_matrix():
@@ -179,17 +184,19 @@ def ours(model, cfg, steps: int, place=lambda p, g: g) -> dict:
 @pytest.mark.parametrize("extra", [[], ["--optimizer.muon_adjust_lr", "match_rms_adamw",
                                         "--optimizer.muon_nesterov", "false"]])  # fmt: skip
 def test_one_process_equals_torch_muon_and_adamw_bit_for_bit(extra):
-    """debug_moe, 3 steps of given gradients: every weight equals torch.optim.Muon's on
-    the hidden matrices (each expert a matrix) and fused torch.optim.AdamW's on the rest,
-    torch.equal; both LR rules, Nesterov on and off. Negative control: the reference
-    with the Newton-Schulz coefficients a and c swapped differs."""
+    """debugmodel, 3 steps of given gradients: every weight equals torch.optim.Muon's on
+    the hidden matrices and fused torch.optim.AdamW's on the rest, torch.equal; both LR
+    rules, Nesterov on and off. (The dense model: its matrices run the kernels torch's
+    do, on the same shapes, on any CPU; a 3-D expert weight is batched here, one matrix
+    at a time in torch, which agrees to rounding only: the Newton-Schulz test above.)
+    Negative control: the reference with the coefficients a and c swapped differs."""
     cfg = muon_cfg(*extra)
-    got = ours(build_model("debug_moe", 4096, device="cpu", seed=3), cfg, 3)
-    want = torch_reference(build_model("debug_moe", 4096, device="cpu", seed=3), cfg, 3)
+    got = ours(build_model("debugmodel", 4096, device="cpu", seed=3), cfg, 3)
+    want = torch_reference(build_model("debugmodel", 4096, device="cpu", seed=3), cfg, 3)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    swapped = torch_reference(build_model("debug_moe", 4096, device="cpu", seed=3), cfg, 3,
+    swapped = torch_reference(build_model("debugmodel", 4096, device="cpu", seed=3), cfg, 3,
                               coefficients=(C, B, A))  # fmt: skip
     wq = "layers.0.attention.wq.weight"
     assert not torch.equal(swapped[wq], want[wq])
