@@ -6,9 +6,11 @@ Run as ``torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -412,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     if restarted:  # before the process groups, which is where it would fail
         return _one_line(int(os.environ.get("RANK", "0")), restarted)
     launcher = watch_launcher()  # a rank whose torchrun died stops as on SIGTERM
+    # ``kill -USR2 <rank pid>`` prints every thread's stack to stderr: a job that hangs
+    # says where (the fault campaign asks it so before it kills one that did not exit).
+    if sys.__stderr__ is not None:  # the process's own stderr (a test may replace sys's)
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
     dims = parallel.init_distributed(cfg.comm.init_timeout_seconds)
     setup_logging(dims.rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))

@@ -292,6 +292,32 @@ class Life:
         self._watch.join()
         return code
 
+    def stacks(self, settle_s: float = 3.0, frames: int = 8) -> str:
+        """Every rank's threads, as train.py prints them on SIGUSR2 (faulthandler), each
+        cut to its innermost ``frames``: where a life that did not exit hangs."""
+        mark = self.log.stat().st_size
+        ranks = self.ranks()
+        for pid in ranks:  # one at a time, each under its own line
+            with open(self.log, "ab") as f:
+                f.write(f"--- the threads of rank process {pid}\n".encode())
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+            time.sleep(settle_s / max(1, len(ranks)))
+        with open(self.log, "rb") as f:
+            f.seek(mark)
+            text = f.read().decode(errors="replace")
+        kept, depth = [], 0
+        for line in text.splitlines():
+            if line.startswith(("Thread 0x", "Current thread 0x")):
+                kept.append(line)
+                depth = 0
+            elif line.startswith("  File ") and depth < frames:
+                kept.append(line)
+                depth += 1
+            elif not line.startswith("  File "):
+                kept.append(line)  # the job's own lines meanwhile
+        return "\n".join(kept)
+
     def kill_all(self):
         for pid in [*_descendants(self.proc.pid), self.proc.pid]:
             with contextlib.suppress(ProcessLookupError):
@@ -317,6 +343,7 @@ class Outcome:
     violations: list[str] = field(default_factory=list)
     moments: list[str] = field(default_factory=list)  # "kill/save", "term", "store/pause" ...
     reference: str = ""
+    evidence: str = ""  # a hung life's stacks (each rank's threads), printed with its verdict
 
 
 class Runner:
@@ -375,6 +402,7 @@ class Runner:
             bound = EXIT_BOUND_S if hit and f.kind in ("kill", "term") else LIFE_BOUND_S
             code = life.wait(bound)
             if code is None:
+                out.evidence = life.stacks()
                 life.kill_all()
                 life.wait(10)
                 what = f"after {f.kind}" if hit else "without a fault"

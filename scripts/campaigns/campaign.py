@@ -84,6 +84,9 @@ def main(argv=None) -> int:
                 tally["failed"].append(json.loads(trial.to_json()))
                 print(f"  seed {trial.seed}, schedule {trial.to_json()}\n"
                       f"  replay: {campaign.replay_command(trial)}", flush=True)  # fmt: skip
+                if out.evidence:
+                    print("  stacks of the hung life:\n    " + out.evidence.replace("\n", "\n    "),
+                          flush=True)  # fmt: skip
             if args.replay:
                 break
     report = {**tally, "faults": dict(tally["faults"]), "moments": dict(tally["moments"]),
