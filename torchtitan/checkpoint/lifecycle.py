@@ -130,8 +130,9 @@ class Saver:
         """
         self.wait()
         partial = save_folder(self.folder, step)
-        if self.dims.is_main:
-            with self._save_errors(step):  # rank 0 alone: train.main tells the others
+
+        def prepare():
+            with self._save_errors(step):
                 self._may_write()
                 if self.store.in_place:  # written in place: an older timeline's step-N first
                     timeline.make_room(self.folder, step)
@@ -139,7 +140,10 @@ class Saver:
                 self.store.makedirs(partial)
                 _write_pending(join(partial, PENDING), manifest)
                 self._may_write()  # no data written after a prep that outlived the lease
-        parallel.barrier(self.dims)
+
+        # Rank 0 prepares the folder while the others wait; its error (a lapsed lease, a
+        # store's fault) is every rank's, at once, rather than theirs once rank 0 exits.
+        parallel.on_main(self.dims, prepare)
         begin = time.perf_counter()
         if self.async_mode == "async":
             stager, writer = self._async_stager(), self._writer(partial)
@@ -335,8 +339,9 @@ class Saver:
                     self.publish(step, purge_later=share is None)
                 except LeaseLost as e:  # every rank raises it: none tidies the folder
                     outcome = e
-                except (OSError, ValueError) as e:  # the others wait for the outcome: send one
-                    outcome = f"rank 0 could not publish step-{step}: {e}"
+                except Exception as e:  # noqa: BLE001 - the others wait for the outcome: send one
+                    said = store_problem(e) or root_cause(e)
+                    outcome = f"rank 0 could not publish step-{step}: {said}"
         outcome = parallel.broadcast_from_main(self.dims, outcome)
         if isinstance(outcome, LeaseLost):
             raise LeaseLost(str(outcome))

@@ -158,12 +158,14 @@ class CheckpointManager:
     def save(self, step: int, *, final: bool = False, model_only: bool = False):
         """Write ``step-N`` (see ``Saver.save`` for what blocks the caller); ``final``: the
         training's last step, saved as weights only under ``checkpoint.model_weights_only``."""
-        self.lease.check()
         # The previous save's state_dict views (and the shared staging buffers) must not
         # be reused, and two DCP saves must not share the checkpoint group at once: wait
         # for any tier's (and say so, once, when that makes the loop wait).
         for saver in self.savers:
             saver.wait_for_previous(step)
+        # Rank 0's lease, after the waits (the checkpoint group is free): a lapsed one is
+        # every rank's LeaseLost here, not rank 0's alone with the others in the save.
+        parallel.on_main(self.dims, self.lease.check)
         weights_only = model_only or (self.model_weights_only and final)
         names = [n for n, s in self.states.items() if s.weights or not weights_only]
         state = {name: self.states[name].state_dict() for name in names}
@@ -270,16 +272,18 @@ class CheckpointManager:
         rank verifies a share of the chosen checkpoint (O(total / ranks)) and loads its
         own shard, as a start does."""
         self.wait()
-        found = None
-        if self.dims.is_main:
+
+        def survey() -> list:
             found = []
             for i, (folder, _) in enumerate(self.tiers):
-                survey = timeline.survey(folder)
-                steps = [e.step for e in survey if e.full and earliest <= e.step <= latest]
+                entries = timeline.survey(folder)
+                steps = [e.step for e in entries if e.full and earliest <= e.step <= latest]
                 if steps:  # (step, tier): the newest, a tie to the local tier (listed last)
                     found.append((max(steps), i, folder))
-        found = parallel.broadcast_from_main(self.dims, found)
-        found = sorted(found, reverse=True)
+            return found
+
+        # rank 0 lists; a store's fault on the way is every rank's one line, at once
+        found = sorted(parallel.on_main(self.dims, survey), reverse=True)
         if found and found[0][1] == 1:  # the local tier: only where every rank holds it
             path = step_folder(found[0][2], found[0][0])
             holds = store_for(path).isfile(join(path, MANIFEST))
@@ -292,14 +296,16 @@ class CheckpointManager:
         problem = self._verify(path)
         if problem is not None:
             raise CheckpointError(f"rewinding: checkpoint {path} is damaged: {problem}")
-        if self.dims.is_main:
+
+        def set_aside():
             self.lease.check()  # setting aside writes the folder
             for tier, _ in self.tiers:
                 entries = timeline.survey(tier)
                 later = [e for e in entries if e.step > step]
                 if later:
                     timeline.set_aside_after(tier, [*later, timeline.Entry(step, -1)], step)
-        parallel.barrier(self.dims)
+
+        parallel.on_main(self.dims, set_aside)  # a lapsed lease: every rank's line at once
         self._load_from(path, [])
         self.loaded_from = path
         return step
@@ -369,7 +375,8 @@ class CheckpointManager:
         self.timeline = {"generation": generation, "origin": origin}
         if chosen is None:
             return None, []
-        if self.dims.is_main:
+
+        def set_aside():
             self.lease.check()
             timeline.set_aside_after(folder, survey, chosen)
             if plan.branch and self.options:
@@ -378,7 +385,8 @@ class CheckpointManager:
                     "command continues it",
                     timeline.describe(self.options), generation, chosen,
                 )  # fmt: skip
-        parallel.barrier(self.dims)
+
+        parallel.on_main(self.dims, set_aside)  # a lapsed lease: every rank's line at once
         return step_folder(folder, chosen), plan.exclude
 
     def _local_tier_wins(self, main: tuple, local: tuple) -> bool:
