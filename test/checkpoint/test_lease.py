@@ -544,6 +544,92 @@ def test_a_lease_lapsing_after_a_publish_purges_nothing(tmp_path, monkeypatch):
     assert kept == {False: ["step-2"], True: ["step-1", "step-2"]}
 
 
+def _lapse_during_a_finalization(rank: int, store: str, folder: str, out) -> None:
+    """One of two forked ranks: its checkpoint group busy with a finalization's gather
+    (rank 0's sent first, rank 1's only after the check) while the training thread asks
+    the lease after a step; rank 0's lease lapsed (its file removed: the next beat counts
+    it lost)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from torchtitan import parallel
+    from torchtitan.checkpoint import CheckpointManager
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    said = {}
+    try:
+        groups = [dist.new_group(backend="gloo", timeout=timedelta(seconds=8)) for _ in "cc"]
+        dims = parallel.ParallelDims(rank, 2, 0, torch.device("cpu"), "gloo",
+                                     cpu_group=groups[0], control_group=groups[1])  # fmt: skip
+        manager = CheckpointManager.__new__(CheckpointManager)  # what check_lease reads
+        manager.enabled, manager.dims = True, dims
+        manager.lease = Lease(folder, timeout_s=0.6, wait_s=0)
+        if rank == 0:
+            manager.lease.acquire()
+            os.remove(os.path.join(folder, LEASE))
+            while manager.lease.valid():
+                time.sleep(0.02)
+        gathered = []
+
+        def finalization():  # as Saver.finalize gathers the digests, on the checkpoint group
+            gathered.extend(parallel.gather_objects(dims, {"rank": rank}))
+
+        thread = threading.Thread(target=finalization)
+        if rank == 0:
+            thread.start()
+            time.sleep(0.3)  # its gather is in flight when the training thread asks
+        try:
+            manager.check_lease()
+        except LeaseLost as e:
+            said["line"] = str(e)
+        except Exception as e:  # noqa: BLE001 - the crossed collective, as this rank met it
+            said["line"] = f"{type(e).__name__}: {e}"[:300]
+        if rank == 1:
+            thread.start()
+        thread.join(timeout=20)
+        said["gathered"] = gathered if not thread.is_alive() else "still in its gather"
+        manager.lease.release()
+    finally:
+        out.put((rank, said))
+
+
+def test_a_lapse_seen_while_a_finalization_holds_the_checkpoint_group_crosses_nothing(tmp_path):
+    """check_lease (after every step, the training thread) says rank 0's line on the
+    control group: an async save's finalization may be in a collective on the checkpoint
+    group at that moment, from its own thread. Two forked gloo ranks: both raise
+    LeaseLost with rank 0's line and the finalization's gather completes with both
+    digests. The mutant that sent the line on the checkpoint group (the campaign's hang:
+    trial 659819, a store restarted while saves were in flight) crosses the two
+    collectives: a rank aborts on gloo's size mismatch, or both wait out the timeout."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    folder = str(tmp_path / "checkpoint")
+    os.makedirs(folder)
+    procs = [ctx.Process(target=_lapse_during_a_finalization,
+                         args=(r, str(tmp_path / "store"), folder, out)) for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    said = {}
+    try:
+        for _ in procs:
+            rank, got = out.get(timeout=60)
+            said[rank] = got
+    except Exception:  # noqa: BLE001 - a rank that died (SIGABRT) sends nothing
+        pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert sorted(said) == [0, 1], (said, [p.exitcode for p in procs])
+    for rank in (0, 1):
+        assert said[rank]["line"].startswith(f"this job lost the lease on checkpoint folder "
+                                             f"{folder}: its file was removed"), said  # fmt: skip
+    assert said[0]["gathered"] == [{"rank": 0}, {"rank": 1}] and said[1]["gathered"] == [], said
+
+
 def test_the_loop_stops_on_every_rank_within_a_step_of_a_lapse_and_saves_nothing(
     tmp_path, monkeypatch
 ):

@@ -138,7 +138,8 @@ class CheckpointManager:
             return
         if parallel.any_rank(self.dims, self.dims.is_main and not self.lease.valid()):
             problem = self.lease.problem() if self.dims.is_main else None
-            raise LeaseLost(parallel.broadcast_from_main(self.dims, problem))
+            # the control group: an async save's finalization may hold the checkpoint one
+            raise LeaseLost(parallel.broadcast_from_main(self.dims, problem, control=True))
 
     # ---- saving ---------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

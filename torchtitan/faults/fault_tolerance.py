@@ -738,8 +738,8 @@ class LowestGroupSaves:
         if not self._checkpoint.enabled or due == step or due == 0:
             return False
         dims = self._replicas.dims
-        newest = parallel.broadcast_from_main(
-            dims, self.newest_complete() if dims.is_main else None
+        newest = parallel.broadcast_from_main(  # the control group: a save may be in flight
+            dims, self.newest_complete() if dims.is_main else None, control=True
         )
         if newest >= due:
             return False
@@ -784,7 +784,7 @@ class LowestGroupSaves:
         where the group's ranks stand at other steps (a heal that reached some of them):
         nothing consistent to write."""
         dims = self._replicas.dims
-        if len(set(parallel.all_gather_objects(dims, step))) > 1:
+        if len(set(parallel.all_gather_objects(dims, step, control=True))) > 1:  # a save may fly
             return False
         if step == 0 or not self._checkpoint.enabled:
             return False

@@ -188,12 +188,16 @@ def _arrived(chain: list[tuple]) -> BaseException:
     return failed
 
 
-def broadcast_from_main(dims: ParallelDims, obj):
-    """Rank 0's ``obj`` on every rank (checkpoint group; pickled, for small objects)."""
+def broadcast_from_main(dims: ParallelDims, obj, control: bool = False):
+    """Rank 0's ``obj`` on every rank (pickled, for small objects): on the checkpoint
+    group, or with ``control`` on the control group. The training thread sends on the
+    checkpoint group only while no async save is in flight (its finalization uses that
+    group from another thread: two threads' collectives on one group cross, and gloo
+    hangs or aborts on a size mismatch); at any other moment it uses ``control``."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=dims.cpu_group)
+    dist.broadcast_object_list(box, src=0, group=dims.control_group if control else dims.cpu_group)
     return box[0]
 
 
@@ -206,12 +210,13 @@ def gather_objects(dims: ParallelDims, obj) -> list:
     return out or []
 
 
-def all_gather_objects(dims: ParallelDims, obj) -> list:
-    """Every rank's ``obj`` on every rank, in rank order (checkpoint group)."""
+def all_gather_objects(dims: ParallelDims, obj, control: bool = False) -> list:
+    """Every rank's ``obj`` on every rank, in rank order (checkpoint group; ``control``:
+    the control group, as ``broadcast_from_main`` says when)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dims.world_size
-    dist.all_gather_object(out, obj, group=dims.cpu_group)
+    dist.all_gather_object(out, obj, group=dims.control_group if control else dims.cpu_group)
     return out
 
 
