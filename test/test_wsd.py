@@ -10,14 +10,17 @@ cooldown's schedule from step 0, and the stable run's folder and lease are untou
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIG, error_lines, losses, read_jsonl, train_here
+from helpers import CONFIG, REPO, error_lines, losses, read_jsonl, train_here
 
 from torchtitan.checkpoint import branch
 from torchtitan.checkpoint.folder import CheckpointError
@@ -258,3 +261,22 @@ def test_a_source_that_cannot_be_branched_from_is_one_line(stable, tmp_path):
     (line,) = error_lines(log)
     assert status == 1 and f"checkpoint.branch_from {damaged} is damaged" in line, log[-2000:]
     assert "another step" in line and "Traceback" not in log
+
+
+@pytest.mark.slow
+def test_two_cooldowns_branched_while_their_source_trains(tmp_path):
+    """scripts/wsd_branches.py --smoke: A trains 60 steps while B1 (from its step-20) and
+    B2 (from its step-40) run, each in its own folder. A == A run alone, every step's loss
+    and LR (the source undisturbed by two branches at once); each branch == its schedule
+    from step 0 (C1, C2), losses, LRs and final weights; A trained while each branch ran
+    (the overlap the script records, else it fails). The checks' failure paths: the
+    script exits 1 naming the run that differs."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "wsd_branches.py"), "--smoke",
+                           "--out", str(tmp_path / "out"), "--picture", str(tmp_path / "p.png")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["problems"] == [] and summary["branch_steps"] == [20, 40]
+    assert all(last > first for first, last in summary["overlap"].values()), summary
+    assert "A while two branches ran == A alone" in proc.stdout and ": yes" in proc.stdout
+    assert (tmp_path / "p.png").stat().st_size > 0
