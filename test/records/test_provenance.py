@@ -98,3 +98,28 @@ def test_completeness_check_sees_a_skipped_document(tiny_corpus, tokenizer):
     cut = {r: {k: [[sp if sp[2] > 0 or sp[1] != doc else [*sp[:3], 1, *sp[4:]] for sp in seq]
                for seq in v] for k, v in steps.items()} for r, steps in provenance.items()}  # fmt: skip
     assert check_complete(cut, lengths)["shakespeare"].partial >= 1
+
+
+def test_a_rewind_trims_skips_jsonl_on_its_one_writer_only(tmp_path):
+    """Every data-parallel rank's ProvenanceWriter moves its own lines aside on a rewind;
+    skips.jsonl, beside them, is rank 0's alone (it writes the skips): only rank 0 trims
+    it. Negative control (the campaign's trial 700041: three ranks trimming it at once
+    crossed their renames of skips.jsonl.tmp, a rank failed with FileNotFoundError): a
+    second rank's rewind leaves the file as it was, and rank 0's trims it."""
+    from torchtitan.records.metrics import SKIPS, ProvenanceWriter
+
+    folder = tmp_path / "provenance"
+    main = ProvenanceWriter(str(folder), 0, 0, True)
+    other = ProvenanceWriter(str(folder), 1, 0, False)
+    lines = [{"step": 5, "first": 3, "count": 2}, {"step": 9, "first": 7, "count": 3}]
+    skips = folder / SKIPS
+    skips.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for writer, step in ((main, 4), (main, 8), (other, 4), (other, 8)):
+        writer.write(step, [["bundled", "doc", 0, 32, 0, 1]])
+    before = skips.read_text()
+    other.rewind(6, 1)
+    assert skips.read_text() == before
+    assert [json.loads(x)["step"] for x in (folder / "rank1.jsonl").read_text().splitlines()] == [4]
+    main.rewind(6, 1)
+    assert [json.loads(x)["step"] for x in skips.read_text().splitlines()] == [5]
+    assert [json.loads(x)["step"] for x in (folder / "rank0.jsonl").read_text().splitlines()] == [4]

@@ -326,6 +326,7 @@ class ProvenanceWriter:
 
     def __init__(self, folder: str, rank: int, start_step: int, is_main: bool):
         self.path = os.path.join(folder, f"rank{rank}.jsonl")
+        self.is_main = is_main  # the one rank that writes (and trims) skips.jsonl
         if is_main:
             # Rank 0 trims every rank's file, including ranks of an old, larger layout.
             os.makedirs(folder, exist_ok=True)
@@ -342,7 +343,8 @@ class ProvenanceWriter:
         self._file = None
         folder, name = os.path.split(self.path)
         move_jsonl_after(self.path, step, os.path.join(folder, "rewound_" + name), rewind=number)
-        truncate_jsonl_after(os.path.join(folder, SKIPS), step)  # passed over again, if still
+        if self.is_main:  # its one writer: ranks trimming it at once crossed their renames
+            truncate_jsonl_after(os.path.join(folder, SKIPS), step)  # passed over again
 
     def write_skip(self, step: int, first: int, count: int, lo: int, hi: int):
         """The data of steps ``first..first+count-1``, windows ``lo..hi-1``, was passed
