@@ -82,6 +82,11 @@ class Job:
     # Dropout draws a stream per data-parallel rank: a life on another rank count draws
     # other masks, so a job whose rank count changes trains without it.
     dropout: float = 0.1
+    # Metrics every step (the guard's verdict read on the host each step) or every few (a
+    # verdict learned a step late: spikes.py's lag), and the guard's z-score window (0:
+    # the loss bound alone) whose checkpointed state a resume must restore.
+    log_freq: int = 1
+    spike_window: int = 0
 
     def args(self, ranks: int, workers: int) -> list[str]:
         """The job's command line (without the dump folder) at a rank and worker count."""
@@ -92,7 +97,7 @@ class Job:
              "--checkpoint.async_mode", self.async_mode,
              "--checkpoint.lease_timeout_seconds", LEASE_TIMEOUT_S,
              "--checkpoint.lease_wait_seconds", LEASE_WAIT_S,
-             "--metrics.log_freq", 1, "--metrics.data_provenance",
+             "--metrics.log_freq", self.log_freq, "--metrics.data_provenance",
              "--training.data_parallel", "ddp" if self.layout == "ddp" else "fsdp",
              "--lr_scheduler.warmup_steps", 2, "--model.dropout", self.dropout]  # fmt: skip
         if self.layout == "tp":
@@ -106,9 +111,14 @@ class Job:
                   json.dumps([{"step": 5, "weights": {"shakespeare": 0.2, "kjv": 0.8},
                                "ramp": 3}])]  # fmt: skip
         if self.spike != "none":
-            a += ["--training.spike_window", 0, "--training.spike_max_loss", SPIKE_LOSS,
+            a += ["--training.spike_window", self.spike_window, "--training.spike_max_loss", SPIKE_LOSS,
                   "--training.on_spike", self.spike, "--training.rewind_steps", 2,
                   "--training.skip_after", 1, "--training.max_bad_steps", 3]  # fmt: skip
+        if self.spike != "none" and self.spike_window:
+            # 4 steps make a poor estimate of the spread: at 6 sigma the debug model's own
+            # gradient norms read as spikes (3 rewinds, the job stopped, in the trials
+            # that first drew it); a planted x1000 is far above 100.
+            a += ["--training.spike_sigma", 100]
         return [str(v) for v in a]
 
 
@@ -202,6 +212,13 @@ def draw(seed: int, bucket_ok: bool = True) -> Trial:
         faults[0] = Fault("kill", "rewind", rng.choice(["job", "one", "launcher"]), 1)
     if any(f.kind == "layout" and f.ranks != ranks for f in faults[1:]):
         job.dropout = 0.0
+    # Drawn last, so that every earlier draw of a seed is what it was before they came.
+    if job.spike != "none" and rng.random() < 0.4:
+        job.spike_window = 4  # full from step 5: the planted spikes' steps
+    if rng.random() < 0.4:
+        job.log_freq = rng.choice([3, 5])
+        for p in plants:  # the oracle reads the dropped steps from the plants (all recur)
+            p.recurs = True
     return Trial(seed, job, plants, faults)
 
 
@@ -228,11 +245,18 @@ def _descendants(pid: int) -> list[int]:
 
 
 def last_step(dump: Path) -> int:
-    try:
-        lines = (dump / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (OSError, ValueError, KeyError, IndexError):
-        return 0
+    """The newest step of the job's timeline: the last line of rank 0's provenance (one a
+    step, whatever ``log_freq``; trimmed on a resume and a rewind as the metrics are), or
+    of the metrics where it has none yet."""
+    for path in (dump / "provenance" / "rank0.jsonl", dump / "metrics.jsonl"):
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines[-2:]):  # the last may be half written
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                return json.loads(line)["step"]
+    return 0
 
 
 def _saving(dump: Path) -> bool:
@@ -248,8 +272,10 @@ def _rewinds(dump: Path) -> int:
 
 
 def _written_since(dump: Path, t: float) -> bool:
-    with contextlib.suppress(OSError):
-        return (dump / "metrics.jsonl").stat().st_mtime > t
+    for path in (dump / "provenance" / "rank0.jsonl", dump / "metrics.jsonl"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime > t:
+                return True
     return False
 
 
@@ -528,7 +554,7 @@ class Runner:
         if raised:
             bad.append(f"a traceback in the job's output: {raised[0]}")
         skips = applied_skips(dump, self.checkpoint_listing(trial.job, dump))
-        dropped = dropped_steps(dump, trial.job)
+        dropped = dropped_steps(dump, trial.job, trial.plants)
         ref = self.reference(trial.job, skips, dropped)
         out.reference = str(ref)
         got, want = read_losses(dump), read_losses(ref)
@@ -690,11 +716,15 @@ def applied_skips(dump: Path, checkpoint: Path) -> list:
     return sorted(list(s) for s in found)
 
 
-def dropped_steps(dump: Path, job: Job) -> dict[int, str]:
+def dropped_steps(dump: Path, job: Job, plants: list[Plant] = ()) -> dict[int, str]:
     """The steps the final timeline dropped ({step: the fault that makes the reference drop
     it}), read from the loss each step logged: not finite (a broken step), or past the
     spike bound under skip_step. (Not from the guard's counters: they outlive a rewind,
-    so a step retaken after one would carry an earlier step's count.)"""
+    so a step retaken after one would carry an earlier step's count.) Where not every
+    step logs (``log_freq`` > 1), from the plants, which then recur in every life: each
+    planted step is trained in the final timeline with its fault armed."""
+    if job.log_freq > 1:
+        return {p.step: p.kind for p in plants if p.kind == "nan" or job.spike == "skip_step"}
     out = {}
     for line in (dump / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)

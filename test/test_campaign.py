@@ -43,6 +43,9 @@ def test_the_draws_cover_every_fault_and_feature():
     assert {j.layout for j in jobs} == {"fsdp", "ddp", "tp"}
     assert {j.spike for j in jobs} == {"none", "skip_step", "rewind"}
     assert {j.mix for j in jobs} == {"none", "mix", "schedule"}
+    assert {j.log_freq for j in jobs} == {1, 3, 5} and {j.spike_window for j in jobs} == {0, 4}
+    assert {(j.log_freq > 1, j.spike) for j in jobs} >= {(True, "skip_step"), (True, "rewind")}
+    assert all(p.recurs for t in trials if t.job.log_freq > 1 for p in t.plants)
     assert {(j.async_mode, j.bucket, j.local_tier) for j in jobs} >= {
         ("async", True, True), ("disabled", False, False)}  # fmt: skip
     plants = {(p.kind, p.recurs) for t in trials for p in t.plants}
@@ -81,6 +84,33 @@ def test_the_oracle_reads_the_skips_and_the_dropped_steps_from_the_records(tmp_p
     assert campaign.dropped_steps(tmp_path, campaign.Job(spike="skip_step")) == {
         2: "nan", 4: "x1000"}  # fmt: skip
     assert campaign.dropped_steps(tmp_path, campaign.Job(spike="rewind")) == {2: "nan"}
+
+
+def test_where_not_every_step_logs_the_dropped_steps_are_the_plants(tmp_path):
+    """log_freq 3: the logged losses (steps 1, 3, 6) miss the planted steps 2 and 4, so
+    the dropped steps come from the plants (all recurring): a nan's step always, a
+    spike's under skip_step only (under rewind its skip covers it). Negative control:
+    read from the losses as at log_freq 1, they would be none."""
+    metrics = [{"step": s, "loss": 8.0} for s in (1, 3, 6)]
+    _records(tmp_path, metrics, [], [])
+    plants = [campaign.Plant(2, "nan", True), campaign.Plant(4, "x1000", True)]
+    every = campaign.Job(spike="skip_step", log_freq=3)
+    assert campaign.dropped_steps(tmp_path, every, plants) == {2: "nan", 4: "x1000"}
+    assert campaign.dropped_steps(tmp_path, campaign.Job(spike="rewind", log_freq=3),
+                                  plants) == {2: "nan"}  # fmt: skip
+    assert campaign.dropped_steps(tmp_path, campaign.Job(spike="skip_step"), plants) == {}
+
+
+def test_the_newest_step_is_the_provenance_s_whatever_the_log_frequency(tmp_path):
+    """last_step, by which faults are timed: rank 0's provenance line of every step (its
+    last line half written: the one before), else the metrics. Control: the metrics
+    alone, at log_freq 5, lag."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 8.0}\n')
+    assert campaign.last_step(tmp_path) == 5
+    (tmp_path / "provenance").mkdir()
+    lines = "".join(json.dumps({"step": s, "sequences": []}) + "\n" for s in (6, 7))
+    (tmp_path / "provenance" / "rank0.jsonl").write_text(lines + '{"step": 8, "seq')
+    assert campaign.last_step(tmp_path) == 7
 
 
 def test_losses_compare_exactly_or_within_the_elastic_tolerance():
