@@ -218,6 +218,19 @@ def check_moe(r: dict):
     assert positive(r["a2a_ms"]) and 0 < r["a2a_share"] < 1, "the all-to-alls take part of the step"
 
 
+def check_muon(r: dict):
+    assert positive(*r["step_ms"].values()), "step times must be positive"
+    for key, ratio in r["muon_over_adamw"].items():
+        model, ranks = key.split("/")
+        want = r["step_ms"][f"{model}/Muon/{ranks}"] / r["step_ms"][f"{model}/AdamW/{ranks}"]
+        assert ratio == want, key
+    # Loopback is the machine's: in a busy tier other tests' traffic lands in the two jobs'
+    # difference too, so here only each job's own bytes are sure (a figure for the docs is
+    # taken on a quiet machine); the per-step figures must be numbers.
+    assert positive(*r["kb_per_job_2ranks"]), "a 2-rank job sends bytes between its ranks"
+    assert all(math.isfinite(v) for v in r["kb_per_step_2ranks"].values())
+
+
 def check_machine(m: dict):
     assert m["cpu"] and m["vector"] in ("AVX-512", "AVX2", "other"), m
     assert m["cores"] >= 1 and m["torch_capability"], m
@@ -227,6 +240,7 @@ def check_machine(m: dict):
 
 CHECKS = {
     "bench_moe.py": check_moe,
+    "bench_muon.py": check_muon,
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,

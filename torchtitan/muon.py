@@ -39,8 +39,9 @@ NS = 5 iterations of ``4 m^2 n + 2 m^3`` FLOPs for an m x n matrix, m <= n):
   matrix, its result, the pieces back; on gloo the all-gather holds the bucket's R), and
   the bf16 update of every local matrix (2 bytes per local element) while the step
   runs; state: one fp32 momentum buffer per matrix (AdamW keeps two).
-- debug model (0.10 M hidden in 14 matrices): 0.4 MB / R, negligible compute; the
-  step time against AdamW is in docs/training.md.
+- debug model (0.10 M hidden in 14 matrices): 0.4 MB / R, negligible compute; measured
+  on 2 ranks (docs/benchmarks.md § 28): +412 KB a step over AdamW's 7.9 MB, the step
+  1.34 x AdamW's on CPU.
 - ``moe_1B`` (75.5 M dense hidden in 112 matrices; 805 M in experts): 0.3 GB / R and
   1.6 TFLOP / R for the dense ones; the experts are whole on their rank (EP, or FSDP
   sharding by expert): 10.3 TFLOP spread over the ranks holding them, no bytes.
