@@ -814,7 +814,8 @@ def test_a_requeue_after_a_paused_store_one_job_writes_the_folder_the_other_stop
     renewals = [w for w in mine if w.key.endswith("/lease.json") and w.ok]
     assert len(renewals) >= 2 and len(published(mine)) >= 2
     deadline = renewals[-1].sent + 3 - 1  # Lease(timeout 3).margin_s: two 0.5 s heartbeats
-    assert max(w.sent for w in mine) < deadline
+    late = [(round(w.sent - deadline, 2), w.operation, w.key) for w in mine if w.sent >= deadline]
+    assert not late, (late, first_log.read_text()[-3000:])
     takeover = next(w.sent for w in theirs if w.key.endswith("/lease.json") and w.ok)
     assert "taking over the lease" in second_log.read_text()
     assert max(w.answered for w in mine) < takeover

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -433,3 +434,50 @@ def test_two_ranks_take_the_local_tier_only_when_both_hold_its_files(bucket, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not every rank holds its files" in proc.stderr and loaded_step(proc.stderr) == 4
     assert losses(tmp_path / "other") == losses(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_every_write_request_under_a_guarded_folder_asks_its_guard_first(kind, bucket, tmp_path):
+    """A lease's folder (``store.guard_writes``, as Lease.acquire registers it): every
+    write request of either store under it asks the guard first, and is not sent where
+    the guard raises, a lapsed lease's LeaseLost (the slow two-job test's failure: a
+    save's preparation deleted and wrote manifests 2.9 s past its deadline, its requests
+    having waited behind a paused store's listings). Reads, and writes elsewhere, pass;
+    only the guard's own owner removes it. Negative control: unguarded, the same write
+    is sent."""
+    from torchtitan.checkpoint import store as stores
+    from torchtitan.checkpoint.lease import LeaseLost
+
+    folder = f"s3://{bucket}/guarded" if kind == "s3" else str(tmp_path / "guarded")
+    store = stores.store_for(folder)
+    store.makedirs(folder)
+    store.write_bytes(stores.join(folder, "kept.json"), b"{}")
+    asked = []
+
+    def lapsed():
+        asked.append(1)
+        raise LeaseLost("lost the lease")
+
+    stores.guard_writes(folder, lapsed)
+    try:
+        for write in (lambda: store.write_bytes(stores.join(folder, "step-1/x.json"), b"{}"),
+                      lambda: store.remove(stores.join(folder, "kept.json")),
+                      lambda: store.rmtree(stores.join(folder, "step-1")),
+                      lambda: store.move_folder(stores.join(folder, "a"), stores.join(folder, "b"),
+                                                "manifest.json")):  # fmt: skip
+            with pytest.raises(LeaseLost):
+                write()
+        assert store.isfile(stores.join(folder, "kept.json"))  # nothing was sent
+        assert store.listdir(folder) == ["kept.json"]  # reads pass
+        elsewhere = f"{folder}-other" if kind == "s3" else str(tmp_path / "other" / "f")
+        if kind == "local":
+            os.makedirs(os.path.dirname(elsewhere))
+        store.write_bytes(elsewhere, b"{}")
+        stores.unguard_writes(folder, lambda: None)  # not its owner: the guard stays
+        with pytest.raises(LeaseLost):
+            store.remove(stores.join(folder, "kept.json"))
+        assert len(asked) == 5
+    finally:
+        stores.unguard_writes(folder, lapsed)
+    store.remove(stores.join(folder, "kept.json"))  # control: unguarded, it is sent
+    assert not store.isfile(stores.join(folder, "kept.json"))

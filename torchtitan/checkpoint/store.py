@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -51,6 +52,34 @@ CHECKSUM_CHUNK = 64 << 20
 # uploaded in parallel (ObjectStore.writer); S3 has its own writer (store_writer.py).
 WRITE_FILES = 4
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+# Folders this process may write only while a check passes: the checkpoint folder whose
+# lease it holds (``lease.Lease`` registers its ``check`` on acquiring, removes it on
+# release). Asked right before every write request the stores below send (a PUT, a
+# delete, a copy, an abort; a local write, remove or rename), so that a write that waited
+# behind a paused store's slow reads is not sent once the lease has lapsed. Cost: a
+# clock read under a lock per write request.
+_GUARDS: dict[str, Callable[[], None]] = {}
+
+
+def guard_writes(folder: str, check: Callable[[], None]):
+    """Before every write under ``folder`` (any store of this process), call ``check``,
+    which raises where the write may not be sent; replaces an earlier guard of it."""
+    _GUARDS[folder.rstrip("/")] = check
+
+
+def unguard_writes(folder: str, check: Callable[[], None]):
+    """Remove ``folder``'s guard if it is still ``check`` (a later job's stays)."""
+    key = folder.rstrip("/")
+    if _GUARDS.get(key) == check:
+        _GUARDS.pop(key, None)
+
+
+def before_write(path: str):
+    """Raise (the guard's error) where ``path`` lies in a guarded folder whose check fails."""
+    for folder, check in list(_GUARDS.items()):
+        if path == folder or path.startswith(folder + "/"):
+            check()
 
 
 def is_url(path: str) -> bool:
@@ -84,16 +113,19 @@ class LocalStore:
         return open(path, mode)
 
     def makedirs(self, path: str):
+        before_write(path)
         os.makedirs(path, exist_ok=True)
 
     def write_bytes(self, path: str, data: bytes):
         """Write and fsync (the caller fsyncs the folder where a name must be durable)."""
+        before_write(path)
         with open(path, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
 
     def remove(self, path: str):
+        before_write(path)
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
 
@@ -102,9 +134,12 @@ class LocalStore:
         killed half-way leaves a folder no listing takes for complete."""
         if first is not None:
             self.remove(os.path.join(path, first))
+        before_write(path)
         shutil.rmtree(path, ignore_errors=True)
 
     def move_folder(self, src: str, dst: str, last: str):
+        before_write(src)
+        before_write(dst)
         os.replace(src, dst)
 
     def sync_files(self, folder: str, names: list[str]):
@@ -179,9 +214,11 @@ class ObjectStore(LocalStore):
         (s3fs's makedirs would create a missing bucket)."""
 
     def write_bytes(self, path: str, data: bytes):
+        before_write(path)
         self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
 
     def remove(self, path: str):
+        before_write(path)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
@@ -195,8 +232,10 @@ class ObjectStore(LocalStore):
         if storage.on_s3(path):
             from torchtitan.checkpoint.store_writer import abort_uploads
 
+            before_write(path)
             with contextlib.suppress(Exception):  # best effort: a lifecycle rule is the net
                 abort_uploads(path)
+        before_write(path)  # one request a 1,000 names: the lease asked before the batch
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
 
@@ -207,6 +246,7 @@ class ObjectStore(LocalStore):
         server-side copy of the folder's bytes (rare: setting a timeline aside)."""
         names = sorted(self.listdir(src), key=lambda n: n == last)
         for name in names:
+            before_write(join(dst, name))
             self.fs.copy(join(src, name), join(dst, name))
         self.rmtree(src, first=last)
 
