@@ -378,9 +378,11 @@ def launcher_for(left_out: str | None = None):
 @pytest.mark.slow
 def test_muon_on_2_fsdp_ranks_resumes_bit_exact_and_on_1_reads_every_token_once(tmp_path):
     """deterministic_resume with Muon on 2 FSDP ranks (torchrun, gloo): 6 steps, step-6
-    deleted, resumed from step-4: steps 5-6 bit-equal, the same data; resumed from the
-    same step-4 on 1 rank (DP 2 -> 1, the global batch kept): every token read once.
-    Negative control: the 2-rank resume without the optimizer's state fails the check."""
+    deleted, resumed from step-4: steps 5-6 bit-equal, the same data; the same at TP 2
+    (the matrices split by columns and rows, redistributed whole for Newton-Schulz);
+    resumed from the FSDP run's step-4 on 1 rank (DP 2 -> 1, the global batch kept):
+    every token read once. Negative control: the 2-rank resume without the optimizer's
+    state fails the check."""
     from helpers import assert_run_read_every_token_once
 
     from torchtitan.tools.deterministic_resume import main as resume_check
@@ -388,6 +390,8 @@ def test_muon_on_2_fsdp_ranks_resumes_bit_exact_and_on_1_reads_every_token_once(
     args = ["--nproc", "2", "--steps", "6", "--interval", "2", "--delete", "1",
             "--training.seq_len", "32", *MUON]  # fmt: skip
     assert resume_check(["--dump-folder", str(tmp_path / "dr"), *args], launcher_for()) == 0
+    tp = ["--dump-folder", str(tmp_path / "tp"), *args, "--parallelism.tensor_parallel_degree", "2"]
+    assert resume_check(tp, launcher_for()) == 0
     elastic = tmp_path / "elastic"
     assert resume_check(["--dump-folder", str(elastic), *args, "--resume-nproc", "1"],
                         launcher_for()) == 0  # fmt: skip
