@@ -3,7 +3,7 @@
 A trial is drawn whole from its seed (``draw``): a job (1-3 ranks, 0-2 loader workers,
 sync or async saves, the local tier on or off, a local folder or a bucket on the
 loopback S3 server, one source or a mix with or without a schedule, a spike policy,
-FSDP, DDP or TP), the faults planted in its data path (a NaN or a spike at a step, which
+FSDP, DDP, TP, PP or EP: the MoE model's experts over 2 ranks), the faults planted in its data path (a NaN or a spike at a step, which
 does or does not recur on relaunch), and a schedule of faults, one per life of the job:
 
 - ``kill``: SIGKILL to one rank, to the launcher alone, or to the whole job, after a
@@ -14,7 +14,8 @@ does or does not recur on relaunch), and a schedule of faults, one per life of t
 - ``double``: a second copy of the job started with the first (a scheduler's double
   requeue): one takes the lease, the other waits it out and stops in one line, or
   resumes where the first finished;
-- ``layout``: the next life on another rank count or worker count.
+- ``layout``: the next life on another rank count or worker count (the worker count
+  alone under TP, PP and EP, whose degree is the rank count).
 
 After each fault the same command is launched again, as a scheduler would, until the job
 finishes. ``Trial.run`` then judges the history (``judge``) with an oracle that does not
@@ -78,7 +79,7 @@ class Job:
     bucket: bool = False
     mix: str = "none"  # none | mix | schedule
     spike: str = "none"  # none | skip_step | rewind
-    layout: str = "fsdp"  # fsdp | ddp | tp
+    layout: str = "fsdp"  # fsdp | ddp | tp | pp | ep (pp and ep: 2 ranks in every life)
     # Dropout draws a stream per data-parallel rank: a life on another rank count draws
     # other masks, so a job whose rank count changes trains without it.
     dropout: float = 0.1
@@ -102,6 +103,10 @@ class Job:
              "--lr_scheduler.warmup_steps", 2, "--model.dropout", self.dropout]  # fmt: skip
         if self.layout == "tp":
             a += ["--parallelism.tensor_parallel_degree", 2]
+        elif self.layout == "pp":
+            a += ["--parallelism.pipeline_parallel_degree", 2]
+        elif self.layout == "ep":  # the MoE flavor, its 8 experts over the 2 ranks
+            a += ["--model.flavor", "debug_moe", "--parallelism.expert_parallel_degree", 2]
         if self.local_tier:
             a += ["--checkpoint.local_interval", 2]
         if self.mix != "none":
@@ -219,6 +224,14 @@ def draw(seed: int, bucket_ok: bool = True) -> Trial:
         job.log_freq = rng.choice([3, 5])
         for p in plants:  # the oracle reads the dropped steps from the plants (all recur)
             p.recurs = True
+    if rng.random() < 0.25:
+        # Pipeline stages or expert groups: 2 ranks in every life (the degree is the rank
+        # count); a layout fault then changes the worker count alone.
+        job.layout, job.ranks = rng.choice(["pp", "ep"]), 2
+        for f in faults:
+            if f.kind == "layout":
+                f.ranks = 2
+        job.dropout = 0.1
     return Trial(seed, job, plants, faults)
 
 

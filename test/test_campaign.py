@@ -40,7 +40,7 @@ def test_the_draws_cover_every_fault_and_feature():
         "503", "reset", "slow", "pause", "restart"}  # fmt: skip
     jobs = [t.job for t in trials]
     assert {j.ranks for j in jobs} == {1, 2, 3} and {j.workers for j in jobs} == {0, 1, 2}
-    assert {j.layout for j in jobs} == {"fsdp", "ddp", "tp"}
+    assert {j.layout for j in jobs} == {"fsdp", "ddp", "tp", "pp", "ep"}
     assert {j.spike for j in jobs} == {"none", "skip_step", "rewind"}
     assert {j.mix for j in jobs} == {"none", "mix", "schedule"}
     assert {j.log_freq for j in jobs} == {1, 3, 5} and {j.spike_window for j in jobs} == {0, 4}
@@ -55,7 +55,10 @@ def test_the_draws_cover_every_fault_and_feature():
         steps = [f.at_step for f in t.faults]
         assert steps == sorted(steps) and all(1 <= s < campaign.STEPS for s in steps)
         assert not any(f.kind == "store" for f in t.faults) or t.job.bucket
-        assert t.job.layout != "tp" or t.job.ranks == 2
+        assert t.job.layout not in ("tp", "pp", "ep") or t.job.ranks == 2
+        # Their degree is the rank count: a layout fault keeps it.
+        assert t.job.layout not in ("pp", "ep") or all(
+            f.ranks == 2 for f in t.faults if f.kind == "layout")  # fmt: skip
 
 
 def _records(tmp_path, metrics: list[dict], events: list[dict], records: list[dict]):
