@@ -356,13 +356,16 @@ def test_configured_peak_wins_and_cpu_has_none(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_like_eager_and_resume_exactly(tmp_path):
+@pytest.mark.parametrize("flavor", ["debugmodel", "debug_moe"])
+def test_compiled_blocks_train_like_eager_and_resume_exactly(tmp_path, flavor):
     """training.compile on CPU (inductor, needs a C++ compiler): the losses match eager
     to float rounding (another implementation of the same math), and a compiled run
-    resumed from step 2 repeats the uninterrupted compiled run bit for bit."""
+    resumed from step 2 repeats the uninterrupted compiled run bit for bit. The MoE
+    model compiles around its expert dispatch (test_compile.py counts the regions)."""
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("torch.compile on CPU needs a C++ compiler (g++), and none is installed")
-    common = ["--training.steps", 4, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
+    common = ["--training.steps", 4, "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2,
+              "--model.flavor", flavor]  # fmt: skip
     train_here(tmp_path / "eager", *common)
     train_here(tmp_path / "compiled", *common, "--training.compile")
     eager = [r["loss"] for r in read_jsonl(tmp_path / "eager" / "metrics.jsonl")]

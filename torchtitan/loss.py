@@ -66,7 +66,8 @@ class BatchLoss:
         if self.loss_parallel:
             self.chunk_bytes = 1 << 62
         compiled = cfg.training.compile and not self.loss_parallel
-        self.cross_entropy = torch.compile(_cross_entropy) if compiled else _cross_entropy
+        self.cross_entropy = (torch.compile(_cross_entropy, backend=cfg.training.compile_backend,
+                                            fullgraph=True) if compiled else _cross_entropy)  # fmt: skip
 
     def counted(self, batch: dict) -> int:
         """How many of the batch's labels count (read on the host: no device sync)."""

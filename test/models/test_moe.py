@@ -284,7 +284,6 @@ def test_impossible_moe_args_are_refused(bad):
         ("debug_moe", ["--parallelism.tensor_parallel_degree", "2"], "tensor_parallel_degree 2"),
         ("debug_moe", ["--parallelism.pipeline_parallel_degree", "2"], "pipeline_parallel"),
         ("debug_moe", ["--parallelism.expert_parallel_degree", "3"], "divide the flavor's 8"),
-        ("debug_moe", ["--training.compile"], "training.compile"),
         ("debugmodel", ["--parallelism.expert_parallel_degree", "2"], "has no experts"),
     ],
 )

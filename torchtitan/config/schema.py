@@ -237,7 +237,17 @@ class Training:
         "float32", "dtype of the gradient reduction across ranks (FSDP)",
         choices=["float32", "bfloat16"],
     )  # fmt: skip
-    compile: bool = _opt(False, "torch.compile each transformer block and the loss")
+    compile: bool = _opt(
+        False,
+        "torch.compile each transformer block and the loss, each whole (fullgraph: a graph "
+        "break is an error, not a silent fall back to eager); an MoE block's expert "
+        "dispatch, whose group sizes are data, runs eager between its compiled parts",
+    )
+    compile_backend: str = _opt(
+        "inductor", "torch.compile's backend: inductor (fused kernels), or aot_eager / "
+        "eager to check tracing alone (graph breaks, recompiles) without building kernels",
+        choices=["inductor", "aot_eager", "eager"],
+    )  # fmt: skip
     mask_document_boundaries: bool = _opt(
         False,
         "ignore in the loss the label that crosses from one document into the next (a "

@@ -48,8 +48,6 @@ def check_moe_config(cfg, args: ModelArgs) -> None:
          "the TP plan splits dense feed-forwards, not experts; use expert parallelism"),
         (p.pipeline_parallel_degree > 1, f"parallelism.pipeline_parallel_degree {p.pipeline_parallel_degree}",
          "the balancing loads are not gathered over stages yet; use 1"),
-        (cfg.training.compile, "training.compile",
-         "the expert groups are split by counts read on the host, untried under compile; turn it off"),
         (cfg.fault_tolerance.enable, "fault_tolerance.enable",
          "replica groups would each update their own balancing bias; turn it off"),
         (ep > 1 and cfg.training.data_parallel == "ddp", "training.data_parallel ddp",

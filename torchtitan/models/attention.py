@@ -252,6 +252,8 @@ def _compiled_flex_attention():
 def _flex(q, k, v, block_mask, gqa: bool) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():  # inside a compiled block: fused with the rest
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     if q.is_cuda:
         return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     with warnings.catch_warnings():

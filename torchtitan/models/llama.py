@@ -313,10 +313,16 @@ class TransformerBlock(nn.Module):
         # names, so checkpoints do not depend on them.
         self.recompute = False
         self.compiled = None
+        self.compiled_attend = None  # an MoE block's: compiled around the expert dispatch
+
+    def attend(self, x: torch.Tensor, rotation: torch.Tensor, mask=None):
+        """The attention sublayer's output and the feed-forward's normed input."""
+        x = x + self.attention(self.attention_norm(x), rotation, mask)
+        return x, self.ffn_norm(x)
 
     def compute(self, x: torch.Tensor, rotation: torch.Tensor, mask=None):
-        x = x + self.attention(self.attention_norm(x), rotation, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x, normed = (self.compiled_attend or self.attend)(x, rotation, mask)
+        return x + self.feed_forward(normed)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, mask=None):
         # FSDP's hooks run around this call, outside the recomputed region, as with a

@@ -44,7 +44,7 @@ def parallelize(model: nn.Module, cfg, dims: ParallelDims, roots: list | None = 
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(model, ac.mode, ac.selective_every)
     if cfg.training.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.training.compile_backend)
     fsdp = uses_fsdp(cfg.training.data_parallel, dims)
     if fsdp:
         reduce_dtype = getattr(torch, cfg.training.mixed_precision_reduce)
@@ -148,8 +148,32 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int):
         block.recompute = mode == "full" or (mode == "selective" and i % every == 0)
 
 
-def apply_compile(model: nn.Module):
+# Each compiled region whole: a graph break raises (dynamo names its cause) rather than
+# splitting the region into pieces with eager code between them.
+FULLGRAPH = True
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor"):
     """torch.compile each block's computation (parameter names are unchanged, and FSDP's
-    hooks stay outside the compiled region)."""
+    hooks stay outside the compiled region), each region ``fullgraph``.
+
+    An MoE block is compiled around its expert dispatch: the attention sublayer with the
+    feed-forward's norm, the router and the shared expert are compiled regions; the
+    dispatch between them (the sort by expert, the group sizes read on the host, the
+    grouped matmuls, the all-to-alls) runs eager. Its group sizes change every step:
+    inside a region they would recompile it (or need unbacked sizes), and a token count
+    read on the host is a graph break by nature. Cost: per MoE layer, the dispatch's
+    few dozen eager ops and one host read of the counts (a sync on a GPU), as before."""
+
+    def compiled(fn):
+        return torch.compile(fn, backend=backend, fullgraph=FULLGRAPH)
+
     for block in model.layers.values():
-        block.compiled = torch.compile(block.compute)
+        moe = block.feed_forward
+        if not hasattr(moe, "route"):  # a dense feed-forward (models/moe.py's MoE routes)
+            block.compiled = compiled(block.compute)
+            continue
+        block.compiled_attend = compiled(block.attend)
+        moe.route = compiled(moe.route)
+        if moe.shared is not None:
+            moe.shared.forward = compiled(moe.shared.forward)
