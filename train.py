@@ -6,6 +6,7 @@ Run as ``torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -41,10 +42,10 @@ from torchtitan.models import build_model, count_parameters, llama
 from torchtitan.models.attention import attention_backend
 from torchtitan.optim import build_lr_scheduler, build_optimizer
 from torchtitan.parallel import pipeline, tensor_parallel
-from torchtitan.records.metrics import StepMetrics
+from torchtitan.records.metrics import StepClock, StepMetrics
 from torchtitan.records.profiling import Profiler
 from torchtitan.spikes import SpikeGuard, TrainingError
-from torchtitan.step import PipelineStep, TrainStep
+from torchtitan.step import SYNC_DEBUG_ENV, PipelineStep, TrainStep
 from torchtitan.validate import Validator
 
 logger = logging.getLogger("torchtitan")
@@ -254,15 +255,19 @@ def train_loop(run: Run, preemption: Preemption):
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
     first_step = state.step + 1
+    clock = StepClock(dims.device)
     with Profiler(cfg, dims.rank, dims.world_size) as profiler:
         while state.step < last_step:
             begin = time.perf_counter()
+            clock.start(metrics.logs(state.step + 1))
             try:
                 batches, data_wait_s = next_batches(feed)
             except fault_tolerance.StoppedWaiting:  # asked to stop; no quorum can come
                 stop_with_checkpoint(run.checkpoint, preemption, state.step, False, alone=True)
                 break
-            loss, grad_norm, lr = step(batches)
+            with sync_debug(run, metrics, first_step):
+                loss, grad_norm, lr = step(batches)
+            clock.stop()
             if loss is None:  # fault tolerance: not committed; retried with the same windows
                 continue
             state.step += 1
@@ -275,7 +280,7 @@ def train_loop(run: Run, preemption: Preemption):
             if validator is not None and validator.due(state.step, last_step):
                 validation_loss = validator.run(run.model)
             metrics.report(state.step, state.tokens_seen, step_tokens, batches, step_s,
-                           data_wait_s, loss, grad_norm, lr, validation_loss)  # fmt: skip
+                           data_wait_s, loss, grad_norm, lr, validation_loss, clock)  # fmt: skip
             run.checkpoint.check_lease()  # a lapsed lease stops every rank here, unsaved
             if heed_guard(run, metrics, state.step, now=save_due(run, state.step, last_step)):
                 continue  # rewound: the spike's data and the steps since go
@@ -293,6 +298,27 @@ def train_loop(run: Run, preemption: Preemption):
         run.replicas.finish(state.step, last_step)
     metrics.close()
     logger.info("done: %d steps, %d tokens", state.step, state.tokens_seen)
+
+
+@contextlib.contextmanager
+def sync_debug(run: Run, metrics: StepMetrics, first_step: int):
+    """``SYNC_DEBUG_ENV`` ("warn" or "error"): torch.cuda.set_sync_debug_mode inside every
+    steady step's call (a GPU only): one that neither logs nor saves, from this life's
+    third step on (the first two allocate, compile and learn the first verdict). A step
+    that syncs then warns or raises where it does (scripts/gpu_check.sh runs its steady
+    steps under "error")."""
+    mode = os.environ.get(SYNC_DEBUG_ENV, "")
+    step = run.train_state.step + 1
+    steady = (mode and run.dims.device.type == "cuda" and step >= first_step + 2
+              and not metrics.logs(step) and not save_due(run, step, run.last_step))  # fmt: skip
+    if not steady:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def heed_guard(run: Run, metrics: StepMetrics, step: int, now: bool) -> bool:

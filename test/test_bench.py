@@ -136,6 +136,8 @@ def check_gpu_check(r: dict):
     seed = next(c for c in r["checks"] if c["name"] == "seed plan")
     steps = seed["result"].split(" of ")
     assert steps[0] == steps[1].split()[0], "every step of the seed plan is bit-equal"
+    steady = next(c for c in r["checks"] if c["name"] == "steady step")
+    assert "syncs a step: 0 (not logging)" in steady["result"], steady
     for row in r["rows"]:
         if row["backend"] == "sdpa":
             assert positive(row["tokens_per_s"], row["peak_gib"]), row
@@ -231,6 +233,14 @@ def check_muon(r: dict):
     assert all(math.isfinite(v) for v in r["kb_per_step_2ranks"].values())
 
 
+def check_guard(r: dict):
+    assert positive(*r["guard_on_ms"], *r["guard_off_ms"]), "step times must be positive"
+    assert len(r["on_over_off"]) == r["rounds"] == len(r["guard_on_ms"])
+    ratios = [a / b for a, b in zip(r["guard_on_ms"], r["guard_off_ms"])]
+    assert r["on_over_off"] == ratios, "a round's ratio is its on / off"
+    assert r["cost_pct"] == 100 * (r["median_on_over_off"] - 1), "the cost is the ratio's"
+
+
 def check_machine(m: dict):
     assert m["cpu"] and m["vector"] in ("AVX-512", "AVX2", "other"), m
     assert m["cores"] >= 1 and m["torch_capability"], m
@@ -241,6 +251,7 @@ def check_machine(m: dict):
 CHECKS = {
     "bench_moe.py": check_moe,
     "bench_muon.py": check_muon,
+    "bench_guard.py": check_guard,
     "bench_firstpass.py": check_firstpass,
     "bench_attention.py": check_attention,
     "bench_ft.py": check_ft,
@@ -287,6 +298,11 @@ def test_benchmark_smoke(script, tmp_path):
                    result["rows"][0] if script in FIRST_ROW else result)  # fmt: skip
 
 
+STEADY = {
+    "name": "steady step",
+    "ok": True,
+    "result": "no sync raised; syncs a step: 0 (not logging), 1 (logging)",
+}
 NONSENSE = [
     (check_s3_corpus, {"medians": {side: {"first_s": 1.0, "tps": 1.0} for side in ("local", "s3")},
                        "same_batches": False, "measured": 0, "s3_over_local": 1.0},
@@ -375,13 +391,50 @@ NONSENSE = [
                        "rows": []},
      "every step of the seed plan is bit-equal"),
     (check_gpu_check, {"smoke": True, "checks": [{"name": "seed plan", "ok": True,
-                                                  "result": "4 of 4 steps bit-equal"}],
+                                                  "result": "4 of 4 steps bit-equal"}, STEADY],
                        "rows": [{"backend": "flex", "note": "", "tokens_per_s": 1.0}]},
      "'backend': 'flex', 'note': ''"),
+    (check_gpu_check, {"smoke": True, "checks": [
+        {"name": "seed plan", "ok": True, "result": "4 of 4 steps bit-equal"},
+        {**STEADY, "result": STEADY["result"].replace("0 (not", "2 (not")}], "rows": []},
+     "syncs a step: 0"),
     (check_machine, {"cpu": "x", "vector": "AVX2", "torch_capability": "AVX2", "cores": 2,
                      "others_busy_pct": 40.0, "quiet": True, "wall_s": 3.0},
      "quiet is the share's"),
+    (check_guard, {"guard_on_ms": [2.0], "guard_off_ms": [1.0], "on_over_off": [0.5], "rounds": 1,
+                   "median_on_over_off": 2.0, "cost_pct": 100.0}, "a round's ratio is its on / off"),
 ]  # fmt: skip
+
+
+def test_the_guard_benchmarks_off_arm_applies_every_update(tmp_path, monkeypatch):
+    """bench_guard.py's *off* is off: a NaN loss at step 2 is applied (step 3's loss is
+    NaN: the weights are), where *on* drops it (step 3 finite). The loss is poisoned
+    outside the guard (whose own fault hook goes with it)."""
+    import math
+
+    from helpers import CONFIG, read_jsonl
+
+    from torchtitan.loss import BatchLoss
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_guard
+
+    real, calls = BatchLoss.__call__, []
+
+    def poisoned(self, batch, normalizer=None):
+        calls.append(1)
+        loss = real(self, batch, normalizer)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    monkeypatch.setattr(BatchLoss, "__call__", poisoned)
+    loss = {}
+    for guard in (True, False):
+        calls.clear()
+        dump = tmp_path / f"guard-{guard}"
+        args = [*map(str, CONFIG), "--training.steps", "3", "--job.dump_folder", str(dump)]
+        bench_guard.run_arm(guard, args)
+        loss[guard] = {r["step"]: r["loss"] for r in read_jsonl(dump / "metrics.jsonl")}[3]
+    assert math.isfinite(loss[True]) and math.isnan(loss[False]), loss
 
 
 @pytest.mark.parametrize("check,result,why", NONSENSE, ids=[c.__name__ for c, _, _ in NONSENSE])

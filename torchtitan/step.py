@@ -22,6 +22,11 @@ from torchtitan.parallel import tensor_parallel
 __all__ = ["BatchLoss", "PipelineStep", "TrainStep"]  # BatchLoss: loss.py's, as before
 
 
+# The environment variable that runs a training's steady steps (neither logging nor
+# saving) under torch.cuda.set_sync_debug_mode ("warn" or "error"): train.sync_debug.
+SYNC_DEBUG_ENV = "TORCHTITAN_SYNC_DEBUG"
+
+
 class TrainStep:
     """Forward and backward over a step's micro-batches, then one optimizer update."""
 
@@ -57,6 +62,9 @@ class TrainStep:
             normalizer = max(1, counted) / self.loss.world_size
         total = torch.zeros((), device=self.loss.device)
         guard = self.guard
+        # Every micro-batch's copies to the device issued now: each on its way while the
+        # ones before it run (loss.DeviceCopies).
+        batches = [self.loss.send(b) for b in batches]
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with parallel.gradient_sync(self.model, enabled=last):
@@ -195,7 +203,7 @@ class PipelineStep:
         labels = inputs = None
         counted = 0
         if pl.first:
-            inputs = torch.cat([b["input"] for b in batches]).to(self.device)
+            inputs = self.loss.copies({"input": torch.cat([b["input"] for b in batches])})["input"]
             labels = torch.cat([self.loss.labels(b) for b in batches]).to(torch.int64)
             counted = sum(self.loss.counted(b) for b in batches)
         labels = pp.send_to_last(pl, labels, (sequences, self.seq_len), torch.int64)
@@ -209,7 +217,8 @@ class PipelineStep:
         if pl.first:
             runner.step(inputs, return_outputs=False)
         elif pl.last:
-            runner.step(target=labels.to(self.device), losses=losses, return_outputs=False)
+            target = self.loss.copies({"label": labels})["label"]
+            runner.step(target=target, losses=losses, return_outputs=False)
         else:
             runner.step(return_outputs=False)
         total = (

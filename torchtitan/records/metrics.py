@@ -366,6 +366,41 @@ class ProvenanceWriter:
             self._file.close()
 
 
+class StepClock:
+    """A step's time as the log line reports it. On a CPU: the host's clock around the
+    step. On a GPU the host only queues the step's work (a step that logs nothing never
+    waits for the device), so its clock would time the launches: a step that logs
+    records a CUDA event where it begins and where it ends, on the compute stream, and
+    the log line, which waits for the device anyway, reads the time between them: the
+    step on the device's timeline (the device's own work, or the host's where the
+    device waited for it). Cost: two events on a step that logs, none on others."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._events = None
+
+    def start(self, timed: bool):
+        """Before the step's data is pulled; ``timed``: the step logs."""
+        self._events = None
+        if self.cuda and timed:
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+
+    def stop(self):
+        if self._events is not None:
+            self._events[1].record()
+
+    def seconds(self, host_s: float) -> float:
+        """The step's seconds, once the device is past its end (a log line read it)."""
+        if self._events is None:
+            return host_s
+        self._events[1].synchronize()  # done already: the log line's read waited for it
+        return self._events[0].elapsed_time(self._events[1]) / 1000
+
+
 class StepMetrics:
     """Reports each step the loop took: every ``metrics.log_freq`` steps (and at the first
     and last, and where a validation ran) the console line, JSONL and TensorBoard; every
@@ -403,11 +438,17 @@ class StepMetrics:
             f"; global batch by step {t.batch_size_schedule}" if t.batch_size_schedule else "",
         )  # fmt: skip
 
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` writes a log line (and reads the step's values on the host)."""
+        return self.logger.should_log(step, self.last_step)
+
     def report(self, step: int, tokens_seen: int, step_tokens: int, batches: list[dict],
                step_s: float, data_wait_s: float, loss: torch.Tensor, grad_norm: torch.Tensor,
-               lr: float, validation_loss: float | None = None):  # fmt: skip
+               lr: float, validation_loss: float | None = None,
+               clock: StepClock | None = None):  # fmt: skip
         """The step just taken: ``step_tokens`` over all ranks in ``step_s`` seconds (the
-        validation excluded), ``data_wait_s`` of them waiting for ``batches``."""
+        host's; ``clock``'s where it timed the step on the device; the validation
+        excluded), ``data_wait_s`` of them waiting for ``batches``."""
         if self.provenance is not None:
             self.provenance.write(step, [s for b in batches for s in b["spans"]])
         passed_over = getattr(self.loader, "take_passed_over", list)()
@@ -418,10 +459,12 @@ class StepMetrics:
         validation = {} if validation_loss is None else {"validation_loss": validation_loss}
         if not validation and not self.logger.should_log(step, self.last_step):
             return
+        loss, grad_norm, loads = self.read(step, loss, grad_norm)
+        if clock is not None:  # after the read: the device is past the step
+            step_s = clock.seconds(step_s)
         per_rank = step_tokens / self.dims.world_size / step_s
         peak, per_token = self.peak, self.flops_per_token
         mfu = {"mfu_pct": 100 * per_rank * per_token / (peak * 1e12)} if peak else {}
-        loss, grad_norm, loads = self.read(step, loss, grad_norm)
         ranks = across_ranks(self.dims, loss, 1000 * step_s, 1000 * data_wait_s)
         sources = {f"{SOURCE_TOKENS}{k}": v for k, v in self.loader.tokens_by_source().items()}
         sources.update({f"{MIX_WEIGHT}{k}": v for k, v in self.loader.mix_by_source().items()})

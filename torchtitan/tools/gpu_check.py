@@ -17,7 +17,12 @@ not reached are listed as not run):
 4. tokens/s, MFU and peak memory of ``train.py`` itself: 1B at seq 4096 compiled
    (causal; block_causal with flex and varlen: the targets), then 125M and 1B at seq
    2048 and 8192, causal and block_causal with each backend, eager;
-5. the GPU-only tests (``pytest -m cuda``).
+5. the GPU-only tests (``pytest -m cuda``);
+6. the steady step (#61): ``train.py`` with ``TORCHTITAN_SYNC_DEBUG=error`` (every step
+   that neither logs nor saves, from the third, under ``torch.cuda.set_sync_debug_mode
+   ("error")``: a sync raises), the syncs of each step counted (``harness/syncs.py``:
+   none on a step that logs nothing, one read on a log step), and the step time with the
+   guard on and off (``bench_guard.py``: cost <= 2 %).
 
 ``--cpu-smoke`` runs the same plan with the debug model at seq 128 and 256 in fp32 on
 CPU (with ``CUDA_VISIBLE_DEVICES`` emptied by the shell script): what CPU cannot run
@@ -106,7 +111,8 @@ def main(argv=None) -> int:
         Check("resume", _resume_text(smoke)),
         Check("async checkpoint", _checkpoint_text(smoke)),
     ]
-    runners = [_seed_plan, _resume, _async_checkpoint]
+    checks.append(Check("steady step", _steady_text(smoke)))
+    runners = [_seed_plan, _resume, _async_checkpoint, _steady]
     for check, runner in zip(checks, runners):
         _timed(check, deadline, lambda c=check, r=runner: r(c, work, smoke))
     rows = _throughput_plan(smoke)
@@ -228,6 +234,71 @@ def _async_checkpoint(check: Check, work: Path, smoke: bool):
     check.ok = ratio <= (1.0 if smoke else 0.05)
     check.result = (f"blocked {r['async_blocked_s']:.3f} s async vs {r['sync_blocked_s']:.2f} s "
                     f"sync: {ratio:.3f} (target <= {'1' if smoke else '0.05'})")  # fmt: skip
+
+
+def _steady_args(smoke: bool) -> list[str]:
+    sizes = (["--model.flavor", "debugmodel", "--training.seq_len", "128", "--training.batch_size",
+              "4"] if smoke else
+             ["--model.flavor", "125M", "--training.seq_len", "2048", "--training.batch_size", "8"])  # fmt: skip
+    return ["--job.config_file", "train_configs/debug_model.toml", *sizes, "--training.steps",
+            "30", "--metrics.log_freq", "10", "--training.spike_max_loss", "100",
+            "--training.on_spike", "skip_step"]  # fmt: skip
+
+
+def _steady_text(smoke: bool) -> str:
+    flavor = "debugmodel at seq 128" if smoke else "125M at seq 2048, batch 8, 1 GPU"
+    return (f"{flavor}, the guard on (skip_step, a loss bound), 30 steps logging every 10: "
+            "set_sync_debug_mode('error') on steady steps; syncs a step; guard on / off")  # fmt: skip
+
+
+def _steady(check: Check, work: Path, smoke: bool):
+    from torchtitan.step import SYNC_DEBUG_ENV
+
+    args = _steady_args(smoke)
+    env = {**run_env(), SYNC_DEBUG_ENV: "error", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), *args,
+                           "--job.dump_folder", str(work / "steady")],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    (work / "steady.log").write_text(proc.stdout + proc.stderr)
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "rror" in ln]
+    counts = work / "steady_syncs"
+    env.pop(SYNC_DEBUG_ENV)
+    counted = subprocess.run([sys.executable, str(REPO_ROOT / "harness" / "syncs.py"), str(counts),
+                              *args, "--job.dump_folder", str(work / "steady_counted")],
+                             cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    guard_json = work / "guard.json"
+    sizes = ["--smoke"] if smoke else ["--flavor", "125M", "--seq-len", "2048", "--batch", "8",
+                                       "--steps", "30", "--rounds", "2"]  # fmt: skip
+    timed = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "benchmarks" /
+                                                "bench_guard.py"), *sizes, "--json", str(guard_json)],
+                           cwd=REPO_ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    (work / "guard.log").write_text(timed.stdout + timed.stderr)
+    parts, ok = [], proc.returncode == 0
+    parts.append(
+        "no sync raised"
+        if ok
+        else f"FAIL: {(errors or ['exit ' + str(proc.returncode)])[-1][-160:]}"
+    )
+    if counted.returncode == 0:
+        steps = json.loads(Path(f"{counts}.rank0.json").read_text())
+        logged = {1, 10, 20, 30}
+        quiet = [len(x["reads"]) for x in steps if x["step"] not in logged and x["step"] > 2]
+        loud = [len(x["reads"]) for x in steps if x["step"] in logged]
+        parts.append(f"syncs a step: {max(quiet, default=0)} (not logging), "
+                     f"{max(loud, default=0)} (logging)")  # fmt: skip
+        ok = ok and max(quiet, default=0) == 0
+    else:
+        ok = False
+        parts.append(f"FAIL: harness/syncs.py exited {counted.returncode}")
+    if timed.returncode == 0:
+        g = json.loads(guard_json.read_text())
+        parts.append(f"step {g['median_on_ms']:.1f} ms guard on, {g['median_off_ms']:.1f} off: "
+                     f"{g['cost_pct']:+.1f} %")  # fmt: skip
+        ok = ok and (smoke or g["cost_pct"] <= 2.0)
+    else:
+        ok = False
+        parts.append(f"FAIL: bench_guard.py exited {timed.returncode}")
+    check.ok, check.result = ok, "; ".join(parts)
 
 
 def _pytest_cuda(check: Check):
