@@ -408,6 +408,45 @@ def test_workers_give_the_batches_of_the_main_process(
     assert_workers_give_the_main_batches(heavy_corpus, tokenizer, workers, monkeypatch)
 
 
+def test_two_workers_tokenize_a_document_once_on_a_pass_after_the_first(tmp_path, tokenizer,
+                                                                       monkeypatch):  # fmt: skip
+    """A warm pass (counts known, no measured tokens kept): every document a window reads
+    is tokenized by the worker that reads it. The windows of a unit are one worker's
+    (loader.window_owner), so a document cut by a window boundary, which its lane's next
+    window continues, is tokenized once; only a window that runs on into its lane's next
+    unit shares a document with that unit's worker. Dealt out by micro-batch, as before,
+    both workers tokenized about half of the documents (155 of 292 here)."""
+    from harness.corpus import bundled_documents, write_jsonl
+    from torchtitan.data import packing
+    from torchtitan.data.prepare import prepare
+
+    docs = [{"id": d["id"], "text": d["text"][: 300 + (i * 137) % 1500]}
+            for i, d in enumerate(bundled_documents()[:300])]  # fmt: skip
+    corpus = write_jsonl(tmp_path / "corpus", docs, 4)
+    settings = dict(seq=128, streaming="true", global_batch_size=8,
+                    length_index_dir=str(tmp_path / "counts"))  # fmt: skip
+    prepare(cfg(corpus, **settings).training, tokenizer)
+    for sidecar in (tmp_path / "counts").rglob("*.tokens"):
+        sidecar.unlink()  # a later pass: the measured tokens are gone
+    real = packing.encode_document
+
+    def recorded(tok, text):  # each process (the workers fork after this) its own file
+        with open(tmp_path / f"tokenized-{os.getpid()}", "a") as f:
+            f.write(json.dumps(text[:80] + str(len(text))) + "\n")
+        return real(tok, text)
+
+    monkeypatch.setattr(packing, "encode_document", recorded)
+    loader = build_dataloader(cfg(corpus, num_workers=2, **settings), tokenizer, 0, 1)
+    for _ in range(40):
+        loader.next_step()
+    pids = [p.pid for p in loader._workers]
+    loader.close()
+    by_worker = [set((tmp_path / f"tokenized-{p}").read_text().splitlines()) for p in pids]
+    assert not (tmp_path / f"tokenized-{os.getpid()}").exists(), "the rank reads nothing"
+    both, either = by_worker[0] & by_worker[1], by_worker[0] | by_worker[1]
+    assert len(either) > 150 and len(both) <= 0.15 * len(either), (len(both), len(either))
+
+
 def test_a_request_that_outgrows_the_shared_buffer_restarts_the_workers(
     tiny_corpus, tokenizer, monkeypatch
 ):

@@ -20,11 +20,18 @@ and the skips (``training.skip_steps``, a rewind's): the data of given steps pas
 nothing and no worker round-trip; resuming on any layout, batch size or sequence length
 is a seek to it. Workers prefetch from there without changing it.
 
-A worker sends its micro-batches in *groups* (enough for ``GROUP_TOKENS`` tokens) as
-numpy arrays in one message: a message costs both sides more than making a small batch
-does. A group is a run of consecutive micro-batches: worker ``w`` of ``W`` makes those
-with ``m // group % W == w`` (so a document at the boundary of two micro-batches is
-mostly tokenized by one worker), and this process hands them out in order.
+Workers split the windows, not the micro-batches: worker ``w`` of ``W`` reads the
+windows that start in the units ``window_owner`` gives it (by the unit's place in its
+pass, so the ``LANES`` units open at once fall evenly to the workers). A lane reads its
+unit's windows one after another, each cutting a document that the next one continues:
+one worker reading them all tokenizes that document once, and decodes the unit's rows
+once. (Dealing out whole micro-batches, each of which holds a window of many lanes, had
+every worker tokenize most boundary documents: 1.75 x the tokens with 2 workers, which
+then read barely faster than none.) A worker sends its windows of a *run* of
+consecutive micro-batches (enough for ``GROUP_TOKENS`` tokens) in one message, as numpy
+arrays (a message costs both sides more than a small window does); this process takes
+each worker's run in turn, collates each micro-batch from its windows and hands them
+out in order.
 
 Workers start once and follow the rank's plan: a seek, a new step number, new skips or
 a new split (``reshard``: fault tolerance's participants changed) publish a *request*
@@ -61,7 +68,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.data import state
 from torchtitan.data.schedule import BatchSchedule
 from torchtitan.data.spec import DataError
-from torchtitan.data.windows import DocumentReader, Position, TokenStream, as_tensors, collate
+from torchtitan.data.windows import DocumentReader, Position, TokenStream, collate
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +77,8 @@ logger = logging.getLogger(__name__)
 # 8 x 128 tokens takes to make, and nothing next to one of 8 x 2048.
 GROUP_TOKENS = 16_384
 MAX_GROUP = 64
-# A group is also a run of consecutive micro-batches one worker makes: a document at the
-# boundary of two micro-batches is tokenized by both makers if they differ, so runs of
-# at least this many keep the work duplicated across workers small for long sequences.
+# Micro-batches a run holds at least: each worker's message carries its windows of the
+# run (about 1 / W of them), so short runs would make messages of a window or two.
 MIN_GROUP = 4
 
 
@@ -81,8 +87,19 @@ MIN_GROUP = 4
 PREFETCH_STEPS = 4
 
 
+def window_owner(source: int, pieces: list, workers: int) -> int:
+    """The loader worker that reads the window ``(source, pieces)``: by the unit it starts
+    in, its place ``k`` in its pass's order (units are taken in that order, so the units
+    open in the lanes at any moment alternate between workers). Every window of a unit is
+    one worker's; only a window that runs on into its lane's next unit reads a document
+    the next unit's worker reads too."""
+    pass_, k = pieces[0][0], pieces[0][1]
+    return (source + pass_ + k) % workers
+
+
 def group_size(batch_size: int, seq_len: int, num_workers: int) -> int:
-    """Micro-batches per worker message: 1 without workers."""
+    """Micro-batches per worker message (each worker sends its windows of them): 1
+    without workers."""
     if not num_workers:
         return 1
     return min(MAX_GROUP, max(MIN_GROUP, -(-GROUP_TOKENS // (batch_size * (seq_len + 1)))))
@@ -228,13 +245,13 @@ class Requests:
             return self._gen.value, pickle.loads(payload)
 
 
-def fetching_ahead(plans, stream: TokenStream, depth: int, mine=lambda m: True):
+def fetching_ahead(plans, stream: TokenStream, depth: int, mine=lambda s, pieces: True):
     """``plans``, each handed out once the ``depth`` steps after it are planned (fewer for
     the first ``depth`` steps: step ``k`` plans ``k`` ahead) and the blocks this process
     will decode in them are asked of their sources
-    (``StreamSource.fetch_ahead``), which fetch them while this step is read. ``mine(m)``:
-    whether this process makes micro-batch ``m`` (counted from the first plan): a loader
-    worker fetches only what it reads. What a step asked and left untaken is dropped
+    (``StreamSource.fetch_ahead``), which fetch them while this step is read.
+    ``mine(source, pieces)``: whether this process reads that window: a loader worker
+    fetches only what it reads. What a step asked and left untaken is dropped
     once the step is read (the next plan is asked for).
 
     The plans are the same with or without it (only planned earlier): it changes when
@@ -249,9 +266,9 @@ def fetching_ahead(plans, stream: TokenStream, depth: int, mine=lambda m: True):
     stream.planned_ahead = depth  # the measured tokens let go are those of steps read
     seen = [OrderedDict() for _ in stream.sources]  # units this process read, by source
     ahead: deque = deque()
-    m = handed = 0
+    handed = 0
     for plan in plans:
-        m = _ask_ahead(stream, plan, mine, m, seen)
+        _ask_ahead(stream, plan, mine, seen)
         ahead.append(plan)
         # One plan more ahead each step up to ``depth``: the first step waits for its own
         # plan only (on a corpus's first pass planning measures, tokenizing units).
@@ -267,15 +284,14 @@ def _fetching_sources(stream: TokenStream) -> list:
     return [src for src in stream.sources if getattr(src, "prefetch", None) is not None]
 
 
-def _ask_ahead(stream: TokenStream, plan: StepPlan, mine, m: int, seen: list) -> int:
+def _ask_ahead(stream: TokenStream, plan: StepPlan, mine, seen: list):
     """Ask the sources for the blocks of the units this process reads first in ``plan``'s
-    micro-batches (those ``mine`` says it makes; a unit it read before is kept read:
-    windows.DocumentReader.KEEP_READS) whose text is read (no measured tokens serve them);
-    the micro-batch count after the plan."""
+    windows (those ``mine`` says it reads; a unit it read before is kept read:
+    windows.DocumentReader.KEEP_READS) whose text is read (no measured tokens serve them)."""
     first: list[list] = [[] for _ in stream.sources]
     for windows in plan.micro:
-        if mine(m):
-            for s, pieces in windows:
+        for s, pieces in windows:
+            if mine(s, pieces):
                 for *_, hi, unit in pieces:
                     unit = tuple(int(x) for x in unit)
                     if unit in seen[s]:
@@ -287,22 +303,21 @@ def _ask_ahead(stream: TokenStream, plan: StepPlan, mine, m: int, seen: list) ->
                     counts = stream.orders[s].counts.counts(unit, upto=hi)
                     if stream.readers[s].reads_text(unit, counts):
                         first[s].append(unit)
-        m += 1
     for s, units in enumerate(first):
         fetch_ahead = getattr(stream.sources[s], "fetch_ahead", None)
         if units and fetch_ahead is not None:
             fetch_ahead(units, plan.step)
-    return m
 
 
 class WorkerBatches(IterableDataset):
-    """What one loader worker yields: ``(generation, worker, micro-batches)``, runs of
-    ``group`` consecutive micro-batches, every ``workers``-th run (``m // group % workers
-    == w``) of the plan the rank's latest request sets. Consecutive micro-batches mostly
-    share a document at their boundary; one worker making both tokenizes it once."""
+    """What one loader worker yields: ``(generation, worker, windows)``, one message per
+    run of ``group`` consecutive micro-batches of the plan the rank's latest request
+    sets: this worker's windows of them (``window_owner``), each ``(micro-batch, index in
+    it, tokens, spans)``, in order; a run with none of its windows is an empty message
+    (every worker sends every run: the rank takes them in turn)."""
 
     def __init__(self, loader: ParallelDataLoader, requests: Requests):
-        self.stream, self.collate, self.requests = loader.stream, loader.collate, requests
+        self.stream, self.requests = loader.stream, requests
         self.prefetch_steps = loader.prefetch_steps
 
     def __iter__(self):
@@ -319,26 +334,26 @@ class WorkerBatches(IterableDataset):
         m, out = 0, []
         plans = plan_steps(self.stream, r.schedule, r.rank, r.step, r.position, r.skips,
                            r.window_skips)  # fmt: skip
-        mine = lambda i: i // r.group % workers == me  # noqa: E731 - as below
+        mine = lambda s, pieces: window_owner(s, pieces, workers) == me  # noqa: E731
         for plan in fetching_ahead(plans, self.stream, self.prefetch_steps, mine):
-            for windows, weight in zip(plan.micro, plan.weights):
-                if m // r.group % workers == me:
-                    if self.requests.generation != generation:
-                        for src in _fetching_sources(self.stream):  # fetched for that plan
-                            src.prefetch.clear()
-                        return  # what it was making is for a plan the rank left
+            for windows in plan.micro:
+                if self.requests.generation != generation:
+                    for src in _fetching_sources(self.stream):  # fetched for that plan
+                        src.prefetch.clear()
+                    return  # what it was making is for a plan the rank left
+                for j, (s, pieces) in enumerate(windows):
+                    if not mine(s, pieces):
+                        continue
                     try:
-                        batch = self.collate([self.stream.window(s, p) for s, p in windows])
+                        out.append((m, j, *self.stream.window(s, pieces)))
                     except DataError as e:  # crosses as a value: one line, not a traceback
                         while self.requests.generation == generation:  # until a new plan
                             yield generation, me, [{"data_error": str(e)}]
                         return
-                    batch["loss_weight"], batch["micro"] = weight, m
-                    out.append(batch)
-                    if len(out) == r.group:
-                        yield generation, me, out
-                        out = []
                 m += 1
+                if m % r.group == 0:
+                    yield generation, me, out
+                    out = []
 
 
 # Signals that ask a job to stop (schedulers send SIGTERM or SIGUSR1 to the whole
@@ -433,10 +448,8 @@ class ParallelDataLoader:
         self.num_workers = num_workers
         # Steps planned ahead of the one read, their blocks fetched early (0: none).
         self.prefetch_steps = PREFETCH_STEPS
-        # A worker's batches cross to this process as arrays (see collate).
-        self.collate = functools.partial(
-            collate, document_layout=document_layout, transfer=num_workers > 0
-        )
+        # Micro-batches are collated here, from windows read here or by the workers.
+        self.collate = functools.partial(collate, document_layout=document_layout)
         self.group = group_size(schedule.micro, stream.seq_len, num_workers)
         for order in stream.orders:  # with workers, this process reads no window
             _keep_measured_tokens(order.counts, not num_workers)
@@ -559,20 +572,12 @@ class ParallelDataLoader:
             self._plan, self._i = next(self._plans), 0
         plan, i = self._plan, self._i
         if self.num_workers:
-            held = self._held[self._m // self.group % self.num_workers]
-            while not held:  # the DataLoader sends its workers' runs in turn
-                generation, worker, run = next(self._iter)
-                if generation == self._generation:  # a run of an earlier plan is dropped
-                    self._held[worker].extend(run)
-            batch = held.popleft()
-            if "data_error" in batch:
-                raise DataError(batch["data_error"])
-            batch = as_tensors(batch)
-            if batch.pop("micro") != self._m:
-                raise RuntimeError(f"loader worker sent micro-batch out of order at {self._m}")
+            batch = self.collate(
+                [self._received(j, s, p) for j, (s, p) in enumerate(plan.micro[i])]
+            )
         else:
             batch = self.collate([self.stream.window(s, p) for s, p in plan.micro[i]])
-            batch["loss_weight"] = plan.weights[i]
+        batch["loss_weight"] = plan.weights[i]
         self._m += 1
         self._i += 1
         if self._i == len(plan.micro):  # the step is handed out whole: it is the position
@@ -589,6 +594,22 @@ class ParallelDataLoader:
             self.last_global_batch = plan.global_batch
             self._plan = None
         return batch
+
+    def _received(self, j: int, source: int, pieces: list) -> tuple:
+        """Window ``j`` of the micro-batch being made, ``(tokens, spans)``, from the worker
+        that reads it (its runs arrive in turn; another worker's are held meanwhile)."""
+        held = self._held[window_owner(source, pieces, self.num_workers)]
+        while not held:  # the DataLoader sends its workers' runs in turn
+            generation, worker, run = next(self._iter)
+            if generation == self._generation:  # a run of an earlier plan is dropped
+                self._held[worker].extend(run)
+        entry = held.popleft()
+        if isinstance(entry, dict):
+            raise DataError(entry["data_error"])
+        m, k, tokens, spans = entry
+        if (m, k) != (self._m, j):
+            raise RuntimeError(f"loader worker sent window {m}:{k} where {self._m}:{j} was due")
+        return tokens, spans
 
     def next_step(self) -> list[dict]:
         """The micro-batches of the next step (its global batch is the schedule's)."""
