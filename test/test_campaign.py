@@ -149,6 +149,26 @@ def _commit_seed() -> int:
     return int(head.stdout.strip()[:8] or "0", 16) % 1_000_000
 
 
+def test_a_stop_after_the_last_rewind_counts_only_when_every_rank_says_it_alone():
+    """A spike that recurs on every relaunch rewinds once a life: after MAX_REWINDS the job
+    must stop, each rank in its one line. Negative controls: a rank that did not say it,
+    and another error beside it."""
+
+    class Life:
+        def __init__(self, text):
+            self.text = text
+
+        def output(self):
+            return self.text
+
+    stop = "error: step 8: {} 3 rewinds (training.max_rewinds 3); the data is not the cause"
+    lines = [f"[rank{r}] " + stop.format(campaign.STOP_LINE) for r in range(3)]
+    assert campaign._stopped_on_every_rank(Life("\n".join(lines)), 3)
+    assert not campaign._stopped_on_every_rank(Life("\n".join(lines[:2])), 3)
+    other = "[rank2] error: stopped because rank 0 failed: the disk is full"
+    assert not campaign._stopped_on_every_rank(Life("\n".join([*lines, other])), 3)
+
+
 @pytest.mark.slow
 def test_the_campaign_finds_no_violation(tmp_path):
     """As many trials as fit in TORCHTITAN_CAMPAIGN_MINUTES (3 in CI: 5-7 trials on a

@@ -307,6 +307,18 @@ def summarize(runs: dict, workers: list[int], corpus: dict, args) -> dict:
                            cold["pass_tps"] / peer["pass_tps"], ">= 1.0"])  # fmt: skip
             checks.append([f"cold peak / peer peak memory, {w} workers",
                            cold["memory_peak"] / peer["memory_peak"], "<= 1.0"])  # fmt: skip
+    if len(workers) > 1 and med[f"peer {workers[0]}"]["pass_tps"]:
+        # Loader workers that scale (#61): ours from 0 to W workers against the peer's, on
+        # the first pass and on a later one; and a later pass with workers against the peer.
+        w0, w = workers[0], workers[-1]
+        peer_gain = med[f"peer {w}"]["pass_tps"] / med[f"peer {w0}"]["pass_tps"]
+        checks.append([f"peer: {w} workers / {w0}", peer_gain, "(reported)"])
+        for run in ("cold", "warm"):
+            gain = med[f"{run} {w}"]["pass_tps"] / med[f"{run} {w0}"]["pass_tps"]
+            checks.append([f"{run}: {w} workers / {w0}, over the peer's", gain / peer_gain,
+                           ">= 1.0"])  # fmt: skip
+        checks.append([f"warm / peer, {w} workers (a later pass)",
+                       med[f"warm {w}"]["pass_tps"] / med[f"peer {w}"]["pass_tps"], ">= 0.95"])  # fmt: skip
     if med["map peer"]["first_s"]:
         checks.append(["map-style first batch, ours / peer",
                        med["map ours"]["first_s"] / med["map peer"]["first_s"], "<= 1.2"])  # fmt: skip
