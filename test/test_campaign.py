@@ -33,7 +33,7 @@ def test_the_draws_cover_every_fault_and_feature():
     one to three faults a trial and the steps of a trial's faults in order."""
     trials = [campaign.draw(s) for s in range(300)]
     faults = [f for t in trials for f in t.faults]
-    assert {f.kind for f in faults} == {"kill", "term", "store", "double", "layout"}
+    assert {f.kind for f in faults} == {"kill", "term", "store", "double", "layout", "group"}
     assert {f.moment for f in faults if f.kind == "kill"} == {"step", "save", "rewind"}
     assert {f.target for f in faults if f.kind == "kill"} == {"job", "one", "launcher"}
     assert {f.moment for f in faults if f.kind == "store"} == {
@@ -147,6 +147,24 @@ def _commit_seed() -> int:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                           text=True)  # fmt: skip
     return int(head.stdout.strip()[:8] or "0", 16) % 1_000_000
+
+
+def test_replica_group_jobs_are_drawn_with_their_own_faults():
+    """Some trials are fault-tolerant jobs: 2-3 groups of 1-2 ranks, no dropout (a group's
+    masks follow the step's split), a group killed (never group 0, which saves: the
+    others train on and it heals) and no whole-job fault while their records bug is
+    open. Their draw comes last: a seed that draws no groups draws what it did."""
+    trials = [campaign.draw(s) for s in range(300)]
+    ft = [t for t in trials if t.job.groups]
+    assert 30 < len(ft) < 100
+    assert {t.job.groups for t in ft} == {2, 3} and {t.job.ranks for t in ft} == {1, 2}
+    for t in ft:
+        assert t.job.dropout == 0.0 and t.job.spike == "none" and not t.plants, t
+        kinds = {f.kind for f in t.faults}
+        assert kinds <= {"group", *campaign.WHOLE_JOB_FT_FAULTS}, t
+        assert all(1 <= int(f.target) < t.job.groups for f in t.faults if f.kind == "group")
+        assert "--fault_tolerance.quorum_timeout_seconds" in t.job.args(1, 0)
+    assert all(not t.job.groups for t in trials if t not in ft)
 
 
 def test_a_stop_after_the_last_rewind_counts_only_when_every_rank_says_it_alone():

@@ -101,15 +101,16 @@ def main(argv=None) -> int:
 
 def _summary(t: campaign.Trial) -> str:
     j = t.job
-    parts = [f"{j.ranks}r {j.layout}", f"w{j.workers}", "async" if j.async_mode == "async"
-             else "sync", "bucket" if j.bucket else "local"]  # fmt: skip
+    parts = [f"{j.groups}x{j.ranks}r ft" if j.groups else f"{j.ranks}r {j.layout}", f"w{j.workers}",
+             "async" if j.async_mode == "async" else "sync", "bucket" if j.bucket else "local"]  # fmt: skip
     parts += ["tier"] * j.local_tier + ([j.mix] if j.mix != "none" else [])
     parts += [f"spike:{j.spike}" + (f"/w{j.spike_window}" if j.spike_window else "")] * (
         j.spike != "none"
     )
     parts += [f"log/{j.log_freq}"] * (j.log_freq > 1)
     parts += [f"{p.kind}@{p.step}{'*' if p.recurs else ''}" for p in t.plants]
-    faults = [f.kind + (f"/{f.moment}" if f.kind in ("kill", "store") else "") for f in t.faults]
+    faults = [f.kind + (f"/{f.moment}" if f.kind in ("kill", "store") else "")
+              + (f"/{f.target}" if f.kind == "group" else "") for f in t.faults]  # fmt: skip
     return " ".join(parts) + " | " + " ".join(faults)
 
 

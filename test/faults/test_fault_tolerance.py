@@ -309,6 +309,34 @@ def test_a_tensor_parallel_rank_heals_its_own_loader():
     assert _step_windows(joiner) == _step_windows(peer)
 
 
+def test_torchfts_report_of_an_error_it_survives_is_one_line():
+    """torchft logs a peer's death in the middle of a collective with its traceback
+    (``_logger.exception``); the step is not committed and tried again, which the loop
+    says: the report keeps its line, not the traceback. Negative control: a logger the
+    filter is not on prints the traceback."""
+    import io
+    import logging
+
+    from torchtitan.faults.fault_tolerance import one_line_torchft_errors
+
+    one_line_torchft_errors()
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    for name in ("torchft.manager", "torchft.elsewhere"):
+        log = logging.getLogger(name)
+        log.addHandler(handler)
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError as e:
+            log.exception(f"[replica_0/0 - step 3] got exception waiting for work {e}")
+        finally:
+            log.removeHandler(handler)
+    text = out.getvalue()
+    first, rest = text.split("Connection closed by peer", 1)[0], text.split("\n", 1)[1]
+    assert "got exception waiting for work" in first and "Traceback" not in first
+    assert "Traceback" in rest, "the control logger keeps its traceback"
+
+
 # ---- live recovery (slow tier) ------------------------------------------------------------
 
 STEPS, KILL_AT, PAUSE_AT = 14, 5, 9

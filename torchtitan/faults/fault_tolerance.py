@@ -314,6 +314,25 @@ def load_peer_state(components: dict, state: dict):
             adapter.load_state_dict(value)
 
 
+class _WithoutTraceback(logging.Filter):
+    """torchft's report of an error it recovers from (a peer gone in the middle of a
+    collective: ``got exception waiting for work ...``), kept to its one line: the
+    traceback of an error the step survives (it is not committed and is tried again, which
+    the loop says) would read as a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+def one_line_torchft_errors():
+    """Each torchft logger that reports errors with a traceback, from now on without it."""
+    for name in ("torchft.manager", "torchft.process_group", "torchft_errors"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _WithoutTraceback) for f in log.filters):
+            log.addFilter(_WithoutTraceback())
+
+
 def _torchft_manager(cfg, dims, heal, state_dict):
     """torchft's ``Manager`` for this group rank, connected to the lighthouse within
     ``fault_tolerance.quorum_timeout_seconds``; one line naming the address otherwise."""
@@ -403,6 +422,7 @@ class ReplicaGroup:
         self._store = None
         self._quorum = QuorumSeen()
         if manager is None:
+            one_line_torchft_errors()
             manager, self._store = _torchft_manager(cfg, dims, self._heal, self._peer_state)
             manager._client = self._quorum.watching(manager._client)
         self.manager = manager
