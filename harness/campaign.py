@@ -249,6 +249,11 @@ def draw(seed: int, bucket_ok: bool = True) -> Trial:
         job.log_freq = rng.choice([3, 5])
         for p in plants:  # the oracle reads the dropped steps from the plants (all recur)
             p.recurs = True
+        if job.spike == "rewind":
+            # A rewind retakes the steps after its checkpoint in the same process, where a
+            # plant has fired already: a NaN planted there is then not dropped in the final
+            # timeline, which no log line would tell (trial 910028). Spikes only.
+            plants[:] = [p for p in plants if p.kind != "nan"]
     if rng.random() < 0.2:
         return _replica_groups(seed, rng, job)
     if rng.random() < 0.25:
@@ -994,7 +999,9 @@ def dropped_steps(dump: Path, job: Job, plants: list[Plant] = ()) -> dict[int, s
     spike bound under skip_step. (Not from the guard's counters: they outlive a rewind,
     so a step retaken after one would carry an earlier step's count.) Where not every
     step logs (``log_freq`` > 1), from the plants, which then recur in every life: each
-    planted step is trained in the final timeline with its fault armed."""
+    planted step is trained in the final timeline with its fault armed (``draw`` plants
+    no NaN in such a job that rewinds: a rewind retakes a step in the process whose plant
+    has fired)."""
     if job.log_freq > 1:
         return {p.step: p.kind for p in plants if p.kind == "nan" or job.spike == "skip_step"}
     out = {}
