@@ -343,6 +343,19 @@ def _rewinds(dump: Path) -> int:
     return 0
 
 
+def _end_lives(lives: list, out) -> None:
+    """Close every life's log; a process of any life still running a grace period after
+    its launcher ended is a violation (and is killed)."""
+    for life in lives:
+        life.close()
+        stray = life.left()
+        if stray:
+            out.violations.append(f"processes left behind: {stray}")
+            for pid in stray:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 def _stopped_on_every_rank(life, ranks: int) -> bool:
     """Each of the life's ``ranks`` ranks said the max-rewinds stop, and nothing else, in
     its one error line."""
@@ -533,14 +546,7 @@ class Runner:
             if not hit and code != 0:
                 out.violations.append(f"life {out.lives}: exit {code} without a fault")
                 break
-        for life in lives:
-            life.close()
-            stray = life.left()
-            if stray:
-                out.violations.append(f"processes left behind: {stray}")
-                for pid in stray:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+        _end_lives(lives, out)
         if not out.violations:
             out.violations += self.judge(trial, dump, changed, out)
         return out
@@ -621,14 +627,7 @@ class Runner:
             if not hit and any(c != 0 for c in codes.values()):
                 out.violations.append(f"life {out.lives}: exits {codes} without a fault")
                 break
-        for life in lives:
-            life.close()
-            stray = life.left()
-            if stray:
-                out.violations.append(f"processes left behind: {stray}")
-                for pid in stray:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+        _end_lives(lives, out)
         if not out.violations:
             out.violations += self.judge_groups(trial, dump, lives)
         return out

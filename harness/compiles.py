@@ -69,19 +69,11 @@ def counting(train_module):
     import torch._dynamo
     from torch._dynamo import callback
 
+    from harness.syncs import per_step
+
     counter = CompileCounter()
-    real_loop, real_feed = train_module.train_loop, train_module.feed_and_step
 
-    def feed_and_step(run, batch_loss):
-        feed, step = real_feed(run, batch_loss)
-
-        def counted(batches):
-            counter.begin(run.train_state.step + 1)
-            return step(batches)
-
-        return feed, counted
-
-    def train_loop(run, preemption):
+    def loop(real_loop, run, preemption):
         try:
             return real_loop(run, preemption)
         finally:
@@ -93,11 +85,10 @@ def counting(train_module):
 
     torch._dynamo.reset()  # a clean cache: an earlier run's regions would be hits
     handle = callback.on_compile_start(on_start)
-    train_module.train_loop, train_module.feed_and_step = train_loop, feed_and_step
     try:
-        yield counter
+        with per_step(train_module, counter.begin, loop):
+            yield counter
     finally:
-        train_module.train_loop, train_module.feed_and_step = real_loop, real_feed
         callback.callback_handler.remove_start_callback(handle)
 
 

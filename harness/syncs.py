@@ -270,31 +270,44 @@ class SyncCounter:
 
 
 @contextlib.contextmanager
-def counting(train_module):
-    """``train_module.train_loop`` (train.py, run in this process inside the block) with a
-    ``SyncCounter`` over it, a count per step call; yields the counter."""
-    counter = SyncCounter()
+def per_step(train_module, begin, loop=None):
+    """``train_module``'s loop (train.py, run in this process inside the block) with
+    ``begin(step)`` called as each step's call begins (``step``: the one it trains), and
+    run by ``loop(real_loop, run, preemption)`` where given; restored on exit."""
     real_loop, real_feed = train_module.train_loop, train_module.feed_and_step
 
     def feed_and_step(run, batch_loss):
         feed, step = real_feed(run, batch_loss)
 
         def counted(batches):
-            counter.begin(run.train_state.step + 1)
+            begin(run.train_state.step + 1)
             return step(batches)
 
         return feed, counted
 
     def train_loop(run, preemption):
+        return loop(real_loop, run, preemption) if loop else real_loop(run, preemption)
+
+    train_module.train_loop, train_module.feed_and_step = train_loop, feed_and_step
+    try:
+        yield
+    finally:
+        train_module.train_loop, train_module.feed_and_step = real_loop, real_feed
+
+
+@contextlib.contextmanager
+def counting(train_module):
+    """``train_module.train_loop`` (train.py, run in this process inside the block) with a
+    ``SyncCounter`` over it, a count per step call; yields the counter."""
+    counter = SyncCounter()
+
+    def loop(real_loop, run, preemption):
         counter.on_device([*run.model.parameters(), *run.model.buffers()])
         with counter:
             return real_loop(run, preemption)
 
-    train_module.train_loop, train_module.feed_and_step = train_loop, feed_and_step
-    try:
+    with per_step(train_module, counter.begin, loop):
         yield counter
-    finally:
-        train_module.train_loop, train_module.feed_and_step = real_loop, real_feed
 
 
 def main(argv: list[str] | None = None) -> int:
