@@ -196,8 +196,12 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
     checkpoint = CheckpointManager(cfg, dims, components, plan.fingerprint)
     replicas = None
     if cfg.fault_tolerance.enable:  # replica groups: the outer data-parallel dimension
-        replicas = fault_tolerance.ReplicaGroup(cfg, dims, dataloader, components, model,
-                                                train_state)  # fmt: skip
+        try:
+            replicas = fault_tolerance.ReplicaGroup(cfg, dims, dataloader, components, model,
+                                                    train_state)  # fmt: skip
+        except BaseException:  # no lighthouse (its one line): the folder's lease goes too
+            checkpoint.release_lease()
+            raise
         checkpoint = fault_tolerance.LowestGroupSaves(checkpoint, replicas)
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
                checkpoint, stages, held_out, replicas, guard)  # fmt: skip
@@ -240,6 +244,7 @@ def resume(run: Run):
     run.dataloader.set_step(run.train_state.step)  # the batch-size schedule is by training step
     if run.checkpoint.loaded_from is None:
         load_initial_weights(run.cfg, run.model, run.dims)
+    run.train_state.branch()  # this start's branch of the timeline (its records' tag)
 
 
 def train_loop(run: Run, preemption: Preemption):
@@ -251,7 +256,7 @@ def train_loop(run: Run, preemption: Preemption):
         None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
     )
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step,
-                          run.guard)  # fmt: skip
+                          run.guard, state)  # fmt: skip
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
     first_step = state.step + 1
@@ -365,6 +370,7 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
             "save more often (--checkpoint.interval or --checkpoint.local_interval)"
         )
     guard.counts = {**counts, "rewinds": counts["rewinds"] + 1}
+    run.train_state.branch()  # the steps after the checkpoint are trained again: a new branch
     skip = (to + 1, spike + t.skip_after - to)
     # Durable before the next step trains: a requeue from here loads step-{to}, whose
     # loader entry was written before the spike and does not hold the skip.

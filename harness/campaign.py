@@ -81,8 +81,12 @@ MAX_REWINDS = 3
 # Replica groups: how long a group waits for its quorum (or, starting, for the lighthouse)
 # before it stops in one line; a dead lighthouse's groups exit within it and a margin.
 QUORUM_TIMEOUT_S = 30.0
-# Replica groups' faults that relaunch the whole job ("lighthouse", "kill", "term": each
-# runs under run_groups); none drawn while the records bug they found is open (see draw).
+# Replica groups' faults that relaunch the whole job ("lighthouse", "kill", "term": run and
+# judged by run_groups). Not drawn while the records bug they found is open: a group that
+# starts again from scratch beside a peer that resumes (it saw no checkpoint yet) trims
+# its records of steps the job committed, then heals past them (trial 950007: steps 2-3
+# lack its share). A group that loads a peer's checkpoint of another branch (trial
+# 920007) now keeps only its timeline's records (TrainState.lineage).
 WHOLE_JOB_FT_FAULTS: list[str] = []
 STOP_LINE = "a loss spike after"
 LEASE_TIMEOUT_S, LEASE_WAIT_S = 6.0, 30.0
@@ -280,10 +284,6 @@ def _replica_groups(seed: int, rng: random.Random, job: Job) -> Trial:
     faults, at = [], 0
     for _ in range(rng.randint(1, 2)):
         at = rng.randint(at + 2, min(at + 5, STEPS - 2)) if at < STEPS - 3 else STEPS - 2
-        # Whole-job faults (the lighthouse, a kill, SIGTERM) relaunch every group; a group
-        # that then loads a peer's checkpoint of another branch keeps its own records of
-        # the abandoned steps (trial 920007: steps 4-5 read twice in the records). Open:
-        # drawn again once the records follow the checkpoint's lineage.
         kind = rng.choice(["group"] + WHOLE_JOB_FT_FAULTS)
         f = Fault(kind, at_step=at)
         if kind == "group":

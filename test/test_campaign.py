@@ -33,7 +33,8 @@ def test_the_draws_cover_every_fault_and_feature():
     one to three faults a trial and the steps of a trial's faults in order."""
     trials = [campaign.draw(s) for s in range(300)]
     faults = [f for t in trials for f in t.faults]
-    assert {f.kind for f in faults} == {"kill", "term", "store", "double", "layout", "group"}
+    kinds = {"kill", "term", "store", "double", "layout", "group", *campaign.WHOLE_JOB_FT_FAULTS}
+    assert {f.kind for f in faults} == kinds
     assert {f.moment for f in faults if f.kind == "kill"} == {"step", "save", "rewind"}
     assert {f.target for f in faults if f.kind == "kill"} == {"job", "one", "launcher"}
     assert {f.moment for f in faults if f.kind == "store"} == {
@@ -152,8 +153,9 @@ def _commit_seed() -> int:
 def test_replica_group_jobs_are_drawn_with_their_own_faults():
     """Some trials are fault-tolerant jobs: 2-3 groups of 1-2 ranks, no dropout (a group's
     masks follow the step's split), a group killed (never group 0, which saves: the
-    others train on and it heals) and no whole-job fault while their records bug is
-    open. Their draw comes last: a seed that draws no groups draws what it did."""
+    others train on and it heals), and the whole-job faults campaign.WHOLE_JOB_FT_FAULTS
+    lists (none while the records bug they found is open). Their draw comes last: a seed
+    that draws no groups draws what it did."""
     trials = [campaign.draw(s) for s in range(300)]
     ft = [t for t in trials if t.job.groups]
     assert 30 < len(ft) < 100
@@ -165,6 +167,7 @@ def test_replica_group_jobs_are_drawn_with_their_own_faults():
         assert all(1 <= int(f.target) < t.job.groups for f in t.faults if f.kind == "group")
         assert "--fault_tolerance.quorum_timeout_seconds" in t.job.args(1, 0)
     assert all(not t.job.groups for t in trials if t not in ft)
+    assert {f.kind for t in ft for f in t.faults} == {"group", *campaign.WHOLE_JOB_FT_FAULTS}
 
 
 def test_a_stop_after_the_last_rewind_counts_only_when_every_rank_says_it_alone():

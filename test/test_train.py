@@ -201,7 +201,9 @@ def test_a_resumed_runs_metrics_hold_each_step_once(tmp_path, monkeypatch):
         shutil.copytree(tmp_path / "ref", dump)
         shutil.rmtree(dump / "checkpoint" / "step-6")  # as if killed after logging step 6
         if not trim:
-            monkeypatch.setattr(metrics, "truncate_jsonl_after", lambda path, step: None)
+            monkeypatch.setattr(
+                metrics, "truncate_jsonl_after", lambda path, step, lineage=None: None
+            )
         train_here(dump, *common)
     assert losses(tmp_path / "a") == losses(tmp_path / "ref")
     assert sorted(losses(tmp_path / "a")) == list(range(1, 7))

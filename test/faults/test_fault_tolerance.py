@@ -109,6 +109,38 @@ def test_an_unreachable_lighthouse_is_one_line_within_the_quorum_timeout(tmp_pat
         server.shutdown()
 
 
+def test_a_group_that_cannot_reach_its_lighthouse_leaves_no_lease(tmp_path):
+    """train.py with checkpoints on and no lighthouse listening: the one line, within the
+    quorum timeout, and the folder's lease (taken before the manager is built) released
+    (the campaign's trial 950018 found it left; the next start took it over as stale).
+    Negative control: the lease is taken before the lighthouse is asked."""
+    from helpers import error_lines, train_here
+
+    import train as train_script
+
+    dump = tmp_path / "job" / "replica_0"
+    address = f"http://127.0.0.1:{_port_nobody_listens_on()}"
+    args = ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", address,
+            "--fault_tolerance.quorum_timeout_seconds", 1, "--checkpoint.enable_checkpoint",
+            "--fault_tolerance.replica_id", 0, "--fault_tolerance.replica_groups", 2]  # fmt: skip
+    taken = []
+    real = train_script.CheckpointManager
+
+    def manager(*a, **k):
+        m = real(*a, **k)
+        taken.append((dump / "checkpoint" / "lease.json").exists())
+        return m
+
+    train_script.CheckpointManager = manager
+    try:
+        status, log = train_here(dump, *args, expect_ok=False)
+    finally:
+        train_script.CheckpointManager = real
+    assert status == 1 and "cannot reach the lighthouse" in error_lines(log)[0], log[-2000:]
+    assert taken == [True], "the lease is held while the lighthouse is asked"
+    assert not (dump / "checkpoint" / "lease.json").exists(), "the lease was left behind"
+
+
 def test_a_lighthouse_that_dies_mid_run_is_one_line_within_the_quorum_timeout(tmp_path):
     """The real ReplicaGroup on the real torchft Manager and lighthouse commits a step;
     then the lighthouse's host dies (its port relayed, and the relay cut: nobody listens,

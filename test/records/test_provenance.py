@@ -123,3 +123,57 @@ def test_a_rewind_trims_skips_jsonl_on_its_one_writer_only(tmp_path):
     main.rewind(6, 1)
     assert [json.loads(x)["step"] for x in skips.read_text().splitlines()] == [5]
     assert [json.loads(x)["step"] for x in (folder / "rank0.jsonl").read_text().splitlines()] == [4]
+
+
+def test_a_start_keeps_only_its_timelines_records_a_peers_branch_included(tmp_path):
+    """Replica groups relaunched (the campaign's trial 920007): group 0's first life wrote
+    steps 1-5 (branch R); group 1, up first in the relaunch, loaded step-3 and trained 4-6
+    alone (branch X), saving step-6; group 0 then loads that step-6. Its own lines of
+    steps 4-5 are of R, the branch the job left at step 3: the start drops them and keeps
+    1-3. Negative control (a start that trims by step alone, as before lineages): 4-5
+    stay, and the job's records read steps 4-5 twice. A line without a branch (records
+    from before lineages) is kept."""
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.records.metrics import ProvenanceWriter, on_lineage
+
+    life1 = TrainState()
+    life1.branch()  # a start from step 0
+    root = life1.current_branch
+    group1 = TrainState(step=3, lineage=[list(s) for s in life1.lineage])
+    group1.branch()  # relaunched from step-3
+    x = group1.current_branch
+    group1.step = 6  # ... its step-6, as group 0 loads it
+    group0 = TrainState()
+    group0.load_state_dict(group1.state_dict())
+    group0.branch()
+    assert [s[0] for s in group0.lineage] == [root, x, group0.current_branch]
+    assert on_lineage(group0.lineage, root, 3) and not on_lineage(group0.lineage, root, 4)
+    assert on_lineage(group0.lineage, x, 6) and on_lineage(group0.lineage, None, 5)
+
+    def records(folder, lineage):
+        folder.mkdir(parents=True)
+        lines = [{"step": s, "sequences": [], "branch": root} for s in range(1, 6)]
+        (folder / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        ProvenanceWriter(str(folder), 0, 6, True, lineage)
+        return [json.loads(x)["step"] for x in (folder / "rank0.jsonl").read_text().splitlines()]
+
+    assert records(tmp_path / "lineage", group0.lineage) == [1, 2, 3]
+    assert records(tmp_path / "by-step", None) == [1, 2, 3, 4, 5]
+
+
+def test_the_same_start_is_the_same_branch_and_an_old_checkpoint_has_no_lineage():
+    """Groups that start from the same state compute the same branch (the id is a digest
+    of the lineage and the step), another step another one; a checkpoint from before
+    lineages holds no entry for it and loads with none (every record kept)."""
+    from torchtitan.checkpoint import TrainState
+    from torchtitan.checkpoint.stateful import Saved
+
+    a, b, c = TrainState(step=4), TrainState(step=4), TrainState(step=5)
+    for s in (a, b, c):
+        s.branch()
+    assert a.lineage == b.lineage and a.current_branch != c.current_branch
+    old = Saved("step-4", {}, {"step": None, "tokens_seen": None})
+    assert set(TrainState().load_targets(old)) == {"step", "tokens_seen"}
+    loaded = TrainState(lineage=[["x", 1]])
+    loaded.load_state_dict({"step": 4, "tokens_seen": 8})
+    assert loaded.lineage == [] and loaded.step == 4

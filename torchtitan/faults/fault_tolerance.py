@@ -508,7 +508,7 @@ class ReplicaGroup:
             self._tried = open(self._tried_path, "a")  # noqa: SIM115 - kept open for the run
         line = {"step": self._try.number, "quorum": self.quorum_id(),
                 "participant": self.participant, "participants": self.participants,
-                "sequences": self._spans}  # fmt: skip
+                "sequences": self._spans, "branch": self.train_state.current_branch}  # fmt: skip
         self._tried.write(json.dumps(line) + "\n")
         self._tried.flush()
 

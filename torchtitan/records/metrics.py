@@ -72,6 +72,13 @@ def device_peak_tflops(name: str) -> float:
     return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else 0.0
 
 
+def _branch_of(line: str) -> str | None:
+    try:
+        return json.loads(line).get("branch")
+    except ValueError:
+        return None
+
+
 def _step_of(line: str) -> int | None:
     try:
         return json.loads(line).get("step", 0)
@@ -79,8 +86,23 @@ def _step_of(line: str) -> int | None:
         return None  # a line cut short by a kill mid-write
 
 
-def truncate_jsonl_after(path: str, step: int):
-    """Keep only the complete lines of a JSONL file whose ``step`` is at most ``step``."""
+def on_lineage(lineage: list | None, branch: str | None, step: int) -> bool:
+    """Whether a record line of ``step`` written on ``branch`` is on the timeline
+    ``lineage`` (``TrainState.lineage``: ``[branch, first step]`` segments): its branch's
+    segment holds the step. A line without a branch, or no lineage, is kept (records
+    and checkpoints from before lineages)."""
+    if not lineage or branch is None:
+        return True
+    for i, (name, first) in enumerate(lineage):
+        end = lineage[i + 1][1] if i + 1 < len(lineage) else None
+        if name == branch and first <= step and (end is None or step < end):
+            return True
+    return False
+
+
+def truncate_jsonl_after(path: str, step: int, lineage: list | None = None):
+    """Keep only the complete lines of a JSONL file whose ``step`` is at most ``step`` and,
+    with ``lineage``, whose branch is on it (``on_lineage``)."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -88,7 +110,8 @@ def truncate_jsonl_after(path: str, step: int):
     kept = []
     for line in lines:
         line_step = _step_of(line)
-        if line.endswith("\n") and line_step is not None and line_step <= step:
+        if line.endswith("\n") and line_step is not None and line_step <= step and (
+                lineage is None or on_lineage(lineage, _branch_of(line), line_step)):  # fmt: skip
             kept.append(line)
     if kept != lines:
         tmp = path + ".tmp"
@@ -178,7 +201,7 @@ def expert_load_values(loads: torch.Tensor | None) -> dict:
 class MetricLogger:
     """Console line on rank 0 every ``log_freq`` steps, the same values to JSONL and TensorBoard."""
 
-    def __init__(self, cfg, rank: int, start_step: int):
+    def __init__(self, cfg, rank: int, start_step: int, lineage: list | None = None):
         self.rank = rank
         self.log_freq = cfg.metrics.log_freq
         self.jsonl_path = cfg.jsonl_path() if rank == 0 else None
@@ -187,7 +210,7 @@ class MetricLogger:
         self._skipped_seen = 0  # skipped documents the console has reported
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
-            truncate_jsonl_after(self.jsonl_path, start_step)
+            truncate_jsonl_after(self.jsonl_path, start_step, lineage)
             if cfg.metrics.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -324,7 +347,8 @@ SKIPS = "skips.jsonl"
 class ProvenanceWriter:
     """Per rank, one JSON line per step: for each sequence, its spans ``[source, doc_id, start, end, epoch, unit]`` (provenance.py reads them)."""
 
-    def __init__(self, folder: str, rank: int, start_step: int, is_main: bool):
+    def __init__(self, folder: str, rank: int, start_step: int, is_main: bool,
+                 lineage: list | None = None):  # fmt: skip
         self.path = os.path.join(folder, f"rank{rank}.jsonl")
         self.is_main = is_main  # the one rank that writes (and trims) skips.jsonl
         if is_main:
@@ -332,7 +356,7 @@ class ProvenanceWriter:
             os.makedirs(folder, exist_ok=True)
             for name in sorted(os.listdir(folder)):
                 if name.startswith(("rank", "tried_rank")) and name.endswith(".jsonl"):
-                    truncate_jsonl_after(os.path.join(folder, name), start_step)
+                    truncate_jsonl_after(os.path.join(folder, name), start_step, lineage)
             truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
         self._file = None
 
@@ -355,10 +379,11 @@ class ProvenanceWriter:
         with open(os.path.join(folder, SKIPS), "a") as f:
             f.write(json.dumps({"step": step, **steps, "windows": [lo, hi]}) + "\n")
 
-    def write(self, step: int, spans: list):
+    def write(self, step: int, spans: list, branch: str | None = None):
         if self._file is None:
             self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
-        self._file.write(json.dumps({"step": step, "sequences": spans}) + "\n")
+        line = {"step": step, "sequences": spans, **({"branch": branch} if branch else {})}
+        self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 
     def close(self):
@@ -408,9 +433,12 @@ class StepMetrics:
     validation; this only reports them."""
 
     def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int,
-                 guard=None):  # fmt: skip
+                 guard=None, train_state=None):  # fmt: skip
         t = cfg.training
         self.dims = dims
+        # Its lineage trims the records to this start's timeline; its branch tags each line.
+        self.train_state = train_state
+        lineage = None if train_state is None else train_state.lineage
         self.guard = guard  # spikes.SpikeGuard: its counters, and the events it saw
         self.events_path = os.path.join(cfg.job.dump_folder, "spikes.jsonl")
         self.model = model
@@ -424,11 +452,12 @@ class StepMetrics:
             getattr(model, "module", model).args, t.seq_len
         )
         self.peak = peak_tflops(cfg, dims.device)
-        self.logger = MetricLogger(cfg, dims.rank, start_step)
+        self.logger = MetricLogger(cfg, dims.rank, start_step, lineage)
         self.provenance = None
         if cfg.metrics.data_provenance and dims.tp_rank == 0 and dims.pp_rank == 0:
             folder = os.path.join(cfg.job.dump_folder, "provenance")
-            self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main)
+            self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main,
+                                               lineage)  # fmt: skip
         self.epoch_starts: list[list] = []  # [step, source, pass] since the last line
         logger.info(
             "training steps %d..%d, %d tokens per step (%d sequences: %d micro-batches of at "
@@ -449,8 +478,9 @@ class StepMetrics:
         """The step just taken: ``step_tokens`` over all ranks in ``step_s`` seconds (the
         host's; ``clock``'s where it timed the step on the device; the validation
         excluded), ``data_wait_s`` of them waiting for ``batches``."""
+        branch = None if self.train_state is None else self.train_state.current_branch
         if self.provenance is not None:
-            self.provenance.write(step, [s for b in batches for s in b["spans"]])
+            self.provenance.write(step, [s for b in batches for s in b["spans"]], branch)
         passed_over = getattr(self.loader, "take_passed_over", list)()
         if self.provenance is not None and self.dims.is_main:
             for first, count, lo, hi in passed_over:
@@ -482,6 +512,7 @@ class StepMetrics:
             "stop_check_ms": 1000 * self.preemption.last_check_s,
             "memory_gib": memory_gib(self.dims.device),
             "tokens_seen": tokens_seen,
+            **({"branch": branch} if branch else {}),
             **{k: v for k, v in ranks.items() if k != "loss"},
             "skipped_documents": self.loader.skipped_documents(),
             **({} if self.guard is None else self.guard.metrics()),
