@@ -66,13 +66,11 @@ class DeviceCopies:
     Cost: per micro-batch one host copy into pinned memory (B x T x 8 bytes per tensor:
     256 KB for 16 x 2048 tokens, microseconds) and one asynchronous device copy; pinned
     buffers come from torch's caching host allocator, reused once their copy is done.
-    Counts (``pinned``, ``pageable``) say what was sent from which memory.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pinned = self.pageable = 0
 
     def __call__(self, tensors: dict) -> dict:
         """``tensors`` (host) on the device: copies issued, the compute stream ordered
@@ -81,8 +79,6 @@ class DeviceCopies:
             return {k: t.to(self.device) for k, t in tensors.items()}
         compute = torch.cuda.current_stream(self.device)
         pinned = {k: t if t.is_pinned() else t.pin_memory() for k, t in tensors.items()}
-        self.pinned += sum(t.is_pinned() for t in pinned.values())
-        self.pageable += sum(not t.is_pinned() for t in pinned.values())
         with torch.cuda.stream(self.stream):
             sent = {k: t.to(self.device, non_blocking=True) for k, t in pinned.items()}
         compute.wait_stream(self.stream)

@@ -86,32 +86,41 @@ def _step_of(line: str) -> int | None:
         return None  # a line cut short by a kill mid-write
 
 
-def on_lineage(lineage: list | None, branch: str | None, step: int) -> bool:
+def _segments(lineage: list) -> dict[str, list[tuple[int, float]]]:
+    """{branch: [(first step, end step, exclusive)]} of a lineage's segments."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for i, (name, first) in enumerate(lineage):
+        end = lineage[i + 1][1] if i + 1 < len(lineage) else float("inf")
+        out.setdefault(name, []).append((first, end))
+    return out
+
+
+def on_lineage(lineage: list | None, branch: str | None, step: int, segments=None) -> bool:
     """Whether a record line of ``step`` written on ``branch`` is on the timeline
     ``lineage`` (``TrainState.lineage``: ``[branch, first step]`` segments): its branch's
     segment holds the step. A line without a branch, or no lineage, is kept (records
-    and checkpoints from before lineages)."""
+    and checkpoints from before lineages). ``segments``: ``_segments(lineage)``, made
+    once for many lines (a lookup a line, whatever the lineage's length)."""
     if not lineage or branch is None:
         return True
-    for i, (name, first) in enumerate(lineage):
-        end = lineage[i + 1][1] if i + 1 < len(lineage) else None
-        if name == branch and first <= step and (end is None or step < end):
-            return True
-    return False
+    spans = (segments if segments is not None else _segments(lineage)).get(branch, ())
+    return any(first <= step < end for first, end in spans)
 
 
 def truncate_jsonl_after(path: str, step: int, lineage: list | None = None):
     """Keep only the complete lines of a JSONL file whose ``step`` is at most ``step`` and,
-    with ``lineage``, whose branch is on it (``on_lineage``)."""
+    with ``lineage``, whose branch is on it (``on_lineage``). Cost: one pass over the
+    file, a lookup a line."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         lines = f.readlines()
+    segments = _segments(lineage) if lineage else None
     kept = []
     for line in lines:
         line_step = _step_of(line)
         if line.endswith("\n") and line_step is not None and line_step <= step and (
-                lineage is None or on_lineage(lineage, _branch_of(line), line_step)):  # fmt: skip
+                not lineage or on_lineage(lineage, _branch_of(line), line_step, segments)):  # fmt: skip
             kept.append(line)
     if kept != lines:
         tmp = path + ".tmp"
