@@ -327,46 +327,26 @@ def document_positions(spans: list[list], length: int) -> tuple[np.ndarray, np.n
     return positions, document_ids
 
 
-def collate(samples: list[tuple[np.ndarray, list]], document_layout: bool = False,
-            transfer: bool = False) -> dict:  # fmt: skip
+def collate(samples: list[tuple[np.ndarray, list]], document_layout: bool = False) -> dict:
     """Stack the windows ``(tokens, spans)`` of a micro-batch; keep the ragged provenance
-    spans as a list per sequence.
+    spans as a list per sequence. ``input`` and ``label`` are views of one tensor over
+    the windows (no copy of either).
 
     With ``document_layout`` (``model.attention_mask = "block_causal"`` or
     ``training.mask_document_boundaries``), also ``positions`` and ``document_ids``
     [B, T] of the inputs and ``label_document_ids`` [B, T] of the labels (views of one
     array over the window, as input and label are), from the spans; without it a batch
-    carries no such tensors (no work, and nothing more for a worker to send).
+    carries no such tensors (no work).
 
-    With ``transfer`` (in a loader worker) the arrays stay numpy arrays, under
-    ``windows`` (inputs and labels in one), for ``as_tensors`` to turn into tensors in
-    the main process without a copy. They then cross in the batch's one pickled message;
-    a tensor would cross through shared memory, a file descriptor per tensor, which
-    costs more than the tokens themselves for short sequences.
+    A loader worker sends windows, not batches: the rank collates them (loader.py).
     """
-    windows = np.stack([tokens for tokens, _ in samples])
-    batch = {"windows": windows}  # input and label are views of it: one transfer
+    windows = torch.from_numpy(np.stack([tokens for tokens, _ in samples]))
+    batch = {"input": windows[:, :-1], "label": windows[:, 1:]}
     if document_layout:
         length = windows.shape[1] - 1
         layouts = [document_positions(spans, length + 1) for _, spans in samples]
-        batch["positions"] = np.stack([p[:length] for p, _ in layouts])
-        batch["window_document_ids"] = np.stack([d for _, d in layouts])
-    if not transfer:
-        batch = as_tensors(batch)
-    batch["spans"] = [spans for _, spans in samples]
-    return batch
-
-
-def as_tensors(batch: dict) -> dict:
-    """A collated batch's arrays as tensors (no copy): ``windows`` becomes ``input`` and
-    ``label``, and ``window_document_ids`` ``document_ids`` and ``label_document_ids``,
-    each pair views of one tensor."""
-    if "windows" in batch:
-        windows = torch.from_numpy(batch.pop("windows"))
-        batch["input"], batch["label"] = windows[:, :-1], windows[:, 1:]
-    if "window_document_ids" in batch:
-        ids = torch.from_numpy(batch.pop("window_document_ids"))
+        batch["positions"] = torch.from_numpy(np.stack([p[:length] for p, _ in layouts]))
+        ids = torch.from_numpy(np.stack([d for _, d in layouts]))
         batch["document_ids"], batch["label_document_ids"] = ids[:, :-1], ids[:, 1:]
-    if "positions" in batch:
-        batch["positions"] = torch.from_numpy(batch["positions"])
+    batch["spans"] = [spans for _, spans in samples]
     return batch
