@@ -72,18 +72,16 @@ def device_peak_tflops(name: str) -> float:
     return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else 0.0
 
 
-def _branch_of(line: str) -> str | None:
+def _record(line: str) -> dict | None:
     try:
-        return json.loads(line).get("branch")
+        return json.loads(line)
     except ValueError:
-        return None
+        return None  # a line cut short by a kill mid-write
 
 
 def _step_of(line: str) -> int | None:
-    try:
-        return json.loads(line).get("step", 0)
-    except ValueError:
-        return None  # a line cut short by a kill mid-write
+    record = _record(line)
+    return None if record is None else record.get("step", 0)
 
 
 def _segments(lineage: list) -> dict[str, list[tuple[int, float]]]:
@@ -118,9 +116,11 @@ def truncate_jsonl_after(path: str, step: int, lineage: list | None = None):
     segments = _segments(lineage) if lineage else None
     kept = []
     for line in lines:
-        line_step = _step_of(line)
-        if line.endswith("\n") and line_step is not None and line_step <= step and (
-                not lineage or on_lineage(lineage, _branch_of(line), line_step, segments)):  # fmt: skip
+        record = _record(line) if line.endswith("\n") else None  # parsed once a line
+        if record is None or record.get("step", 0) > step:
+            continue
+        if not lineage or on_lineage(lineage, record.get("branch"), record.get("step", 0),
+                                     segments):  # fmt: skip
             kept.append(line)
     if kept != lines:
         tmp = path + ".tmp"
