@@ -255,8 +255,12 @@ def train_loop(run: Run, preemption: Preemption):
     validator = (
         None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
     )
+    # A replica group's records are trimmed at its first quorum (and after a heal), to
+    # the state it then trains from: it may heal past its start (ReplicaGroup._trim_records).
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step,
-                          run.guard, state)  # fmt: skip
+                          run.guard, state, trim_later=run.replicas is not None)  # fmt: skip
+    if run.replicas is not None:
+        run.replicas.on_timeline = metrics.trim
     parallel.barrier(dims)  # rank 0 has trimmed the JSONL files of an interrupted run
     run.model.train()
     first_step = state.step + 1

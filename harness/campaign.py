@@ -81,13 +81,10 @@ MAX_REWINDS = 3
 # Replica groups: how long a group waits for its quorum (or, starting, for the lighthouse)
 # before it stops in one line; a dead lighthouse's groups exit within it and a margin.
 QUORUM_TIMEOUT_S = 30.0
-# Replica groups' faults that relaunch the whole job ("lighthouse", "kill", "term": run and
-# judged by run_groups). Not drawn while the records bug they found is open: a group that
-# starts again from scratch beside a peer that resumes (it saw no checkpoint yet) trims
-# its records of steps the job committed, then heals past them (trial 950007: steps 2-3
-# lack its share). A group that loads a peer's checkpoint of another branch (trial
-# 920007) now keeps only its timeline's records (TrainState.lineage).
-WHOLE_JOB_FT_FAULTS: list[str] = []
+# Replica groups' faults that relaunch the whole job (run and judged by run_groups): the
+# lighthouse killed (every group stops in one line), the job killed, SIGTERM to every
+# rank of every group.
+WHOLE_JOB_FT_FAULTS = ["lighthouse", "kill", "term"]
 STOP_LINE = "a loss spike after"
 LEASE_TIMEOUT_S, LEASE_WAIT_S = 6.0, 30.0
 FAULT_ENV = "TORCHTITAN_TEST_FAULT"

@@ -141,6 +141,40 @@ def test_a_group_that_cannot_reach_its_lighthouse_leaves_no_lease(tmp_path):
     assert not (dump / "checkpoint" / "lease.json").exists(), "the lease was left behind"
 
 
+def test_a_groups_relaunch_keeps_one_record_per_step_of_its_timeline(tmp_path):
+    """train.py as one replica group on a real lighthouse: steps 1-4 (step-2 and step-4
+    written), then a relaunch from step-2 (``checkpoint.load_step``, a new branch) that
+    trains 3-4 again. Its metrics, provenance and tries hold each step once, steps 3-4
+    of the new branch: the loop trims them at the group's first quorum
+    (``ReplicaGroup.on_timeline``, not at its start). Catches the trim not wired into
+    the loop (the first life's steps 3-4 kept: each read twice)."""
+    from helpers import train_here
+
+    from torchtitan.tools.ft_launch import start_lighthouse
+
+    server = start_lighthouse()
+    dump = tmp_path / "job" / "replica_0"
+    args = ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", server.address(),
+            "--fault_tolerance.replica_id", 0, "--fault_tolerance.replica_groups", 1,
+            "--metrics.data_provenance", "--checkpoint.enable_checkpoint",
+            "--checkpoint.interval", 2, "--training.steps", 4, "--training.seq_len", 15,
+            "--training.batch_size", 2]  # fmt: skip
+    try:
+        train_here(dump, *args)
+        train_here(dump, *args, "--checkpoint.load_step", 2)
+    finally:
+        server.shutdown()
+
+    def lines(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    for path in (dump / "metrics.jsonl", dump / "provenance" / "rank0.jsonl",
+                 dump / "provenance" / "tried_rank0.jsonl"):  # fmt: skip
+        records = lines(path)
+        assert [r["step"] for r in records] == [1, 2, 3, 4], (path, records)
+        assert records[1]["branch"] != records[2]["branch"] == records[3]["branch"], path
+
+
 def test_a_lighthouse_that_dies_mid_run_is_one_line_within_the_quorum_timeout(tmp_path):
     """The real ReplicaGroup on the real torchft Manager and lighthouse commits a step;
     then the lighthouse's host dies (its port relayed, and the relay cut: nobody listens,

@@ -446,3 +446,102 @@ def test_a_two_rank_group_left_alone_stops_together_on_one_ranks_signal(sizes):
     assert all(a["took"] < 3 for a in alone), alone
     folder = sizes["job"].parent / "alone" / "replica_1" / "checkpoint"
     assert complete_steps(str(folder)) == [1]
+
+
+# ---- records of a group that heals past its start -----------------------------------------
+
+
+class RecordedGroup(Group):
+    """A group whose committed steps are on record as train.py keeps them: a provenance
+    line per step tagged with its branch (records.metrics.ProvenanceWriter, made after
+    the resume as the loop makes it, trimmed where the loop has it trimmed: at the first
+    quorum and after a heal, ``ReplicaGroup.on_timeline``), and its tries."""
+
+    def __init__(self, quorum: Quorum, job, gid: int, tokenizer):
+        super().__init__(quorum, job, gid, 2, tokenizer, extra=["--metrics.data_provenance"])
+
+    def resume(self):
+        from torchtitan.records.metrics import ProvenanceWriter
+
+        super().resume()
+        self.state.branch()  # as train.py's resume ends
+        folder = os.path.join(self.cfg.job.dump_folder, "provenance")
+        self.writer = ProvenanceWriter(folder, 0, self.state.step, True, self.state.lineage,
+                                       writers=1)  # fmt: skip
+        self.replicas.on_timeline = self.writer.trim_own
+        return self
+
+    def try_step(self):
+        batches = self.replicas.next_step()
+        self.model.zero_grad()
+        (self.model.weight.sum() * float(len(batches))).backward()
+        if self.replicas.commit(torch.tensor(1.0)):
+            self.state.step += 1
+            spans = [s for b in batches for s in b["spans"]]
+            self.writer.write(self.state.step, spans, self.state.current_branch)
+            if self.checkpoint.should_save(self.state.step):
+                self.checkpoint.save(self.state.step)
+
+    def close(self):
+        self.checkpoint.close()
+        self.writer.close()
+        self.replicas.close()
+
+
+def _rounds(quorum: Quorum, groups: dict, rounds: list[list[int]]):
+    for participants in rounds:
+        quorum.round(participants)
+        quorum.run({g: groups[g].try_step for g in participants})
+
+
+def test_a_group_that_heals_past_its_start_keeps_the_records_of_steps_it_committed(tmp_path):
+    """Groups 0 and 1 commit steps 1-3 (group 0 writes step-2). Group 1 dies and starts
+    again: it loads step-2, and its first quorum heals it to step 3 from group 0 (the
+    step it committed in its first life); both commit step 4 (step-4 written) and 5. The
+    whole job is relaunched: group 0 loads step-4 and commits step 5 again alone (a new
+    branch); group 1, up later, loads step-4 and heals to step 5 from it; both commit 6.
+    Group 1's records hold steps 1-4 and 6: its first life's lines of the steps the final
+    timeline kept (3 included), not its line of the step 5 that group 0 trained again; and
+    every step's sequences over both groups' records are the uninterrupted run's, each
+    once. Catches the records trimmed at a group's start rather than after its first
+    quorum (trial 950007: group 1's share of step 3 gone), no trim at all and a trim by
+    step alone (its line of the abandoned step 5 kept: read twice)."""
+    from torchtitan.records.provenance import read_job_provenance
+
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
+    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 2), tokenizer, 0, 1)
+    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
+                for s in range(1, 7)}  # fmt: skip
+    quorum = Quorum()
+    groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer).resume() for g in (0, 1)}
+    _rounds(quorum, groups, [[0, 1]] * 3)
+    groups[1].close()  # dies after step 3: the newest checkpoint is step-2
+    groups[1] = RecordedGroup(quorum, tmp_path, 1, tokenizer).resume()
+    assert groups[1].state.step == 2
+    _rounds(quorum, groups, [[0, 1]] * 2)
+    assert groups[1].replicas.healed_at == 3
+    for group in groups.values():  # the whole job killed after step 5
+        group.close()
+    quorum = Quorum()
+    groups = {0: RecordedGroup(quorum, tmp_path, 0, tokenizer).resume()}
+    _rounds(quorum, groups, [[0]])  # step 5 again, group 0 alone
+    groups[1] = RecordedGroup(quorum, tmp_path, 1, tokenizer).resume()
+    assert groups[1].state.step == 4
+    _rounds(quorum, groups, [[0, 1]])
+    assert groups[1].replicas.healed_at == 5
+    for group in groups.values():
+        group.close()
+
+    def steps(gid, name="rank0.jsonl"):
+        path = tmp_path / f"replica_{gid}" / "provenance" / name
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    assert steps(1) == [1, 2, 3, 4, 6], steps(1)
+    assert steps(1, "tried_rank0.jsonl") == [1, 2, 3, 4, 6], steps(1, "tried_rank0.jsonl")
+    assert steps(0) == [1, 2, 3, 4, 5, 6], steps(0)
+    job = read_job_provenance([str(tmp_path / f"replica_{g}") for g in (0, 1)])
+    merged: dict[int, list] = {}
+    for by_step in job.values():
+        for step, sequences in by_step.items():
+            merged.setdefault(step, []).extend(map(json.dumps, sequences))
+    assert {s: sorted(v) for s, v in merged.items()} == expected

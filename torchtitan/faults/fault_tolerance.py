@@ -77,6 +77,7 @@ from torchtitan.faults.replica_steps import (
     stops_after_step,
 )
 from torchtitan.io import storage
+from torchtitan.records.metrics import truncate_jsonl_after
 
 logger = logging.getLogger("torchtitan")
 
@@ -460,6 +461,12 @@ class ReplicaGroup:
         self._tried = self._tried_path = self._spans = None
         if cfg.metrics.data_provenance and dims.tp_rank == 0:  # the provenance's writers
             self._tried_path = tried_path(cfg.job.dump_folder, dims.dp_rank)
+        # The records (metrics, provenance, tries) are trimmed to the state this group
+        # trains from once its first quorum has settled it (a heal may bring a peer's
+        # step and timeline): ``_trim_records``. The loop sets ``on_timeline`` to the
+        # metrics' trim (StepMetrics.trim).
+        self.on_timeline = None
+        self._trim_due = True
 
     def _event(self, **fields):
         if self._events is not None:
@@ -482,6 +489,8 @@ class ReplicaGroup:
         if not self._quorum_or_stop():
             raise StoppedWaiting(self.train_state.step)
         self.quorum_s = time.perf_counter() - begin
+        if self._trim_due:  # after the quorum thread's heal, if any
+            self._trim_records()
         self.participant, self.participants = self.participation()
         split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
@@ -511,6 +520,27 @@ class ReplicaGroup:
                 "sequences": self._spans, "branch": self.train_state.current_branch}  # fmt: skip
         self._tried.write(json.dumps(line) + "\n")
         self._tried.flush()
+
+    def _trim_records(self):
+        """This rank's records kept to the timeline it trains on: the lines of steps up
+        to the train state's step on its lineage (records.metrics.truncate_jsonl_after),
+        once its first quorum has settled that state, on the loop's thread (the records'
+        writers' own), before its first line. Not at the start: a group that starts from
+        step 0 or an older checkpoint and then heals to a peer's step would drop its own
+        lines of steps the job committed (trial 950007). A later heal needs none: the
+        group took part in the quorum of every step it has lines of since, on the
+        timeline its peer goes on with. Each rank trims its own files (rank 0 also the
+        metrics and skips): nothing to wait for. Cost: one pass over the rank's records
+        per start, never per step."""
+        self._trim_due = False
+        state = self.train_state
+        if self._tried is not None:  # opened again at its next line
+            self._tried.close()
+            self._tried = None
+        if self._tried_path is not None:
+            truncate_jsonl_after(self._tried_path, state.step, state.lineage)
+        if self.on_timeline is not None:
+            self.on_timeline(state.step, state.lineage)
 
     def _quorum_or_stop(self) -> bool:
         """torchft's ``start_quorum`` (a heal included) in a thread of its own, while the

@@ -210,7 +210,8 @@ def expert_load_values(loads: torch.Tensor | None) -> dict:
 class MetricLogger:
     """Console line on rank 0 every ``log_freq`` steps, the same values to JSONL and TensorBoard."""
 
-    def __init__(self, cfg, rank: int, start_step: int, lineage: list | None = None):
+    def __init__(self, cfg, rank: int, start_step: int, lineage: list | None = None,
+                 trim: bool = True):  # fmt: skip
         self.rank = rank
         self.log_freq = cfg.metrics.log_freq
         self.jsonl_path = cfg.jsonl_path() if rank == 0 else None
@@ -219,7 +220,8 @@ class MetricLogger:
         self._skipped_seen = 0  # skipped documents the console has reported
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
-            truncate_jsonl_after(self.jsonl_path, start_step, lineage)
+            if trim:  # otherwise ``trim`` is called once the state trained from is known
+                self.trim(start_step, lineage)
             if cfg.metrics.enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -227,6 +229,12 @@ class MetricLogger:
                 self.tb = SummaryWriter(folder, purge_step=start_step + 1)
             if cfg.metrics.enable_wandb:
                 self.wandb = _start_wandb(cfg)
+
+    def trim(self, step: int, lineage: list | None):
+        """Rank 0: keep the lines of steps up to ``step`` on ``lineage`` (the file is
+        opened for each line written: nothing to reopen)."""
+        if self.rank == 0:
+            truncate_jsonl_after(self.jsonl_path, step, lineage)
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step % self.log_freq == 0 or step == last_step or step == 1
@@ -353,21 +361,48 @@ def across_ranks(dims, loss, step_ms: float, data_wait_ms: float) -> dict:
 SKIPS = "skips.jsonl"
 
 
+def _rank_of(name: str) -> int | None:
+    """The data-parallel rank of a provenance file named ``rank<r>.jsonl`` or
+    ``tried_rank<r>.jsonl`` (None: another file)."""
+    for prefix in ("rank", "tried_rank"):
+        number = name[len(prefix) : -len(".jsonl")]
+        if name.startswith(prefix) and name.endswith(".jsonl") and number.isdigit():
+            return int(number)
+    return None
+
+
 class ProvenanceWriter:
     """Per rank, one JSON line per step: for each sequence, its spans ``[source, doc_id, start, end, epoch, unit]`` (provenance.py reads them)."""
 
     def __init__(self, folder: str, rank: int, start_step: int, is_main: bool,
-                 lineage: list | None = None):  # fmt: skip
+                 lineage: list | None = None, writers: int | None = None):  # fmt: skip
+        """``writers``: None, rank 0 trims every file now (the loop's barrier follows);
+        otherwise the number of data-parallel ranks writing now, whose own files wait
+        for ``trim_own`` (a replica group: the state it trains from is known at its
+        first quorum, a heal included), while rank 0 trims the files of ranks of an old,
+        larger layout now."""
         self.path = os.path.join(folder, f"rank{rank}.jsonl")
         self.is_main = is_main  # the one rank that writes (and trims) skips.jsonl
+        self._file = None
         if is_main:
             # Rank 0 trims every rank's file, including ranks of an old, larger layout.
             os.makedirs(folder, exist_ok=True)
             for name in sorted(os.listdir(folder)):
-                if name.startswith(("rank", "tried_rank")) and name.endswith(".jsonl"):
+                number = _rank_of(name)
+                if number is not None and (writers is None or number >= writers):
                     truncate_jsonl_after(os.path.join(folder, name), start_step, lineage)
-            truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
+            if writers is None:
+                truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
+
+    def trim_own(self, step: int, lineage: list | None):
+        """This rank's file (closed first, opened again at the next line), and on rank 0
+        ``skips.jsonl``, to the timeline of ``step`` on ``lineage``. Cost: one pass over
+        the rank's file, paid at a replica group's first quorum."""
+        self.close()
         self._file = None
+        truncate_jsonl_after(self.path, step, lineage)
+        if self.is_main:
+            truncate_jsonl_after(os.path.join(os.path.dirname(self.path), SKIPS), step)
 
     def rewind(self, step: int, number: int):
         """Rewind ``number`` went back to ``step``: the lines after it move to
@@ -442,7 +477,10 @@ class StepMetrics:
     validation; this only reports them."""
 
     def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int,
-                 guard=None, train_state=None):  # fmt: skip
+                 guard=None, train_state=None, trim_later: bool = False):  # fmt: skip
+        """``trim_later``: the records are trimmed by ``trim`` once the state trained from
+        is known (a replica group: at its first quorum, which may heal it to a peer's
+        step and timeline), not to ``start_step`` now."""
         t = cfg.training
         self.dims = dims
         # Its lineage trims the records to this start's timeline; its branch tags each line.
@@ -461,12 +499,13 @@ class StepMetrics:
             getattr(model, "module", model).args, t.seq_len
         )
         self.peak = peak_tflops(cfg, dims.device)
-        self.logger = MetricLogger(cfg, dims.rank, start_step, lineage)
+        self.logger = MetricLogger(cfg, dims.rank, start_step, lineage, trim=not trim_later)
         self.provenance = None
         if cfg.metrics.data_provenance and dims.tp_rank == 0 and dims.pp_rank == 0:
             folder = os.path.join(cfg.job.dump_folder, "provenance")
+            writers = dims.dp_world if trim_later else None
             self.provenance = ProvenanceWriter(folder, dims.dp_rank, start_step, dims.is_main,
-                                               lineage)  # fmt: skip
+                                               lineage, writers)  # fmt: skip
         self.epoch_starts: list[list] = []  # [step, source, pass] since the last line
         logger.info(
             "training steps %d..%d, %d tokens per step (%d sequences: %d micro-batches of at "
@@ -475,6 +514,18 @@ class StepMetrics:
             schedule.largest_micro(global_batch), t.seq_len, parallel.describe_layout(dims),
             f"; global batch by step {t.batch_size_schedule}" if t.batch_size_schedule else "",
         )  # fmt: skip
+
+    def trim(self, step: int, lineage: list | None):
+        """The records kept to the timeline this rank now trains on: the lines of steps up
+        to ``step`` on ``lineage`` (``truncate_jsonl_after``), each rank its own
+        provenance file, rank 0 the metrics and skips. A replica group calls it (through
+        ``ReplicaGroup.on_timeline``) after its first quorum, a heal included: a group
+        started from step 0 or an older checkpoint that heals to a peer's step keeps its
+        own lines of the steps that peer's timeline committed (trial 950007 lost them
+        to a trim at its start), and drops those of steps the peer trained again."""
+        self.logger.trim(step, lineage)
+        if self.provenance is not None:
+            self.provenance.trim_own(step, lineage)
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` writes a log line (and reads the step's values on the host)."""
