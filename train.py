@@ -202,7 +202,7 @@ def build_run(cfg: JobConfig, dims: parallel.ParallelDims, tokenizer: Tokenizer)
         except BaseException:  # no lighthouse (its one line): the folder's lease goes too
             checkpoint.release_lease()
             raise
-        checkpoint = fault_tolerance.LowestGroupSaves(checkpoint, replicas)
+        checkpoint = fault_tolerance.LowestGroupSaves(checkpoint, replicas, last_step(cfg.training))
     return Run(cfg, dims, tokenizer, model, optimizer, scheduler, dataloader, train_state,
                checkpoint, stages, held_out, replicas, guard)  # fmt: skip
 
@@ -273,6 +273,8 @@ def train_loop(run: Run, preemption: Preemption):
                 batches, data_wait_s = next_batches(feed)
             except fault_tolerance.StoppedWaiting:  # asked to stop; no quorum can come
                 stop_with_checkpoint(run.checkpoint, preemption, state.step, False, alone=True)
+                break
+            except fault_tolerance.JobFinished:  # while this group started: said once
                 break
             with sync_debug(run, metrics, first_step):
                 loss, grad_norm, lr = step(batches)

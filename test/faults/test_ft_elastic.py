@@ -545,3 +545,48 @@ def test_a_group_that_heals_past_its_start_keeps_the_records_of_steps_it_committ
         for step, sequences in by_step.items():
             merged.setdefault(step, []).extend(map(json.dumps, sequences))
     assert {s: sorted(v) for s, v in merged.items()} == expected
+
+
+def test_a_group_whose_job_moved_on_since_its_start_trains_nothing(tmp_path):
+    """Group 0 starts (nothing to load yet: step 0); group 1, alone in the quorums,
+    trains all 8 steps (step-2..8 in its folder) and publishes the job's marker. Group
+    0's first quorum, alone, comes then: it stops with the marker's one line
+    (``JobFinished``: train.py exits 0), nothing trained, its checkpoint folder empty.
+    Without the marker (group 1 died after step-8), it stops in one line naming step-8
+    and its folder. Control: the same group started now loads step-8 (the check looks
+    where a start looks). Catches a group that trains again, on a second timeline, the
+    steps its job committed while it started (trial 920008: steps 7-12 twice)."""
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, JobFinished
+
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
+
+    def stale_start(marker: bool):
+        job = tmp_path / f"marker{marker}"
+        quorum = Quorum()
+        late = Group(quorum, job, 0, 2, tokenizer).resume()
+        peer = Group(quorum, job, 1, 2, tokenizer).resume()
+        for _ in range(STEPS):
+            quorum.round([1])
+            quorum.run({1: peer.try_step})
+        peer.checkpoint.close()
+        if marker:
+            peer.replicas.finish(peer.state.step, STEPS)
+        quorum.round([0])
+        try:
+            with pytest.raises((JobFinished, FaultToleranceError)) as e:
+                late.try_step()
+        finally:
+            late.checkpoint.close()
+        assert late.state.step == 0 and not late.read
+        assert complete_steps(str(job / "replica_0" / "checkpoint")) == []
+        return job, e.value
+
+    job, stop = stale_start(marker=True)
+    assert isinstance(stop, JobFinished), stop
+    assert str(job / "replica_1" / fault_tolerance.FINISHED) in str(stop)
+    job, stop = stale_start(marker=False)
+    assert isinstance(stop, FaultToleranceError), stop
+    assert f"step-{STEPS} in {job / 'replica_1' / 'checkpoint'}" in str(stop), stop
+    now = Group(Quorum(), job, 0, 2, tokenizer).resume()
+    now.checkpoint.close()
+    assert now.state.step == STEPS

@@ -102,6 +102,11 @@ class FaultToleranceError(RuntimeError):
     that failed): one line, the group stops."""
 
 
+class JobFinished(Exception):
+    """The job trained its last step while this group started (its peers finished and
+    published the marker after its start looked): nothing to train, said in one line."""
+
+
 class StoppedWaiting(Exception):
     """This group, asked to stop, gave up waiting for a quorum (too few live groups):
     it stops after ``step``, its last committed step, which it writes itself."""
@@ -461,12 +466,14 @@ class ReplicaGroup:
         self._tried = self._tried_path = self._spans = None
         if cfg.metrics.data_provenance and dims.tp_rank == 0:  # the provenance's writers
             self._tried_path = tried_path(cfg.job.dump_folder, dims.dp_rank)
-        # The records (metrics, provenance, tries) are trimmed to the state this group
-        # trains from once its first quorum has settled it (a heal may bring a peer's
-        # step and timeline): ``_trim_records``. The loop sets ``on_timeline`` to the
-        # metrics' trim (StepMetrics.trim).
+        # Once its first quorum has settled the state this group trains from (a heal may
+        # bring a peer's step and timeline): ``check_current`` (LowestGroupSaves's: the
+        # job has not moved past it), then the records (metrics, provenance, tries)
+        # trimmed to it, ``on_timeline`` the metrics' part (StepMetrics.trim, set by the
+        # loop). ``_first_quorum``.
+        self.check_current = None
         self.on_timeline = None
-        self._trim_due = True
+        self._settled = False
 
     def _event(self, **fields):
         if self._events is not None:
@@ -489,8 +496,8 @@ class ReplicaGroup:
         if not self._quorum_or_stop():
             raise StoppedWaiting(self.train_state.step)
         self.quorum_s = time.perf_counter() - begin
-        if self._trim_due:  # after the quorum thread's heal, if any
-            self._trim_records()
+        if not self._settled:  # after the quorum thread's heal, if any
+            self._first_quorum()
         self.participant, self.participants = self.participation()
         split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
@@ -521,6 +528,15 @@ class ReplicaGroup:
         self._tried.write(json.dumps(line) + "\n")
         self._tried.flush()
 
+    def _first_quorum(self):
+        """The group's state is settled (its own, or a peer's where the quorum healed it):
+        the job must not have moved past it (``check_current`` raises, nothing trimmed),
+        then the records are trimmed to it (``_trim_records``)."""
+        self._settled = True
+        if self.check_current is not None:
+            self.check_current(self.train_state.step)
+        self._trim_records()
+
     def _trim_records(self):
         """This rank's records kept to the timeline it trains on: the lines of steps up
         to the train state's step on its lineage (records.metrics.truncate_jsonl_after),
@@ -532,7 +548,6 @@ class ReplicaGroup:
         timeline its peer goes on with. Each rank trims its own files (rank 0 also the
         metrics and skips): nothing to wait for. Cost: one pass over the rank's records
         per start, never per step."""
-        self._trim_due = False
         state = self.train_state
         if self._tried is not None:  # opened again at its next line
             self._tried.close()
@@ -755,9 +770,54 @@ class LowestGroupSaves:
     group's folder it is (``load``), so every group starts at the same step and nothing
     waits for a heal; a quorum would heal a group still behind from the highest."""
 
-    def __init__(self, checkpoint, replicas: ReplicaGroup):
+    def __init__(self, checkpoint, replicas: ReplicaGroup, last_step: int | None = None):
+        """``last_step``: the job's (train.last_step; the configured training.steps
+        where None), which a published marker must reach to mean the job finished."""
         self._checkpoint, self._replicas = checkpoint, replicas
         self._saver = False  # this group was the lowest at the last step asked about
+        self._last_step = replicas.cfg.training.steps if last_step is None else last_step
+        replicas.check_current = self.check_current
+
+    def check_current(self, step: int):
+        """After the group's first quorum (a heal included), at ``step``: where no live
+        group took this one to the job's newest state, the job may have moved on since
+        this group's start looked (its peers saved newer steps, then finished or died:
+        a late start saw neither). Training on would commit steps the job holds already,
+        on a second timeline beside them (trial 920008: a group up late loaded step-6,
+        its peers trained to 12 and finished meanwhile, and it trained 7-12 again). So:
+        a job whose marker is published stops this group as ``job_finished`` does
+        (``JobFinished``: the one line, exit 0); a job whose newest checkpoint (as a start
+        would now choose it: ``CheckpointManager.resume_point``) is past ``step`` stops
+        it in one line, to be started again from there. Rank 0 looks, every rank gets the
+        answer. Cost: once per start, one marker read per group folder and O(groups x
+        kept checkpoints) manifest reads, whatever the data."""
+        if not self._checkpoint.enabled:
+            return
+        cfg, dims = self._replicas.cfg, self._replicas.dims
+        ck = cfg.checkpoint
+
+        def look():
+            recovering = ck.load_step >= 0 or ck.exclude_from_loading  # a new timeline
+            finished = None if recovering else finished_step(cfg)
+            return finished, self._checkpoint.resume_point(peer_checkpoint_folders(cfg))
+
+        finished, newest = parallel.on_main(dims, look)
+        group = cfg.fault_tolerance.replica_id
+        if finished is not None and finished[0] >= self._last_step and finished[0] > step:
+            if dims.is_main:
+                logger.warning(
+                    "the job already finished: %s says step %d (this group started at step "
+                    "%d); replica group %d has nothing to train and stops (remove the file to "
+                    "train again)", finished[1], finished[0], step, group,
+                )  # fmt: skip
+            raise JobFinished(finished[1])
+        if newest is not None and newest[0] > step:
+            raise FaultToleranceError(
+                f"replica group {group} is at step {step}, but the job has moved on to "
+                f"step-{newest[0]} in {newest[1]} since this group started, and no live "
+                "group is there to heal it: it stops without training; start it again to "
+                "resume from there"
+            )
 
     def job_checkpoint_folders(self) -> list[str]:
         """Every group's checkpoint folder, this group's first."""
