@@ -26,6 +26,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import uuid
 from urllib.parse import urlsplit
 
 import torch
@@ -45,6 +46,9 @@ class Quorum:
     def __init__(self):
         self.managers: dict[int, Manager] = {}
         self._round = None
+        # Each round's id, as torchft's quorum id and members name a quorum: another in
+        # every round and in every Quorum (a job's lives never share one).
+        self._name, self._rounds = uuid.uuid4().hex[:8], 0
 
     def manager(self, group: int) -> Manager:
         self.managers[group] = Manager(self, group)
@@ -56,6 +60,7 @@ class Quorum:
         ``dies`` of them never reach the all-reduce, ``fails``: the vote says no, and
         ``stall``: the quorum waits for ``release`` that long, then fails."""
         live = [g for g in participants if g not in dies]
+        self._rounds += 1
         top = max(self.managers[g].step for g in participants)
         self._round = {
             "participants": sorted(participants), "dies": set(dies), "fails": fails,
@@ -102,6 +107,10 @@ class Manager:
 
     def load_state_dict(self, state: dict):
         self.step = state["step"]
+
+    @property
+    def _quorum_id(self) -> str:  # what ReplicaGroup.quorum_id reads of torchft's Manager
+        return f"{self.quorum._name}-{self.quorum._rounds}"
 
     def start_quorum(self):
         r = self.quorum._round

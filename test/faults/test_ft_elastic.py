@@ -457,8 +457,9 @@ class RecordedGroup(Group):
     the resume as the loop makes it, trimmed where the loop has it trimmed: at the first
     quorum and after a heal, ``ReplicaGroup.on_timeline``), and its tries."""
 
-    def __init__(self, quorum: Quorum, job, gid: int, tokenizer):
-        super().__init__(quorum, job, gid, 2, tokenizer, extra=["--metrics.data_provenance"])
+    def __init__(self, quorum: Quorum, job, gid: int, tokenizer, groups: int = 2):
+        super().__init__(quorum, job, gid, groups, tokenizer,
+                         extra=["--metrics.data_provenance"])  # fmt: skip
 
     def resume(self):
         from torchtitan.records.metrics import ProvenanceWriter
@@ -506,8 +507,6 @@ def test_a_group_that_heals_past_its_start_keeps_the_records_of_steps_it_committ
     once. Catches the records trimmed at a group's start rather than after its first
     quorum (trial 950007: group 1's share of step 3 gone), no trim at all and a trim by
     step alone (its line of the abandoned step 5 kept: read twice)."""
-    from torchtitan.records.provenance import read_job_provenance
-
     tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
     plain = build_dataloader(_cfg(tmp_path / "plain", 0, 2), tokenizer, 0, 1)
     expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
@@ -539,12 +538,56 @@ def test_a_group_that_heals_past_its_start_keeps_the_records_of_steps_it_committ
     assert steps(1) == [1, 2, 3, 4, 6], steps(1)
     assert steps(1, "tried_rank0.jsonl") == [1, 2, 3, 4, 6], steps(1, "tried_rank0.jsonl")
     assert steps(0) == [1, 2, 3, 4, 5, 6], steps(0)
-    job = read_job_provenance([str(tmp_path / f"replica_{g}") for g in (0, 1)])
+    assert _job_sequences(tmp_path, (0, 1)) == expected
+
+
+def _job_sequences(job, gids) -> dict[int, list]:
+    """Each step's sequences over the groups' records (tries included), sorted."""
+    from torchtitan.records.provenance import read_job_provenance
+
     merged: dict[int, list] = {}
-    for by_step in job.values():
+    for by_step in read_job_provenance([str(job / f"replica_{g}") for g in gids]).values():
         for step, sequences in by_step.items():
             merged.setdefault(step, []).extend(map(json.dumps, sequences))
-    assert {s: sorted(v) for s, v in merged.items()} == expected
+    return {s: sorted(v) for s, v in merged.items()}
+
+
+def test_a_group_healed_into_a_second_start_from_one_state_drops_its_lines_of_the_first(tmp_path):
+    """Three groups commit steps 1-3 (group 0 writes step-2); the whole job is killed, and
+    step-2 never became durable (removed). Groups 0 and 1 start again from step 0 and
+    commit steps 1-3 (step-2 written again); group 2, up later, loads that step-2 and
+    heals to step 3, then all three commit step 4. Group 2's records hold step 4 alone:
+    the second life trained 1-3 again from the same state (step 0), and its first
+    life's lines of them go. Every step's sequences over the groups' records are the
+    uninterrupted run's, each once. Catches a branch named by the state it starts from
+    alone, the same in both lives (trial 920008: group 2 kept its lines of 2-3, read
+    twice), where ``TrainState.name_branch`` names it by the quorum too."""
+    import shutil
+
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 3).model)
+    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 3), tokenizer, 0, 1)
+    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
+                for s in range(1, 5)}  # fmt: skip
+    quorum = Quorum()
+    groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer, 3).resume() for g in range(3)}
+    _rounds(quorum, groups, [[0, 1, 2]] * 3)
+    for group in groups.values():
+        group.close()
+    shutil.rmtree(tmp_path / "replica_0" / "checkpoint" / "step-2")
+    quorum = Quorum()
+    groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer, 3).resume() for g in (0, 1)}
+    assert groups[0].state.step == 0
+    _rounds(quorum, groups, [[0, 1]] * 3)
+    groups[2] = RecordedGroup(quorum, tmp_path, 2, tokenizer, 3).resume()
+    assert groups[2].state.step == 2
+    _rounds(quorum, groups, [[0, 1, 2]])
+    assert groups[2].replicas.healed_at == 3
+    for group in groups.values():
+        group.close()
+    for name in ("rank0.jsonl", "tried_rank0.jsonl"):
+        path = tmp_path / "replica_2" / "provenance" / name
+        assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [4], name
+    assert _job_sequences(tmp_path, range(3)) == expected
 
 
 def test_a_group_whose_job_moved_on_since_its_start_trains_nothing(tmp_path):

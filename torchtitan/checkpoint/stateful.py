@@ -25,6 +25,8 @@ Never: choose, write or verify checkpoints.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from dataclasses import dataclass, field
@@ -139,18 +141,33 @@ class TrainState(Adapter):
     def branch(self):
         """Begin a branch at this state's step (a start from a checkpoint or from step 0,
         a rewind): ``[id, step + 1]`` appended, segments that begin after the step dropped.
-        The id is a digest of the lineage kept and the step: processes that start from the
-        same state (replica groups relaunched together) are on the same branch."""
-        import hashlib
-        import json
-
+        The id is a digest of the lineage kept and the step: the ranks of a run that start
+        from the same state are on the same branch. Replica groups name it again at each
+        quorum until its first step is committed (``name_branch``)."""
         kept = [s for s in self.lineage if s[1] <= self.step]
-        digest = hashlib.sha256(json.dumps([kept, self.step]).encode()).hexdigest()[:12]
-        self.lineage = [*kept, [digest, self.step + 1]]
+        self.lineage = [*kept, [_digest([kept, self.step]), self.step + 1]]
+
+    def name_branch(self, quorum: str | None):
+        """Fault tolerance, at each quorum, before its try: where this state's last
+        segment begins at the step about to be tried (no step of it committed yet), its
+        id becomes a digest of the lineage before it, the step and the ``quorum``'s key,
+        the same in every group of the quorum (each names it alike, a group healed in it
+        included) and in no quorum of another start. Not the start's digest alone: two
+        lives of a job that start from the same state (a whole-job relaunch whose
+        checkpoint never became durable starts from step 0 again) would share a branch,
+        and a group that heals into the second would keep its lines of the first
+        (trial 920008). Cost: one digest a quorum while the segment is unnamed."""
+        if self.lineage and self.lineage[-1][1] == self.step + 1:
+            kept = self.lineage[:-1]
+            self.lineage[-1] = [_digest([kept, self.step, quorum]), self.step + 1]
 
     @property
     def current_branch(self) -> str:
         return self.lineage[-1][0] if self.lineage else ""
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:12]
 
 
 class ModelState(Adapter):

@@ -498,6 +498,7 @@ class ReplicaGroup:
         self.quorum_s = time.perf_counter() - begin
         if not self._settled:  # after the quorum thread's heal, if any
             self._first_quorum()
+        self.train_state.name_branch(self.quorum_id())  # before the try's records name it
         self.participant, self.participants = self.participation()
         split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
