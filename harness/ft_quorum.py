@@ -104,6 +104,7 @@ class Manager:
         self.quorum, self.group = quorum, group
         self.step = 0  # committed steps, as torchft counts them
         self.replica = None  # the ReplicaGroup (its heal and peer state), set by the test
+        self.errored = None  # report_error's, until the vote
 
     def load_state_dict(self, state: dict):
         self.step = state["step"]
@@ -144,9 +145,13 @@ class Manager:
         r["barrier"].wait()  # every group has read the sum before the next round
         return _Done()
 
+    def report_error(self, error: Exception):  # this group's vote is no, for this try
+        self.errored = error
+
     def should_commit(self) -> bool:
         r = self.quorum._round
-        ok = not r["dies"] and not r["fails"]
+        ok = not r["dies"] and not r["fails"] and self.errored is None
+        self.errored = None
         if ok:
             self.step += 1
         return ok

@@ -590,46 +590,72 @@ def test_a_group_healed_into_a_second_start_from_one_state_drops_its_lines_of_th
     assert _job_sequences(tmp_path, range(3)) == expected
 
 
-def test_a_group_whose_job_moved_on_since_its_start_trains_nothing(tmp_path):
+def test_a_group_whose_job_moved_on_since_its_start_commits_nothing_until_it_heals(tmp_path):
     """Group 0 starts (nothing to load yet: step 0); group 1, alone in the quorums,
-    trains all 8 steps (step-2..8 in its folder) and publishes the job's marker. Group
-    0's first quorum, alone, comes then: it stops with the marker's one line
-    (``JobFinished``: train.py exits 0), nothing trained, its checkpoint folder empty.
-    Without the marker (group 1 died after step-8), it stops in one line naming step-8
-    and its folder. Control: the same group started now loads step-8 (the check looks
-    where a start looks). Catches a group that trains again, on a second timeline, the
-    steps its job committed while it started (trial 920008: steps 7-12 twice)."""
+    trains on (its step-2.. in its folder). Then group 0's first quorum, alone:
+    - group 1 finished all 8 steps and published the marker: group 0 stops with the
+      marker's one line (``JobFinished``: train.py exits 0), nothing trained;
+    - group 1 trained 6 steps and lives: group 0 commits nothing (its vote is no) until
+      group 1 joins its quorum, heals it to step 6, and both commit step 7;
+    - group 1 trained 6 steps and died: group 0 commits nothing, and after
+      fault_tolerance.timeout_seconds (0.5) stops in one line naming step-6 and its
+      folder; started now, it would load step-6.
+    Group 0's checkpoint folder stays empty throughout. Catches a group that trains
+    again, on a second timeline, the steps its job committed while it started (trial
+    920008: steps 7-12 twice), and one that stops where a holder of the newer step was
+    only on its way (it heals instead)."""
+    import time
+
     from torchtitan.faults.fault_tolerance import FaultToleranceError, JobFinished
 
     tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
 
-    def stale_start(marker: bool):
-        job = tmp_path / f"marker{marker}"
+    def late_start(case: str, steps: int):
+        job = tmp_path / case
         quorum = Quorum()
-        late = Group(quorum, job, 0, 2, tokenizer).resume()
+        late = Group(quorum, job, 0, 2, tokenizer,
+                     extra=["--fault_tolerance.timeout_seconds", "0.5"]).resume()  # fmt: skip
         peer = Group(quorum, job, 1, 2, tokenizer).resume()
-        for _ in range(STEPS):
+        for _ in range(steps):
             quorum.round([1])
             quorum.run({1: peer.try_step})
-        peer.checkpoint.close()
-        if marker:
+        if case != "lives":
+            peer.checkpoint.close()
+        if case == "finished":
             peer.replicas.finish(peer.state.step, STEPS)
-        quorum.round([0])
-        try:
-            with pytest.raises((JobFinished, FaultToleranceError)) as e:
-                late.try_step()
-        finally:
-            late.checkpoint.close()
-        assert late.state.step == 0 and not late.read
-        assert complete_steps(str(job / "replica_0" / "checkpoint")) == []
-        return job, e.value
+        return job, quorum, late, peer
 
-    job, stop = stale_start(marker=True)
-    assert isinstance(stop, JobFinished), stop
-    assert str(job / "replica_1" / fault_tolerance.FINISHED) in str(stop)
-    job, stop = stale_start(marker=False)
-    assert isinstance(stop, FaultToleranceError), stop
-    assert f"step-{STEPS} in {job / 'replica_1' / 'checkpoint'}" in str(stop), stop
+    job, quorum, late, _ = late_start("finished", STEPS)
+    quorum.round([0])
+    with pytest.raises(JobFinished) as e:
+        late.try_step()
+    late.checkpoint.close()
+    assert str(job / "replica_1" / fault_tolerance.FINISHED) in str(e.value)
+    assert late.state.step == 0 and not late.read
+
+    job, quorum, late, peer = late_start("lives", 6)
+    quorum.round([0])
+    quorum.run({0: late.try_step})
+    assert late.state.step == 0 and not late.read  # its vote was no
+    quorum.round([0, 1])
+    quorum.run({0: late.try_step, 1: peer.try_step})
+    assert late.replicas.healed_at == 6 and late.state.step == peer.state.step == 7
+    assert late.read[7] and late.replicas._behind is None
+    for group in (late, peer):
+        group.checkpoint.close()
+
+    job, quorum, late, _ = late_start("dead", 6)
+    begin = time.monotonic()
+    with pytest.raises(FaultToleranceError) as e:
+        while time.monotonic() - begin < 30:
+            quorum.round([0])
+            late.try_step()
+            time.sleep(0.05)
+    late.checkpoint.close()
+    assert late.state.step == 0 and not late.read
+    assert f"step-6 ({job / 'replica_1' / 'checkpoint'})" in str(e.value), e.value
+    assert "fault_tolerance.timeout_seconds 0.5" in str(e.value), e.value
+    assert complete_steps(str(job / "replica_0" / "checkpoint")) == []
     now = Group(Quorum(), job, 0, 2, tokenizer).resume()
     now.checkpoint.close()
-    assert now.state.step == STEPS
+    assert now.state.step == 6

@@ -474,6 +474,9 @@ class ReplicaGroup:
         self.check_current = None
         self.on_timeline = None
         self._settled = False
+        # The job's newer checkpoint this group found at its first quorum, and since when
+        # (``_behind_job``): it commits no step until a heal brings it there.
+        self._behind: tuple[int, str, float] | None = None
 
     def _event(self, **fields):
         if self._events is not None:
@@ -499,6 +502,8 @@ class ReplicaGroup:
         if not self._settled:  # after the quorum thread's heal, if any
             self._first_quorum()
         self.train_state.name_branch(self.quorum_id())  # before the try's records name it
+        if self._behind is not None:
+            self._behind_job()
         self.participant, self.participants = self.participation()
         split_loader(self.loader, self.participant, self.participants, self.dims.dp_rank,
                      self.dims.dp_world)  # fmt: skip
@@ -534,9 +539,45 @@ class ReplicaGroup:
         the job must not have moved past it (``check_current`` raises, nothing trimmed),
         then the records are trimmed to it (``_trim_records``)."""
         self._settled = True
-        if self.check_current is not None:
-            self.check_current(self.train_state.step)
+        newer = None if self.check_current is None else self.check_current(self.train_state.step)
+        if newer is not None:
+            self._behind = (*newer, time.monotonic())
+            if self.dims.is_main:
+                logger.warning(
+                    "replica group %d is at step %d, and the job's newest checkpoint is "
+                    "step-%d in %s: it commits no step until a group that holds it heals this "
+                    "one (at most fault_tolerance.timeout_seconds %g)", self.replica_id,
+                    self.train_state.step, newer[0], newer[1],
+                    self.cfg.fault_tolerance.timeout_seconds,
+                )  # fmt: skip
         self._trim_records()
+
+    def _behind_job(self):
+        """This group found the job's newest checkpoint past its state at its first
+        quorum: a group that holds it (or is past it) may be on its way (starting, its
+        save just made durable), or gone (finished or dead). Training on would commit
+        those steps again on a second timeline beside them, so this group vetoes its own
+        commits (``commit``: its gradients still go into the step's all-reduce; a peer of
+        its quorum that commits the step trains its share, and heals it at the next
+        quorum) until a heal brings it to that step. It waits at most
+        ``fault_tolerance.timeout_seconds``, the longest a live peer may lag; then the
+        holder is gone, and the group stops in one line (the marker's, where the job
+        finished meanwhile), to be started again from that checkpoint. The ranks of the
+        group decide alike (an all-reduce of their clocks' verdicts, while behind only)."""
+        newest, folder, since = self._behind
+        if self.train_state.step >= newest:
+            self._behind = None
+            return
+        waited = time.monotonic() - since >= self.cfg.fault_tolerance.timeout_seconds
+        if parallel.any_rank(self.dims, waited):
+            self.check_current(self.train_state.step)  # the marker's line, if it is there now
+            raise FaultToleranceError(
+                f"replica group {self.replica_id} is at step {self.train_state.step}, and no "
+                f"group holding the job's newest checkpoint step-{newest} ({folder}) joined "
+                f"within fault_tolerance.timeout_seconds "
+                f"{self.cfg.fault_tolerance.timeout_seconds:g}: it stops without training "
+                "on beside it; start the job's groups again to resume from it"
+            )
 
     def _trim_records(self):
         """This rank's records kept to the timeline it trains on: the lines of steps up
@@ -658,6 +699,8 @@ class ReplicaGroup:
         if self._tried_path is not None:
             self._write_tried()
         self.manager.allreduce(flat).wait()
+        if self._behind is not None:  # after the all-reduce: the peers' average holds its share
+            self.manager.report_error(RuntimeError("behind the job's newest checkpoint"))
         ok = self.manager.should_commit()
         # Which share of the step this group trained (participant of participants): a
         # participant that dies after the all-reduce leaves its share trained by the
@@ -693,7 +736,7 @@ class ReplicaGroup:
                     self.participants, self.cfg.fault_tolerance.min_replica_groups,
                     self._try.number - 1,
                 )  # fmt: skip
-        else:
+        elif self._behind is None:  # behind the job: said once (``_first_quorum``)
             logger.warning("step %d not committed: it is tried again with the same windows",
                            self._try.number)  # fmt: skip
         return self._try.settle(ok)
@@ -779,21 +822,20 @@ class LowestGroupSaves:
         self._last_step = replicas.cfg.training.steps if last_step is None else last_step
         replicas.check_current = self.check_current
 
-    def check_current(self, step: int):
-        """After the group's first quorum (a heal included), at ``step``: where no live
-        group took this one to the job's newest state, the job may have moved on since
-        this group's start looked (its peers saved newer steps, then finished or died:
-        a late start saw neither). Training on would commit steps the job holds already,
-        on a second timeline beside them (trial 920008: a group up late loaded step-6,
-        its peers trained to 12 and finished meanwhile, and it trained 7-12 again). So:
-        a job whose marker is published stops this group as ``job_finished`` does
-        (``JobFinished``: the one line, exit 0); a job whose newest checkpoint (as a start
-        would now choose it: ``CheckpointManager.resume_point``) is past ``step`` stops
-        it in one line, to be started again from there. Rank 0 looks, every rank gets the
-        answer. Cost: once per start, one marker read per group folder and O(groups x
-        kept checkpoints) manifest reads, whatever the data."""
+    def check_current(self, step: int) -> tuple[int, str] | None:
+        """After the group's first quorum (a heal included), at ``step``: whether the job
+        moved past it while this group started (its peers saved newer steps, then went on,
+        finished or died: a late start saw none of it). A job whose marker is published
+        stops this group as ``job_finished`` does (``JobFinished``: the one line, exit
+        0; trial 920008: a group up late loaded step-6 while its peers trained to 12 and
+        finished, then trained 7-12 again alone). Otherwise the job's newest checkpoint,
+        as a start would now choose it (``CheckpointManager.resume_point``), where it is
+        past ``step`` (the group waits for its holder: ``ReplicaGroup._behind_job``), else
+        None. Rank 0 looks, every rank gets the answer. Cost: once per start, one marker
+        read per group folder and O(groups x kept checkpoints) manifest reads, whatever
+        the data."""
         if not self._checkpoint.enabled:
-            return
+            return None
         cfg, dims = self._replicas.cfg, self._replicas.dims
         ck = cfg.checkpoint
 
@@ -803,22 +845,16 @@ class LowestGroupSaves:
             return finished, self._checkpoint.resume_point(peer_checkpoint_folders(cfg))
 
         finished, newest = parallel.on_main(dims, look)
-        group = cfg.fault_tolerance.replica_id
         if finished is not None and finished[0] >= self._last_step and finished[0] > step:
             if dims.is_main:
                 logger.warning(
                     "the job already finished: %s says step %d (this group started at step "
                     "%d); replica group %d has nothing to train and stops (remove the file to "
-                    "train again)", finished[1], finished[0], step, group,
+                    "train again)", finished[1], finished[0], step,
+                    cfg.fault_tolerance.replica_id,
                 )  # fmt: skip
             raise JobFinished(finished[1])
-        if newest is not None and newest[0] > step:
-            raise FaultToleranceError(
-                f"replica group {group} is at step {step}, but the job has moved on to "
-                f"step-{newest[0]} in {newest[1]} since this group started, and no live "
-                "group is there to heal it: it stops without training; start it again to "
-                "resume from there"
-            )
+        return newest if newest is not None and newest[0] > step else None
 
     def job_checkpoint_folders(self) -> list[str]:
         """Every group's checkpoint folder, this group's first."""
