@@ -60,6 +60,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -292,6 +293,45 @@ def _replica_groups(seed: int, rng: random.Random, job: Job) -> Trial:
 
 
 # ---- running a job ----------------------------------------------------------------------
+
+
+class LighthouseProcess:
+    """torchft's lighthouse as a process of its own (``torchft_lighthouse``, in the
+    wheel; ft_launch.py's settings), in a session of its own with no descriptor of ours:
+    what a fault kills with SIGKILL. An in-process ``LighthouseServer``'s ``shutdown``
+    keeps answering on the connections it has, so a trial that shut one down saw its
+    groups train on to the end (the fault was inert)."""
+
+    def __init__(self, log: Path):
+        from torchtitan.tools.ft_launch import LIGHTHOUSE
+
+        self.port = free_port()
+        flags = [f"--{k}={v}" for k, v in LIGHTHOUSE.items()]
+        binary = Path(sys.executable).parent / "torchft_lighthouse"
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([str(binary), f"--bind=[::]:{self.port}", *flags],
+                                         stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         close_fds=True)  # fmt: skip
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # listening: the groups' first request is answered
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port),
+                                                                         timeout=1):  # fmt: skip
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.shutdown()
+        raise RuntimeError(f"the lighthouse did not listen on port {self.port}: see {log}")
+
+    def address(self) -> str:
+        return f"http://{socket.gethostname()}:{self.port}"
+
+    def shutdown(self):
+        """SIGKILL, as a dead host; reaped."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
 
 
 def _alive(pid: int) -> bool:
@@ -555,7 +595,7 @@ class Runner:
         others must train on (group 0 logs 2 more steps) before it is started again, as
         a scheduler would, and heals; any other fault ends the life (a dead lighthouse
         stops every group in one line) and the job is launched again."""
-        from torchtitan.tools.ft_launch import group_command, start_lighthouse
+        from torchtitan.tools.ft_launch import group_command
 
         out, job = Outcome(), trial.job
         dump = self.root / f"trial-{trial.seed}"
@@ -575,7 +615,7 @@ class Runner:
                 out.violations.append(f"the job did not finish in {out.lives} lives")
                 break
             f = pending.pop(0) if pending else None
-            server = start_lighthouse()
+            server = LighthouseProcess(dump / f"lighthouse{out.lives + 1}.log")
             out.lives += 1
             groups = {g: start(g, server.address()) for g in range(job.groups)}
             first = dump / "replica_0"
