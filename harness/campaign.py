@@ -112,6 +112,9 @@ class Job:
     # Replica groups (fault tolerance, torchft): 0 for none, else this many groups of
     # ``ranks`` ranks each, a lighthouse of the runner's, each group its own torchrun.
     groups: int = 0
+    # fault_tolerance.min_replica_groups: with every group, a killed group's peers commit
+    # nothing until it is back, so it heals mid-run (with 1 the others often finish first).
+    min_groups: int = 1
 
     def args(self, ranks: int, workers: int) -> list[str]:
         """The job's command line (without the dump folder) at a rank and worker count."""
@@ -145,7 +148,8 @@ class Job:
                   "--training.skip_after", 1, "--training.max_bad_steps", 3,
                   "--training.max_rewinds", MAX_REWINDS]  # fmt: skip
         if self.groups:  # a dead lighthouse ends every group within this (see run_groups)
-            a += ["--fault_tolerance.quorum_timeout_seconds", QUORUM_TIMEOUT_S]
+            a += ["--fault_tolerance.quorum_timeout_seconds", QUORUM_TIMEOUT_S,
+                  "--fault_tolerance.min_replica_groups", self.min_groups]  # fmt: skip
         if self.spike != "none" and self.spike_window:
             # 4 steps make a poor estimate of the spread: at 6 sigma the debug model's own
             # gradient norms read as spikes (3 rewinds, the job stopped, in the trials
@@ -289,6 +293,8 @@ def _replica_groups(seed: int, rng: random.Random, job: Job) -> Trial:
         elif kind == "term":
             f.seconds = rng.uniform(0, 0.5)
         faults.append(f)
+    if rng.random() < 0.5:  # drawn last: the draws above stay what they were
+        job.min_groups = job.groups
     return Trial(seed, job, [], faults)
 
 
@@ -688,9 +694,11 @@ class Runner:
             killed = groups[g]
             killed.kill_all()
             killed.wait(EXIT_BOUND_S)
-            # The others train on without it (2 more steps), then it starts again and heals.
+            # The others train on without it (2 more steps), then it starts again and heals;
+            # with every group needed for a commit they wait for it: it starts at once.
             at, deadline = last_step(first), time.monotonic() + LIFE_BOUND_S
-            while last_step(first) < min(at + 2, STEPS) and groups[0].proc.poll() is None:
+            more = 0 if trial.job.min_groups == trial.job.groups else 2
+            while last_step(first) < min(at + more, STEPS) and groups[0].proc.poll() is None:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.01)

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
 
 def _summary(t: campaign.Trial) -> str:
     j = t.job
-    parts = [f"{j.groups}x{j.ranks}r ft" if j.groups else f"{j.ranks}r {j.layout}", f"w{j.workers}",
+    ft = f"{j.groups}x{j.ranks}r ft" + (f" min{j.min_groups}" if j.min_groups > 1 else "")
+    parts = [ft if j.groups else f"{j.ranks}r {j.layout}", f"w{j.workers}",
              "async" if j.async_mode == "async" else "sync", "bucket" if j.bucket else "local"]  # fmt: skip
     parts += ["tier"] * j.local_tier + ([j.mix] if j.mix != "none" else [])
     parts += [f"spike:{j.spike}" + (f"/w{j.spike_window}" if j.spike_window else "")] * (
