@@ -659,3 +659,33 @@ def test_a_group_whose_job_moved_on_since_its_start_commits_nothing_until_it_hea
     now = Group(Quorum(), job, 0, 2, tokenizer).resume()
     now.checkpoint.close()
     assert now.state.step == 6
+
+
+def test_a_step_refused_again_and_again_is_said_once_then_periodically(tmp_path, monkeypatch):
+    """A quorum short of min_replica_groups refuses every try (hundreds a minute in the
+    campaign's trials): 30 refusals of one step say it once; with the period at 0 every
+    refusal after the first adds a line with its count. Catches a warning per try."""
+    import logging
+
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
+    quorum = Quorum()
+    group = Group(quorum, tmp_path, 0, 2, tokenizer).resume()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("torchtitan").addHandler(handler)
+    try:
+        for period, tries in ((3600.0, 30), (0.0, 3)):
+            monkeypatch.setattr(fault_tolerance, "RETRY_SAY_S", period)
+            said.clear()
+            group.replicas._refused = None
+            for _ in range(tries):
+                quorum.round([0], fails=True)
+                quorum.run({0: group.try_step})
+            lines = [m for m in said if "not committed" in m]
+            assert len(lines) == (1 if period else tries), lines
+    finally:
+        logging.getLogger("torchtitan").removeHandler(handler)
+        group.checkpoint.close()
+    assert group.state.step == 0
+    assert "3 tries" in lines[-1], lines

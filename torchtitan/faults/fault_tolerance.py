@@ -97,6 +97,11 @@ FINISHED = "fault_tolerance_finished.json"
 QUORUM_POLL_S = 0.1
 
 
+# A step refused again and again (a quorum short of min_replica_groups) is said once, then
+# at this period with its count.
+RETRY_SAY_S = 10.0
+
+
 class FaultToleranceError(RuntimeError):
     """A fault-tolerance step that cannot go on (no quorum within its timeout, a heal
     that failed): one line, the group stops."""
@@ -477,6 +482,7 @@ class ReplicaGroup:
         # The job's newer checkpoint this group found at its first quorum, and since when
         # (``_behind_job``): it commits no step until a heal brings it there.
         self._behind: tuple[int, str, float] | None = None
+        self._refused: list | None = None  # the step being refused, for its warnings
 
     def _event(self, **fields):
         if self._events is not None:
@@ -737,9 +743,25 @@ class ReplicaGroup:
                     self._try.number - 1,
                 )  # fmt: skip
         elif self._behind is None:  # behind the job: said once (``_first_quorum``)
-            logger.warning("step %d not committed: it is tried again with the same windows",
-                           self._try.number)  # fmt: skip
+            self._say_not_committed(self._try.number)
         return self._try.settle(ok)
+
+    def _say_not_committed(self, step: int):
+        """A step that was not committed, said at its first refusal and then every
+        ``RETRY_SAY_S`` with its count (a quorum short of ``min_replica_groups`` refuses
+        every try until a group is back: hundreds a minute)."""
+        now = time.monotonic()
+        if self._refused is None or self._refused[0] != step:
+            self._refused = [step, 1, now, now]  # step, refusals, first, last said
+            logger.warning("step %d not committed: it is tried again with the same windows", step)
+            return
+        self._refused[1] += 1
+        if now - self._refused[3] >= RETRY_SAY_S:
+            self._refused[3] = now
+            logger.warning("step %d still not committed: %d tries in %.0f s (too few groups "
+                           "for fault_tolerance.min_replica_groups %d, or a failing peer)",
+                           step, self._refused[1], now - self._refused[2],
+                           self.cfg.fault_tolerance.min_replica_groups)  # fmt: skip
 
     @property
     def lowest(self) -> bool:
