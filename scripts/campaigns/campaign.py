@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--replay", default="", help="one trial's JSON, as a failure printed it")
     p.add_argument("--root", default="outputs/campaign", help="where trials run")
     p.add_argument("--no-bucket", action="store_true", help="no loopback S3 server")
+    p.add_argument("--only", choices=["all", "groups", "plain"], default="all",
+                   help="run only the seeds that draw replica groups, or none (others skipped)")
     args = p.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the S3 server's request lines
     root = Path(args.root).resolve()
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
                     break
                 trial = campaign.draw(seed, bucket_ok)
                 seed += 1
+                if args.only != "all" and bool(trial.job.groups) != (args.only == "groups"):
+                    continue  # another kind of trial: its seed is skipped, not counted
             traffic.hold, traffic.fail_next = None, 0
             started = time.monotonic()
             try:
