@@ -40,8 +40,12 @@ def main(argv=None) -> int:
     p.add_argument("--replay", default="", help="one trial's JSON, as a failure printed it")
     p.add_argument("--root", default="outputs/campaign", help="where trials run")
     p.add_argument("--no-bucket", action="store_true", help="no loopback S3 server")
-    p.add_argument("--only", choices=["all", "groups", "plain"], default="all",
-                   help="run only the seeds that draw replica groups, or none (others skipped)")
+    p.add_argument(
+        "--only",
+        choices=["all", "groups", "plain"],
+        default="all",
+        help="run only the seeds that draw replica groups, or none (others skipped)",
+    )
     args = p.parse_args(argv)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the S3 server's request lines
     root = Path(args.root).resolve()
