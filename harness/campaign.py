@@ -170,7 +170,8 @@ class Plant:
 @dataclass
 class Fault:
     kind: str  # kill | term | store | double | layout; replica groups: group | lighthouse
-    moment: str = "step"  # step | save | rewind (kill); the store's fault (store)
+    # step | save | rewind (kill); the store's fault (store); step | quorum | heal (group)
+    moment: str = "step"
     target: str = "job"  # job | one | launcher (kill); the group killed (group: "1", "2")
     at_step: int = 1
     seconds: float = 0.0  # a store fault's length; a term's skew bound (ms / 1000)
@@ -295,10 +296,32 @@ def _replica_groups(seed: int, rng: random.Random, job: Job) -> Trial:
         faults.append(f)
     if rng.random() < 0.5:  # drawn last: the draws above stay what they were
         job.min_groups = job.groups
+    for f in faults:  # a group's kill: after a step, inside its quorum, or inside its heal
+        if f.kind == "group":
+            f.moment = rng.choice(["step", "quorum", "heal"])
     return Trial(seed, job, [], faults)
 
 
 # ---- running a job ----------------------------------------------------------------------
+
+# torchft's lines in a group's log where its rank 0 begins a quorum, and where a quorum
+# found it behind (its heal from a peer follows): the "quorum" and "heal" moments.
+QUORUM_LINE = "Start quorum for group_rank 0"
+HEAL_LINE = "healing is required"
+
+
+def _next_line(life: Life, text: str, timeout: float = 60.0) -> bool:
+    """Wait until ``life``'s log holds one more line with ``text`` than now (False: the
+    life ended or ``timeout`` passed first)."""
+    with open(life.log, "rb") as f:
+        f.seek(0, os.SEEK_END)  # what is written from now on (read as it comes)
+        deadline, tail = time.monotonic() + timeout, b""
+        while time.monotonic() < deadline and life.proc.poll() is None:
+            tail = tail[-len(text) :] + f.read()
+            if text.encode() in tail:
+                return True
+            time.sleep(0.002)
+    return False
 
 
 class LighthouseProcess:
@@ -692,6 +715,9 @@ class Runner:
         if f.kind == "group":
             g = int(f.target)
             killed = groups[g]
+            where = "killed"
+            if f.moment == "quorum":  # its next quorum has begun: killed inside it
+                where = "killed-in-quorum" if _next_line(killed, QUORUM_LINE) else where
             killed.kill_all()
             killed.wait(EXIT_BOUND_S)
             # The others train on without it (2 more steps), then it starts again and heals;
@@ -703,9 +729,17 @@ class Runner:
                     break
                 time.sleep(0.01)
             if groups[0].proc.poll() is not None:  # the job finished meanwhile
-                return "group/killed-at-the-end"
+                return f"group/{where}-at-the-end"
             groups[g] = start(g, server.address())
-            return "group/killed-restarted"
+            if f.moment == "heal" and _next_line(groups[g], HEAL_LINE):
+                # Restarted, it is behind: killed while its heal runs, and started again.
+                groups[g].kill_all()
+                groups[g].wait(EXIT_BOUND_S)
+                if groups[0].proc.poll() is not None:
+                    return f"group/{where}-restarted-killed-in-heal-at-the-end"
+                groups[g] = start(g, server.address())
+                return f"group/{where}-restarted-killed-in-heal-restarted"
+            return f"group/{where}-restarted"
         if f.kind == "lighthouse":
             server.shutdown()
             return "lighthouse"

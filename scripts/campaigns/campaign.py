@@ -119,7 +119,7 @@ def _summary(t: campaign.Trial) -> str:
     parts += [f"log/{j.log_freq}"] * (j.log_freq > 1)
     parts += [f"{p.kind}@{p.step}{'*' if p.recurs else ''}" for p in t.plants]
     faults = [f.kind + (f"/{f.moment}" if f.kind in ("kill", "store") else "")
-              + (f"/{f.target}" if f.kind == "group" else "") for f in t.faults]  # fmt: skip
+              + (f"/{f.target}/{f.moment}" if f.kind == "group" else "") for f in t.faults]  # fmt: skip
     return " ".join(parts) + " | " + " ".join(faults)
 
 
