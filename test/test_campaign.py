@@ -192,11 +192,11 @@ def test_a_stop_after_the_last_rewind_counts_only_when_every_rank_says_it_alone(
 
 @pytest.mark.slow
 def test_the_campaign_finds_no_violation(tmp_path):
-    """As many trials as fit in TORCHTITAN_CAMPAIGN_MINUTES (3 in CI: 5-7 trials on a
-    quiet 2-core machine, what the slow tier's budget leaves; a soak runs the script
-    with --hours), seeds from this commit's: no violation. Each trial's line, and a failure's replay command, are in
-    the output."""
-    minutes = os.environ.get("TORCHTITAN_CAMPAIGN_MINUTES", "3")
+    """As many trials as fit in TORCHTITAN_CAMPAIGN_MINUTES (8 in CI, as issue #60 asks:
+    about 12-20 trials on a quiet 2-core machine, the last one started before the 8
+    minutes end; a soak runs the script with --hours), seeds from this commit's: no
+    violation. Each trial's line, and a failure's replay command, are in the output."""
+    minutes = os.environ.get("TORCHTITAN_CAMPAIGN_MINUTES", "8")
     cmd = [sys.executable, str(REPO / "scripts" / "campaigns" / "campaign.py"), "--minutes",
            minutes, "--seed", str(_commit_seed()), "--root", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
