@@ -312,12 +312,13 @@ class CheckpointManager:
         return step
 
     def resume_point(self, peers: list[str] | tuple = ()) -> tuple[int, str] | None:
-        """Rank 0: the (step, folder) a start would resume from now, over this run's tiers
-        and ``peers`` (``timeline.resume_order``'s first, with this command's options),
-        unverified; None where there is none. Cost: O(checkpoints) manifest reads per
-        folder (O(groups x kept checkpoints) small files under fault tolerance,
-        whatever the data)."""
-        plans = [(folder, *self._plan(folder)) for folder, _ in self.tiers]
+        """Rank 0: the (step, folder) a start would resume from now, over this run's main
+        folder and ``peers`` (``timeline.resume_order``'s first, with this command's
+        options), unverified; None where there is none. Not the local tier: a start
+        takes it only where every rank holds its files, which one rank cannot tell.
+        Cost: O(checkpoints) manifest reads per folder (O(groups x kept checkpoints)
+        small files under fault tolerance, whatever the data)."""
+        plans = [(self.folder, *self._plan(self.folder))]
         plans += [(peer, *self._plan(peer)) for peer in peers]
         order = timeline.resume_order(plans[0], plans[1:])
         return order[0] if order else None
