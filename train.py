@@ -255,7 +255,7 @@ def train_loop(run: Run, preemption: Preemption):
     validator = (
         None if run.held_out is None else Validator(cfg.validation, run.held_out, batch_loss)
     )
-    # A replica group's records are trimmed at its first quorum (and after a heal), to
+    # A replica group's records are trimmed at its first commit (a heal may come first), to
     # the state it then trains from: it may heal past its start (ReplicaGroup._trim_records).
     metrics = StepMetrics(cfg, dims, run.model, preemption, feed, state.step, last_step,
                           run.guard, state, trim_later=run.replicas is not None)  # fmt: skip

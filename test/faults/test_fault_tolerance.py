@@ -145,7 +145,7 @@ def test_a_groups_relaunch_keeps_one_record_per_step_of_its_timeline(tmp_path):
     """train.py as one replica group on a real lighthouse: steps 1-4 (step-2 and step-4
     written), then a relaunch from step-2 (``checkpoint.load_step``, a new branch) that
     trains 3-4 again. Its metrics, provenance and tries hold each step once, steps 3-4
-    of the new branch: the loop trims them at the group's first quorum
+    of the new branch: the loop trims them at the group's first commit
     (``ReplicaGroup.on_timeline``, not at its start). Catches the trim not wired into
     the loop (the first life's steps 3-4 kept: each read twice)."""
     from helpers import train_here

@@ -689,3 +689,44 @@ def test_a_step_refused_again_and_again_is_said_once_then_periodically(tmp_path,
         group.checkpoint.close()
     assert group.state.step == 0
     assert "3 tries" in lines[-1], lines
+
+
+def test_a_group_whose_first_quorum_commits_nothing_keeps_its_records_through_a_later_heal(
+    tmp_path,
+):
+    """Groups 0 and 1 commit steps 1-3 (group 0 writes step-2); the whole job is killed.
+    Group 1 starts again first and sees no checkpoint (step-2 out of sight then: its
+    writer had not finished it yet), so it starts from step 0; its first quorum, alone,
+    commits nothing (the job's step-2 is newer: it waits for a holder). Group 0 then
+    starts from step-2, and the next quorum heals group 1 to step 2; both commit step 3.
+    Group 1's records hold steps 1-2 of its first life and step 3 of this one, each
+    once, and every step's sequences over both groups' are the uninterrupted run's.
+    Catches the records trimmed at the first quorum (trial 980216: group 1 trimmed to
+    step 0 there, then healed past steps 1-2 at the next: their share gone)."""
+    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
+    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 2), tokenizer, 0, 1)
+    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
+                for s in range(1, 4)}  # fmt: skip
+    quorum = Quorum()
+    groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer).resume() for g in (0, 1)}
+    _rounds(quorum, groups, [[0, 1]] * 3)
+    for group in groups.values():
+        group.close()
+    step2 = tmp_path / "replica_0" / "checkpoint" / "step-2"
+    step2.rename(tmp_path / "step-2")
+    quorum = Quorum()
+    groups = {1: RecordedGroup(quorum, tmp_path, 1, tokenizer).resume()}
+    assert groups[1].state.step == 0
+    (tmp_path / "step-2").rename(step2)
+    _rounds(quorum, groups, [[1]])  # its first quorum: nothing committed
+    assert groups[1].state.step == 0 and groups[1].replicas._behind is not None
+    groups[0] = RecordedGroup(quorum, tmp_path, 0, tokenizer).resume()
+    _rounds(quorum, groups, [[0, 1]])
+    assert groups[1].replicas.healed_at == 2 and groups[1].state.step == 3
+    for group in groups.values():
+        group.close()
+    for name in ("rank0.jsonl", "tried_rank0.jsonl"):
+        path = tmp_path / "replica_1" / "provenance" / name
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+        assert steps == [1, 2, 3], (name, steps)
+    assert _job_sequences(tmp_path, (0, 1)) == expected

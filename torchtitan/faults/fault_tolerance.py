@@ -471,14 +471,15 @@ class ReplicaGroup:
         self._tried = self._tried_path = self._spans = None
         if cfg.metrics.data_provenance and dims.tp_rank == 0:  # the provenance's writers
             self._tried_path = tried_path(cfg.job.dump_folder, dims.dp_rank)
-        # Once its first quorum has settled the state this group trains from (a heal may
-        # bring a peer's step and timeline): ``check_current`` (LowestGroupSaves's: the
-        # job has not moved past it), then the records (metrics, provenance, tries)
-        # trimmed to it, ``on_timeline`` the metrics' part (StepMetrics.trim, set by the
-        # loop). ``_first_quorum``.
+        # At its first quorum (a heal may bring a peer's step and timeline),
+        # ``check_current`` (LowestGroupSaves's: the job has not moved past it); at its
+        # first commit, the records (metrics, provenance, tries) trimmed to the timeline
+        # it trains on (``_trim_records``), ``on_timeline`` the metrics' part
+        # (StepMetrics.trim, set by the loop).
         self.check_current = None
         self.on_timeline = None
         self._settled = False
+        self._trimmed = False
         # The job's newer checkpoint this group found at its first quorum, and since when
         # (``_behind_job``): it commits no step until a heal brings it there.
         self._behind: tuple[int, str, float] | None = None
@@ -541,9 +542,9 @@ class ReplicaGroup:
         self._tried.flush()
 
     def _first_quorum(self):
-        """The group's state is settled (its own, or a peer's where the quorum healed it):
-        the job must not have moved past it (``check_current`` raises, nothing trimmed),
-        then the records are trimmed to it (``_trim_records``)."""
+        """The group's first quorum (a heal included): the job must not have moved past
+        its state (``check_current``: the marker raises, a newer checkpoint makes it
+        wait for a holder, ``_behind_job``)."""
         self._settled = True
         newer = None if self.check_current is None else self.check_current(self.train_state.step)
         if newer is not None:
@@ -556,7 +557,6 @@ class ReplicaGroup:
                     self.train_state.step, newer[0], newer[1],
                     self.cfg.fault_tolerance.timeout_seconds,
                 )  # fmt: skip
-        self._trim_records()
 
     def _behind_job(self):
         """This group found the job's newest checkpoint past its state at its first
@@ -585,25 +585,29 @@ class ReplicaGroup:
                 "on beside it; start the job's groups again to resume from it"
             )
 
-    def _trim_records(self):
-        """This rank's records kept to the timeline it trains on: the lines of steps up
-        to the train state's step on its lineage (records.metrics.truncate_jsonl_after),
-        once its first quorum has settled that state, on the loop's thread (the records'
-        writers' own), before its first line. Not at the start: a group that starts from
-        step 0 or an older checkpoint and then heals to a peer's step would drop its own
-        lines of steps the job committed (trial 950007). A later heal needs none: the
-        group took part in the quorum of every step it has lines of since, on the
-        timeline its peer goes on with. Each rank trims its own files (rank 0 also the
-        metrics and skips): nothing to wait for. Cost: one pass over the rank's records
-        per start, never per step."""
-        state = self.train_state
+    def _trim_records(self, step: int):
+        """This rank's records kept to the timeline it trains on, at this start's first
+        commit (of ``step``): the lines of steps up to ``step`` on the train state's
+        lineage (records.metrics.truncate_jsonl_after; the lineage's last segment, named
+        at this quorum, holds this try's own line of ``step``), on the loop's thread (the
+        records' writers' own), before the step's provenance and metrics lines. Not at
+        the start, nor at the first quorum: until a step is committed a heal may still
+        bring a peer's step and timeline, and a trim to the state before it would drop
+        the group's own lines of steps the job committed (trial 950007 at the start;
+        trial 980216 at a first quorum that committed nothing, the heal at the next).
+        After the first commit a heal needs none: the group took part in the quorum of
+        every step it has lines of since, on the timeline its peer goes on with. Each
+        rank trims its own files (rank 0 also the metrics and skips): nothing to wait
+        for. Cost: one pass over the rank's records per start, never per step."""
+        self._trimmed = True
+        lineage = self.train_state.lineage
         if self._tried is not None:  # opened again at its next line
             self._tried.close()
             self._tried = None
         if self._tried_path is not None:
-            truncate_jsonl_after(self._tried_path, state.step, state.lineage)
+            truncate_jsonl_after(self._tried_path, step, lineage)
         if self.on_timeline is not None:
-            self.on_timeline(state.step, state.lineage)
+            self.on_timeline(step, lineage)
 
     def _quorum_or_stop(self) -> bool:
         """torchft's ``start_quorum`` (a heal included) in a thread of its own, while the
@@ -715,6 +719,8 @@ class ReplicaGroup:
                     participant=self.participant, participants=self.participants,
                     quorum_s=self.quorum_s)  # fmt: skip
         if ok:
+            if not self._trimmed:  # this start's first commit: its timeline is settled
+                self._trim_records(self._try.number)
             i = 0
             for g in local:
                 g.copy_(flat[i : i + g.numel()].view_as(g))

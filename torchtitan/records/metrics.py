@@ -379,7 +379,7 @@ class ProvenanceWriter:
         """``writers``: None, rank 0 trims every file now (the loop's barrier follows);
         otherwise the number of data-parallel ranks writing now, whose own files wait
         for ``trim_own`` (a replica group: the state it trains from is known at its
-        first quorum, a heal included), while rank 0 trims the files of ranks of an old,
+        first commit, a heal included), while rank 0 trims the files of ranks of an old,
         larger layout now."""
         self.path = os.path.join(folder, f"rank{rank}.jsonl")
         self.is_main = is_main  # the one rank that writes (and trims) skips.jsonl
@@ -397,7 +397,7 @@ class ProvenanceWriter:
     def trim_own(self, step: int, lineage: list | None):
         """This rank's file (closed first, opened again at the next line), and on rank 0
         ``skips.jsonl``, to the timeline of ``step`` on ``lineage``. Cost: one pass over
-        the rank's file, paid at a replica group's first quorum."""
+        the rank's file, paid at a replica group's first commit."""
         self.close()
         self._file = None
         truncate_jsonl_after(self.path, step, lineage)
@@ -479,7 +479,7 @@ class StepMetrics:
     def __init__(self, cfg, dims, model, preemption, loader, start_step: int, last_step: int,
                  guard=None, train_state=None, trim_later: bool = False):  # fmt: skip
         """``trim_later``: the records are trimmed by ``trim`` once the state trained from
-        is known (a replica group: at its first quorum, which may heal it to a peer's
+        is known (a replica group: at its first commit, a heal before it bringing a peer's
         step and timeline), not to ``start_step`` now."""
         t = cfg.training
         self.dims = dims
@@ -519,7 +519,8 @@ class StepMetrics:
         """The records kept to the timeline this rank now trains on: the lines of steps up
         to ``step`` on ``lineage`` (``truncate_jsonl_after``), each rank its own
         provenance file, rank 0 the metrics and skips. A replica group calls it (through
-        ``ReplicaGroup.on_timeline``) after its first quorum, a heal included: a group
+        ``ReplicaGroup.on_timeline``) at its first commit, of ``step`` (after any heal,
+        before the step's own lines): a group
         started from step 0 or an older checkpoint that heals to a peer's step keeps its
         own lines of the steps that peer's timeline committed (trial 950007 lost them
         to a trim at its start), and drops those of steps the peer trained again."""
