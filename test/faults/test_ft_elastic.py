@@ -596,7 +596,9 @@ def test_a_group_whose_job_moved_on_since_its_start_commits_nothing_until_it_hea
     - group 1 finished all 8 steps and published the marker: group 0 stops with the
       marker's one line (``JobFinished``: train.py exits 0), nothing trained;
     - group 1 trained 6 steps and lives: group 0 commits nothing (its vote is no) until
-      group 1 joins its quorum, heals it to step 6, and both commit step 7;
+      group 1 joins its quorum, heals it to step 6, and both commit step 7; asked to stop
+      (SIGTERM) while it waits, it stops at once (``StoppedWaiting``), writing nothing
+      (trial 990038: it waited out the timeout instead);
     - group 1 trained 6 steps and died: group 0 commits nothing, and after
       fault_tolerance.timeout_seconds (0.5) stops in one line naming step-6 and its
       folder; started now, it would load step-6.
@@ -606,12 +608,13 @@ def test_a_group_whose_job_moved_on_since_its_start_commits_nothing_until_it_hea
     only on its way (it heals instead)."""
     import time
 
-    from torchtitan.faults.fault_tolerance import FaultToleranceError, JobFinished
+    from torchtitan.faults.fault_tolerance import FaultToleranceError, JobFinished, StoppedWaiting
 
     tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
+    lives = iter(range(10))
 
     def late_start(case: str, steps: int):
-        job = tmp_path / case
+        job = tmp_path / f"{case}{next(lives)}"
         quorum = Quorum()
         late = Group(quorum, job, 0, 2, tokenizer,
                      extra=["--fault_tolerance.timeout_seconds", "0.5"]).resume()  # fmt: skip
@@ -641,6 +644,15 @@ def test_a_group_whose_job_moved_on_since_its_start_commits_nothing_until_it_hea
     quorum.run({0: late.try_step, 1: peer.try_step})
     assert late.replicas.healed_at == 6 and late.state.step == peer.state.step == 7
     assert late.read[7] and late.replicas._behind is None
+    for group in (late, peer):
+        group.checkpoint.close()
+
+    job, quorum, late, peer = late_start("lives", 6)  # and group 0 is asked to stop
+    late.replicas.asked_to_stop = lambda: True
+    quorum.round([0])
+    with pytest.raises(StoppedWaiting) as e:
+        late.try_step()
+    assert e.value.step == 0 and not late.checkpoint.save_alone(0)
     for group in (late, peer):
         group.checkpoint.close()
 

@@ -565,7 +565,8 @@ class ReplicaGroup:
         those steps again on a second timeline beside them, so this group vetoes its own
         commits (``commit``: its gradients still go into the step's all-reduce; a peer of
         its quorum that commits the step trains its share, and heals it at the next
-        quorum) until a heal brings it to that step. It waits at most
+        quorum) until a heal brings it to that step. Asked to stop meanwhile (SIGTERM),
+        it stops at once (``StoppedWaiting``). It waits at most
         ``fault_tolerance.timeout_seconds``, the longest a live peer may lag; then the
         holder is gone, and the group stops in one line (the marker's, where the job
         finished meanwhile), to be started again from that checkpoint. The ranks of the
@@ -574,6 +575,10 @@ class ReplicaGroup:
         if self.train_state.step >= newest:
             self._behind = None
             return
+        if parallel.any_rank(self.dims, self.asked_to_stop()):
+            # Preempted while it waits: it stops as a group that gave up its quorum does,
+            # and writes nothing (its step is in the checkpoint it loaded; trial 990038).
+            raise StoppedWaiting(self.train_state.step)
         waited = time.monotonic() - since >= self.cfg.fault_tolerance.timeout_seconds
         if parallel.any_rank(self.dims, waited):
             self.check_current(self.train_state.step)  # the marker's line, if it is there now
