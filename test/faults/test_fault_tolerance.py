@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from helpers import CONFIG, error_lines, losses, run_main, shim_env, torchrun
+from helpers import CONFIG, REPO, error_lines, losses, run_main, shim_env, torchrun
 
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader
@@ -24,7 +25,7 @@ from torchtitan.records.provenance import (
     read_provenance,
     sequences_by_step,
 )
-from torchtitan.tools.launch import launcher_workers
+from torchtitan.tools.launch import launcher_workers, run_env
 
 pytest.importorskip("torchft")
 
@@ -147,23 +148,27 @@ def test_a_groups_relaunch_keeps_one_record_per_step_of_its_timeline(tmp_path):
     trains 3-4 again. Its metrics, provenance and tries hold each step once, steps 3-4
     of the new branch: the loop trims them at the group's first commit
     (``ReplicaGroup.on_timeline``, not at its start). Catches the trim not wired into
-    the loop (the first life's steps 3-4 kept: each read twice)."""
-    from helpers import train_here
+    the loop (the first life's steps 3-4 kept: each read twice). Both lives run in one
+    child interpreter and the lighthouse in a process of its own: torchft's threads
+    (its runtime, its HTTP server) stay out of this test worker, whose later tests fork
+    ranks (a fork beside them can inherit a held lock and hang)."""
+    from harness.campaign import LighthouseProcess
 
-    from torchtitan.tools.ft_launch import start_lighthouse
-
-    server = start_lighthouse()
+    server = LighthouseProcess(tmp_path / "lighthouse.log")
     dump = tmp_path / "job" / "replica_0"
-    args = ["--fault_tolerance.enable", "--fault_tolerance.lighthouse", server.address(),
-            "--fault_tolerance.replica_id", 0, "--fault_tolerance.replica_groups", 1,
-            "--metrics.data_provenance", "--checkpoint.enable_checkpoint",
-            "--checkpoint.interval", 2, "--training.steps", 4, "--training.seq_len", 15,
-            "--training.batch_size", 2]  # fmt: skip
+    args = [*CONFIG, "--job.dump_folder", dump, "--fault_tolerance.enable",
+            "--fault_tolerance.lighthouse", server.address(), "--fault_tolerance.replica_id",
+            0, "--fault_tolerance.replica_groups", 1, "--metrics.data_provenance",
+            "--checkpoint.enable_checkpoint", "--checkpoint.interval", 2, "--training.steps",
+            4, "--training.seq_len", 15, "--training.batch_size", 2]  # fmt: skip
+    lives = ("import sys, train; a = sys.argv[1:]; "
+             "sys.exit(train.main(a) or train.main(a + ['--checkpoint.load_step', '2']))")  # fmt: skip
     try:
-        train_here(dump, *args)
-        train_here(dump, *args, "--checkpoint.load_step", 2)
+        proc = subprocess.run([sys.executable, "-c", lives, *map(str, args)], cwd=REPO,
+                              env=run_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     finally:
         server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
     def lines(path):
         return [json.loads(line) for line in path.read_text().splitlines()]
