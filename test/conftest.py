@@ -178,6 +178,10 @@ def no_process_left_behind(request):
     )
 
 
+# Modules whose tests start torchft's threads in the test process (see the hook below).
+TORCHFT_IN_PROCESS = {"test_fault_tolerance", "test_ft_moments"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the tier counts see every test
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` run only where a CUDA GPU is visible; elsewhere they are
@@ -191,6 +195,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # Tests that run torchft in their own process (its Rust runtime and servers, an
+    # in-process lighthouse) leave its threads in the xdist worker; a later test there
+    # that forks ranks (multiprocessing's fork) can inherit a lock one of them held, and
+    # its rank crashes or hangs (seen twice in a fast-tier run). They are dispatched last.
+    items.sort(key=lambda item: item.module.__name__ in TORCHFT_IN_PROCESS)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
