@@ -90,9 +90,13 @@ class Group:
         (self.model.weight.sum() * float(len(batches))).backward()
         if self.replicas.commit(torch.tensor(1.0)):
             self.state.step += 1
-            self.read[self.state.step] = [row.tolist() for b in batches for row in b["input"]]
+            self.committed(batches)
             if self.checkpoint.should_save(self.state.step):
                 self.checkpoint.save(self.state.step)
+
+    def committed(self, batches: list[dict]):
+        """What the group keeps of a step it committed (``self.state.step``)."""
+        self.read[self.state.step] = [row.tolist() for b in batches for row in b["input"]]
 
 
 def _life(job, tokenizer, groups: int, rounds: list[list[int]], dims=None,
@@ -464,29 +468,31 @@ class RecordedGroup(Group):
     def resume(self):
         from torchtitan.records.metrics import ProvenanceWriter
 
-        super().resume()
-        self.state.branch()  # as train.py's resume ends
+        super().resume()  # train.py's resume: its branch begun
         folder = os.path.join(self.cfg.job.dump_folder, "provenance")
         self.writer = ProvenanceWriter(folder, 0, self.state.step, True, self.state.lineage,
                                        writers=1)  # fmt: skip
         self.replicas.on_timeline = self.writer.trim_own
         return self
 
-    def try_step(self):
-        batches = self.replicas.next_step()
-        self.model.zero_grad()
-        (self.model.weight.sum() * float(len(batches))).backward()
-        if self.replicas.commit(torch.tensor(1.0)):
-            self.state.step += 1
-            spans = [s for b in batches for s in b["spans"]]
-            self.writer.write(self.state.step, spans, self.state.current_branch)
-            if self.checkpoint.should_save(self.state.step):
-                self.checkpoint.save(self.state.step)
+    def committed(self, batches: list[dict]):
+        super().committed(batches)
+        spans = [s for b in batches for s in b["spans"]]
+        self.writer.write(self.state.step, spans, self.state.current_branch)
 
     def close(self):
         self.checkpoint.close()
         self.writer.close()
         self.replicas.close()
+
+
+def _uninterrupted(job, groups: int, steps: int):
+    """The tokenizer, and each step's sequences (sorted) of an uninterrupted run of
+    ``steps`` steps with the same global batch."""
+    tokenizer = build_tokenizer(_cfg(job, 0, groups).model)
+    plain = build_dataloader(_cfg(job / "plain", 0, groups), tokenizer, 0, 1)
+    return tokenizer, {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
+                       for s in range(1, steps + 1)}  # fmt: skip
 
 
 def _rounds(quorum: Quorum, groups: dict, rounds: list[list[int]]):
@@ -504,13 +510,10 @@ def test_a_group_that_heals_past_its_start_keeps_the_records_of_steps_it_committ
     Group 1's records hold steps 1-4 and 6: its first life's lines of the steps the final
     timeline kept (3 included), not its line of the step 5 that group 0 trained again; and
     every step's sequences over both groups' records are the uninterrupted run's, each
-    once. Catches the records trimmed at a group's start rather than after its first
-    quorum (trial 950007: group 1's share of step 3 gone), no trim at all and a trim by
+    once. Catches the records trimmed at a group's start rather than at its first
+    commit (trial 950007: group 1's share of step 3 gone), no trim at all and a trim by
     step alone (its line of the abandoned step 5 kept: read twice)."""
-    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
-    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 2), tokenizer, 0, 1)
-    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
-                for s in range(1, 7)}  # fmt: skip
+    tokenizer, expected = _uninterrupted(tmp_path, 2, 6)
     quorum = Quorum()
     groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer).resume() for g in (0, 1)}
     _rounds(quorum, groups, [[0, 1]] * 3)
@@ -564,10 +567,7 @@ def test_a_group_healed_into_a_second_start_from_one_state_drops_its_lines_of_th
     twice), where ``TrainState.name_branch`` names it by the quorum too."""
     import shutil
 
-    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 3).model)
-    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 3), tokenizer, 0, 1)
-    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
-                for s in range(1, 5)}  # fmt: skip
+    tokenizer, expected = _uninterrupted(tmp_path, 3, 4)
     quorum = Quorum()
     groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer, 3).resume() for g in range(3)}
     _rounds(quorum, groups, [[0, 1, 2]] * 3)
@@ -715,10 +715,7 @@ def test_a_group_whose_first_quorum_commits_nothing_keeps_its_records_through_a_
     once, and every step's sequences over both groups' are the uninterrupted run's.
     Catches the records trimmed at the first quorum (trial 980216: group 1 trimmed to
     step 0 there, then healed past steps 1-2 at the next: their share gone)."""
-    tokenizer = build_tokenizer(_cfg(tmp_path, 0, 2).model)
-    plain = build_dataloader(_cfg(tmp_path / "plain", 0, 2), tokenizer, 0, 1)
-    expected = {s: sorted(map(json.dumps, (x for b in plain.next_step() for x in b["spans"])))
-                for s in range(1, 4)}  # fmt: skip
+    tokenizer, expected = _uninterrupted(tmp_path, 2, 3)
     quorum = Quorum()
     groups = {g: RecordedGroup(quorum, tmp_path, g, tokenizer).resume() for g in (0, 1)}
     _rounds(quorum, groups, [[0, 1]] * 3)
