@@ -520,10 +520,10 @@ class StepMetrics:
         to ``step`` on ``lineage`` (``truncate_jsonl_after``), each rank its own
         provenance file, rank 0 the metrics and skips. A replica group calls it (through
         ``ReplicaGroup.on_timeline``) at its first commit, of ``step`` (after any heal,
-        before the step's own lines): a group
-        started from step 0 or an older checkpoint that heals to a peer's step keeps its
-        own lines of the steps that peer's timeline committed (trial 950007 lost them
-        to a trim at its start), and drops those of steps the peer trained again."""
+        before the step's own lines): a group started from step 0 or an older checkpoint
+        that heals to a peer's step keeps its own lines of the steps that peer's timeline
+        committed (trial 950007 lost them to a trim at its start), and drops those of
+        steps the peer trained again."""
         self.logger.trim(step, lineage)
         if self.provenance is not None:
             self.provenance.trim_own(step, lineage)
