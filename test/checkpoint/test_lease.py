@@ -409,6 +409,9 @@ class Cut:
         self.align = True
 
 
+# A renewal must land whole inside 0.55-0.9 s of a second: under load (the fast tier's two
+# workers, a slow PUT) that took more than 30 s in 2 of 5 runs on 2026-12-06.
+@pytest.mark.time_limit(150)
 def test_a_holder_cut_off_from_its_store_gives_up_before_a_taker_may_act(
     store, monkeypatch, said, deaths, capfd
 ):
@@ -434,7 +437,7 @@ def test_a_holder_cut_off_from_its_store_gives_up_before_a_taker_may_act(
     assert len(lines(said, f"the lease on {folder} is renewed again")) == 1
 
     cut.cut_after_aligned()
-    wait_for(lambda: cut.cut, 30, "a renewal written late in a second")
+    wait_for(lambda: cut.cut, 120, "a renewal written late in a second")
     last = holder.renewed_at
     taker = Lease(folder, timeout_s=2.9, wait_s=10)
     taker.acquire()
