@@ -177,3 +177,27 @@ def test_the_same_start_is_the_same_branch_and_an_old_checkpoint_has_no_lineage(
     loaded = TrainState(lineage=[["x", 1]])
     loaded.load_state_dict({"step": 4, "tokens_seen": 8})
     assert loaded.lineage == [] and loaded.step == 4
+
+
+def test_a_replica_groups_old_layout_files_wait_for_its_first_commit(tmp_path):
+    """A replica group relaunched with 1 data-parallel rank where its last life had 2:
+    both ranks' files hold steps 1-4 of branch R. It starts at step 0 (no checkpoint in
+    sight) and heals to step 3 of R before its first commit: at the start nothing is
+    trimmed, at the commit of step 4 every file keeps steps 1-3 (the old layout's rank 1
+    included) and drops R's step 4, which the group trains again. Catches rank 1's file
+    trimmed to the start (step 0) while the group's own file waited."""
+    from torchtitan.records.metrics import ProvenanceWriter
+
+    lines = [{"step": s, "sequences": [], "branch": "R"} for s in range(1, 5)]
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def steps(rank):
+        return [
+            json.loads(x)["step"] for x in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+        ]
+
+    writer = ProvenanceWriter(str(tmp_path), 0, 0, True, [["S", 1]], writers=1)
+    assert steps(0) == steps(1) == [1, 2, 3, 4]
+    writer.trim_own(4, [["R", 1], ["T", 4]])  # healed to R's step 3; step 4 on T
+    assert steps(0) == steps(1) == [1, 2, 3]

@@ -377,32 +377,39 @@ class ProvenanceWriter:
     def __init__(self, folder: str, rank: int, start_step: int, is_main: bool,
                  lineage: list | None = None, writers: int | None = None):  # fmt: skip
         """``writers``: None, rank 0 trims every file now (the loop's barrier follows);
-        otherwise the number of data-parallel ranks writing now, whose own files wait
-        for ``trim_own`` (a replica group: the state it trains from is known at its
-        first commit, a heal included), while rank 0 trims the files of ranks of an old,
-        larger layout now."""
+        otherwise the number of data-parallel ranks writing now, and every file waits for
+        ``trim_own`` (a replica group: the state it trains from is known at its first
+        commit, a heal included)."""
         self.path = os.path.join(folder, f"rank{rank}.jsonl")
         self.is_main = is_main  # the one rank that writes (and trims) skips.jsonl
+        self._writers = writers
         self._file = None
         if is_main:
-            # Rank 0 trims every rank's file, including ranks of an old, larger layout.
             os.makedirs(folder, exist_ok=True)
-            for name in sorted(os.listdir(folder)):
-                number = _rank_of(name)
-                if number is not None and (writers is None or number >= writers):
-                    truncate_jsonl_after(os.path.join(folder, name), start_step, lineage)
             if writers is None:
-                truncate_jsonl_after(os.path.join(folder, SKIPS), start_step)
+                self._trim_shared(start_step, lineage, 0)
+
+    def _trim_shared(self, step: int, lineage: list | None, first_rank: int):
+        """Rank 0: the files of ranks from ``first_rank`` on (ranks of an old, larger
+        layout among them) and ``skips.jsonl``, to the timeline of ``step``."""
+        folder = os.path.dirname(self.path)
+        for name in sorted(os.listdir(folder)):
+            number = _rank_of(name)
+            if number is not None and number >= first_rank:
+                truncate_jsonl_after(os.path.join(folder, name), step, lineage)
+        truncate_jsonl_after(os.path.join(folder, SKIPS), step)
 
     def trim_own(self, step: int, lineage: list | None):
         """This rank's file (closed first, opened again at the next line), and on rank 0
-        ``skips.jsonl``, to the timeline of ``step`` on ``lineage``. Cost: one pass over
-        the rank's file, paid at a replica group's first commit."""
+        ``skips.jsonl`` and the files of ranks of an old, larger layout (nobody writes
+        them now), to the timeline of ``step`` on ``lineage``. Cost: one pass over the
+        rank's file (rank 0: and the old layout's), paid at a replica group's first
+        commit."""
         self.close()
         self._file = None
         truncate_jsonl_after(self.path, step, lineage)
         if self.is_main:
-            truncate_jsonl_after(os.path.join(os.path.dirname(self.path), SKIPS), step)
+            self._trim_shared(step, lineage, self._writers or 0)
 
     def rewind(self, step: int, number: int):
         """Rewind ``number`` went back to ``step``: the lines after it move to
