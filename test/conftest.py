@@ -82,21 +82,35 @@ def _carries_token(environ: bytes) -> bool:
     return False
 
 
+def _multiprocessing_servers() -> set[int]:
+    """multiprocessing's forkserver (``helpers.rank_context``) and resource tracker, once
+    started: they serve the worker's later tests and end with it."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    return {pid for pid in (multiprocessing.forkserver._forkserver._forkserver_pid,
+                            multiprocessing.resource_tracker._resource_tracker._pid)
+            if pid is not None}  # fmt: skip
+
+
 def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
     """(pid, command line) of every live process this session started, however deep
     or re-parented: this process's children, and those whose environment carries this
     session's token (with ``launched_only``, only those: processes started with their
-    own command, not forked from this one). Linux (/proc); elsewhere none are found.
-    Cost: two small reads per process of this user."""
-    found = []
+    own command, not forked from this one or from the forkserver). multiprocessing's
+    servers, which outlive a test by design, are not counted. Linux (/proc); elsewhere
+    none are found. Cost: two small reads per process of this user."""
+    found, servers = [], _multiprocessing_servers()
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not name.isdigit() or int(name) == os.getpid():
+        if not name.isdigit() or int(name) == os.getpid() or int(name) in servers:
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
             if state == b"Z":
                 continue  # exited, waiting to be reaped: holds nothing
+            if launched_only and int(ppid) in servers:
+                continue  # a rank of helpers.rank_context: the test's own work
             # A process forked from this one (a loader worker) shows the environment this
             # one was started with, without the token: it is found as a child.
             if launched_only or int(ppid) != os.getpid():

@@ -12,6 +12,8 @@ import contextlib
 import datetime
 import io
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import subprocess
 from collections import defaultdict
@@ -150,6 +152,43 @@ def child_pids(pid: int) -> list[int]:
     """The pids of a live process's children (Linux: /proc)."""
     return [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
             for c in (task / "children").read_text().split()]  # fmt: skip
+
+
+# ---- ranks in processes of their own ----------------------------------------------------
+
+# What the ranks' targets import, loaded once into the forkserver (not once per rank).
+RANK_PRELOAD = ["helpers", "torch._dynamo"]
+
+
+class _RankProcess(multiprocessing.context.ForkServerProcess):
+    """A rank forked from the forkserver, which runs with the environment of the test
+    that started it, not the server's (that of whichever test started the server)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._environ = dict(os.environ)
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._environ)
+        super().run()
+
+
+class _RankContext(multiprocessing.context.ForkServerContext):
+    Process = _RankProcess
+
+
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for a test's ranks (its ``Process`` and ``Queue``):
+    each rank is forked from multiprocessing's forkserver, a process with one thread that
+    has imported ``RANK_PRELOAD``, never from the xdist worker. The worker holds the
+    threads of the tests it ran before (fsspec's loop, the tokenizer's pool, a lighthouse's
+    runtime: 10-30 of them); a rank forked from it could inherit a lock one of them held,
+    and hang or crash (CI: a forked DDP rank hung in ``test_ddp_buckets``). A target is
+    found by its module's name, so it lies at the top of a test module; the rank sees the
+    test's environment, but not what the test patched in this process."""
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    return _RankContext()
 
 
 # ---- records of a run -------------------------------------------------------------------

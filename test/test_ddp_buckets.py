@@ -6,9 +6,8 @@ ulps from step 6 on)."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import torch
+from helpers import rank_context
 
 from torchtitan import parallel
 from torchtitan.models import build_model
@@ -49,7 +48,7 @@ def _rank(rank: int, store: str, out, ddp_kwargs: dict | None) -> None:
 
 def _same_bits_fresh_or_warm(tmp_path, ddp_kwargs=None) -> dict:
     tmp_path.mkdir()
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), out, ddp_kwargs))
              for r in range(3)]  # fmt: skip

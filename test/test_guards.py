@@ -38,6 +38,32 @@ def test_work_after_a_launch_that_outlasted_the_limit():
 def test_leaves_a_process():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
+from helpers import rank_context
+
+def _report(out):
+    import os
+    out.put(os.environ.get("PLANTED"))
+
+def _outlive(out):
+    out.put("started")
+    time.sleep(120)
+
+def test_a_rank_sees_its_tests_environment(monkeypatch):
+    for value in ("one", "two"):  # the forkserver starts on "one"
+        monkeypatch.setenv("PLANTED", value)
+        ctx = rank_context()
+        out = ctx.Queue()
+        rank = ctx.Process(target=_report, args=(out,))
+        rank.start()
+        assert out.get(timeout=60) == value
+        rank.join()
+
+def test_leaves_a_rank():
+    ctx = rank_context()
+    out = ctx.Queue()
+    ctx.Process(target=_outlive, args=(out,)).start()
+    assert out.get(timeout=60) == "started"
+
 def test_after_them():
     pass
 """
@@ -48,8 +74,11 @@ def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_i
     """An endless loop fails its own test at its limit and the session goes on; a test
     whose launched process runs past the unit limit passes, and so does its own work
     after the launch within the limit again; a test that leaves a
-    process alive errors at teardown, naming it, and the process is killed. Negative
-    controls: the planted passing tests pass."""
+    process alive errors at teardown, naming it, and the process is killed; so does one
+    that leaves a rank of ``helpers.rank_context`` alive, while the forkserver and
+    multiprocessing's resource tracker, which serve later tests, fail none. A rank runs
+    with its test's environment, not the forkserver's. Negative controls: the planted
+    passing tests pass."""
     (tmp_path / "test_planted.py").write_text(PLANTED)
     env = {**run_env(), "PYTHONPATH": f"{REPO}:{REPO / 'test'}",
            "TORCHTITAN_TEST_LEFTOVER_GRACE_S": "0.5"}  # fmt: skip
@@ -67,6 +96,9 @@ def test_a_hang_fails_its_test_and_a_leftover_process_fails_the_test_that_left_i
     assert "PASSED test_planted.py::test_work_after_a_launch_that_outlasted_the_limit" in out
     assert "ERROR test_planted.py::test_leaves_a_process" in out
     assert "test_planted.py::test_leaves_a_process left 1 process(es) alive" in out
+    assert "PASSED test_planted.py::test_a_rank_sees_its_tests_environment" in out
+    assert "ERROR test_planted.py::test_leaves_a_rank" in out
+    assert "test_planted.py::test_leaves_a_rank left 1 process(es) alive" in out
     assert "PASSED test_planted.py::test_after_them" in out
     assert took < 60, took
     left = subprocess.run(["pgrep", "-f", "import time; time.sleep(120)"], capture_output=True)

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import CONFIG, error_lines, losses, train_here
+from helpers import CONFIG, error_lines, losses, rank_context, train_here
 
 from torchtitan import muon
 from torchtitan.config import parse_args
@@ -258,11 +258,7 @@ def _rank(rank: int, world: int, layouts: tuple, store: str, out) -> None:
 
 
 def forked(world: int, layouts: tuple, tmp_path) -> dict:
-    import multiprocessing
-
-    import torch._dynamo  # noqa: F401  (DTensor's first use imports it: once here, not per rank)
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     store = str(tmp_path / f"store-{world}")
     procs = [ctx.Process(target=_rank, args=(r, world, layouts, store, out))

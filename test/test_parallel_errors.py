@@ -17,6 +17,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import rank_context
 
 import train
 from torchtitan import parallel
@@ -109,9 +110,7 @@ def _rank(rank: int, store: str, out) -> None:
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory, monkeypatch_module) -> dict:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     store = str(tmp_path_factory.mktemp("ranks") / "store")
     procs = [ctx.Process(target=_rank, args=(r, store, out)) for r in range(2)]

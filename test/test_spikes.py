@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from helpers import CONFIG, REPO, error_lines, read_jsonl, train, train_here
+from helpers import CONFIG, REPO, error_lines, rank_context, read_jsonl, train, train_here
 
 import train as train_script
 from torchtitan import parallel
@@ -232,9 +232,7 @@ def test_two_ranks_whose_losses_differ_reach_one_verdict(tmp_path):
     applied an update its peer dropped would leave the replicas different for ever.
     Negative control: each rank's own losses, checked alone (what a guard reading its
     own loss decides), give the ranks different verdicts at both steps."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_spike_rank, args=(r, str(tmp_path / "store"), out))
              for r in range(2)]  # fmt: skip

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONFIG, REPO, error_lines
+from helpers import CONFIG, REPO, error_lines, rank_context
 
 from torchtitan.checkpoint import CheckpointError
 from torchtitan.checkpoint.lease import LEASE, Lease, LeaseLost
@@ -605,9 +605,7 @@ def test_a_lapse_seen_while_a_finalization_holds_the_checkpoint_group_crosses_no
     digests. The mutant that sent the line on the checkpoint group (the campaign's hang:
     trial 659819, a store restarted while saves were in flight) crosses the two
     collectives: a rank aborts on gloo's size mismatch, or both wait out the timeout."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     folder = str(tmp_path / "checkpoint")
     os.makedirs(folder)

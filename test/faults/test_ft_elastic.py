@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import CONFIG, error_lines, run_main
+from helpers import CONFIG, error_lines, rank_context, run_main
 
 import train as train_script
 from harness.ft_quorum import Quorum
@@ -338,9 +338,7 @@ def _stops_alone(job, tokenizer, dims, rank: int) -> dict:
 
 
 def _two_rank_life(job, tmp) -> dict:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_group_rank, args=(r, str(tmp / "store"), str(job), out))
              for r in range(2)]  # fmt: skip

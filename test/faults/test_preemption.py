@@ -8,12 +8,12 @@ every process; a pipeline stage; the preemption campaign) are in the slow tier
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 from types import SimpleNamespace
 
 import torch.distributed as dist
+from helpers import rank_context
 
 from torchtitan.faults.preemption import Preemption
 
@@ -42,7 +42,7 @@ def _rank(rank: int, store: str, agree: bool, out) -> None:
 
 
 def stops(tmp_path, agree: bool) -> dict:
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     store = tmp_path / ("store_agree" if agree else "store_alone")
     procs = [ctx.Process(target=_rank, args=(r, str(store), agree, out)) for r in range(2)]

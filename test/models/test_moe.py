@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import losses, train_here
+from helpers import losses, rank_context, train_here
 
 import train as train_script
 from torchtitan.config import ConfigError, parse_args
@@ -399,11 +399,7 @@ def _ep_rank(rank: int, store: str, out) -> None:
 
 
 def _ep_gradients(tmp_path) -> dict:
-    import multiprocessing
-
-    import torch._dynamo  # noqa: F401  (DTensor's first use imports it: once here, not per rank)
-
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_ep_rank, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
     for p in procs:
