@@ -192,6 +192,34 @@ def test_config_or_split_on_a_source_without_them_is_one_line(tiny_corpus, saved
         resolve_source(path=str(saved), split="test")
 
 
+def test_opening_local_data_looks_up_no_host(hub_repo, tiny_corpus, monkeypatch):
+    """A Hub-style folder resolved and a map-style source opened (``load_dataset_builder``
+    and ``load_dataset`` on local files) look up no host: ``datasets``' download counter,
+    a HEAD request to the Hub's bucket on every call, is off (where the Hub cannot be
+    reached, its name lookup held each process ~5 s a source). Lookups are seen at the
+    socket and refused at once. Negative control: ``load_dataset`` on the same files with
+    the counter on looks up the bucket's host."""
+    import socket
+
+    import datasets
+
+    asked = []
+
+    def lookup(host, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "no host is looked up in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    hub = resolve_source(path=str(hub_repo), config="kjv")
+    plain = resolve_source(path=str(tiny_corpus))
+    for spec in (hub, plain):
+        assert len(open_source(spec, "text", "id", False).ds) > 0
+    assert asked == []
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    datasets.load_dataset("json", data_files=plain.files, split="train")
+    assert asked and all(host == "s3.amazonaws.com" for host in asked), asked
+
+
 # ---- Hub dataset ids --------------------------------------------------------------------
 
 

@@ -163,9 +163,22 @@ def _read_json(path: Path, where: str) -> dict:
         ) from None
 
 
-def _builder(path: str, config: str, where: str, fix: str):
+def import_datasets():
+    """The ``datasets`` library with its download counting off. Otherwise every
+    ``load_dataset`` and ``load_dataset_builder`` sends a HEAD request for its packaged
+    builder (json, parquet) to the Hub's bucket, local files included. Where the Hub
+    cannot be reached (a cluster's compute nodes, this machine), the name lookup alone
+    held the process ~5 s (the DNS timeout; seen in 1 of 3 loader builds of the test
+    suite), per source, in every rank and every loader worker that opens one. What a
+    job reads is no download of anyone's: nothing is sent. Cost: none."""
     import datasets
 
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    return datasets
+
+
+def _builder(path: str, config: str, where: str, fix: str):
+    datasets = import_datasets()
     try:
         return datasets.load_dataset_builder(path, name=config or None)
     except Exception as e:  # noqa: BLE001 - one line that names the dataset and the fix

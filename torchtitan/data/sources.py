@@ -291,8 +291,7 @@ class MapSource:
     """
 
     def __init__(self, spec: SourceSpec, text_field: str, id_field: str):
-        import datasets
-
+        datasets = hub.import_datasets()
         self.spec = spec
         self.text_field = text_field
         self._identity = spec.identity()
