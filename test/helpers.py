@@ -27,6 +27,7 @@ from harness.jobs import torchrun as _torchrun
 from torchtitan import REPO_ROOT
 from torchtitan.config import parse_args
 from torchtitan.data import build_dataloader, local_plan
+from torchtitan.data.hub import import_datasets
 from torchtitan.data.sources import resolve_source
 from torchtitan.data.state import from_tensor, to_tensor
 from torchtitan.records.provenance import check_exactly_once, read_provenance
@@ -43,8 +44,7 @@ CONFIG = ["--job.config_file", DEBUG_CONFIG]
 
 def bundled_documents(source: str, count: int, max_chars: int = 1200) -> list[dict]:
     """Real documents from the bundled corpus, shortened so tests cross many boundaries."""
-    import datasets
-
+    datasets = import_datasets()
     files = resolve_source(name=source).files
     ds = datasets.load_dataset("parquet", data_files=files, split="train")
     return [
@@ -290,8 +290,7 @@ def loaders(corpus, tokenizer, world=1, *extra, **kw) -> list:
 
 def doc_tokens(corpus, tokenizer) -> dict[str, list[int]]:
     """Every document of a folder of JSON lines, tokenized as the loader does."""
-    import datasets
-
+    datasets = import_datasets()
     ds = datasets.load_dataset(
         "json", data_files=sorted(str(p) for p in corpus.glob("*.jsonl")), split="train"
     )

@@ -105,17 +105,29 @@ def test_a_format_2_checkpoint_is_refused_naming_the_version(trained, tmp_path):
 
 
 def test_a_save_that_waits_for_the_previous_one_says_so_once(tmp_path, monkeypatch):
-    """Async saves every step, each finalization slowed by 0.3 s: the loop waits at each
-    save after the first, and one warning gives the interval, the write and the wait."""
-    real = lifecycle.integrity.fsync_files
+    """Async saves every step, each finalization (but the last's) held until the loop
+    asks to save the next step, then 0.3 s more: the loop waits at each save after the
+    first, and one warning gives the interval, the write and the wait. (A finalization
+    slowed by a fixed 0.3 s did not outlast a step under load.)"""
+    import threading
+    import time
+
+    real_fsync, real_wait = lifecycle.integrity.fsync_files, lifecycle.Saver.wait_for_previous
+    asked = {}  # step -> set once the loop asks to save it
 
     def slow_fsync(path, names):
-        import time
-
+        step = int(re.search(r"step-(\d+)", str(path)).group(1))
+        if step < 3:
+            assert asked.setdefault(step + 1, threading.Event()).wait(60), step
         time.sleep(0.3)
-        real(path, names)
+        real_fsync(path, names)
+
+    def wait_for_previous(self, step):
+        asked.setdefault(step, threading.Event()).set()
+        return real_wait(self, step)
 
     monkeypatch.setattr(lifecycle.integrity, "fsync_files", slow_fsync)
+    monkeypatch.setattr(lifecycle.Saver, "wait_for_previous", wait_for_previous)
     _, log = train_here(tmp_path / "run", "--training.steps", 3,
                         "--checkpoint.enable_checkpoint", "--checkpoint.interval", 1,
                         "--checkpoint.async_mode", "async")  # fmt: skip
@@ -130,17 +142,23 @@ def test_a_save_that_waits_for_the_previous_one_says_so_once(tmp_path, monkeypat
 
 
 def test_a_save_whose_previous_one_is_written_says_nothing(tmp_path, monkeypatch):
-    """Negative control of the above: async saves every step, each step slowed to 0.4 s
-    (more than a save's write of the debug model takes), so every save finds the last
-    one written: no warning."""
+    """Negative control of the above: async saves every step, each step's batches held
+    until the previous step's checkpoint is finalized (``step-N`` on disk), so every save
+    finds the last one written: no warning. (A step slowed by a fixed 0.4 s was not
+    enough under load: a write of 1.24 s was seen.)"""
+    import time
+
     import train as recipe
 
-    real = recipe.next_batches
+    real, steps = recipe.next_batches, [0]
+    folder = tmp_path / "run" / "checkpoint"
 
     def slow_batches(feed):
-        import time
-
-        time.sleep(0.4)
+        steps[0] += 1
+        deadline = time.monotonic() + 60
+        while steps[0] > 1 and not (folder / f"step-{steps[0] - 1}").is_dir():
+            assert time.monotonic() < deadline, f"step-{steps[0] - 1} was never finalized"
+            time.sleep(0.02)
         return real(feed)
 
     monkeypatch.setattr(recipe, "next_batches", slow_batches)

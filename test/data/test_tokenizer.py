@@ -9,7 +9,6 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import datasets
 import pytest
 import tokenizers
 import torch
@@ -25,6 +24,7 @@ from helpers import (
 
 from torchtitan.checkpoint import read_manifest
 from torchtitan.config import parse_args
+from torchtitan.data.hub import import_datasets
 from torchtitan.data.packing import LONG_DOCUMENT_CHARS, encode_document
 from torchtitan.data.tokenizer import (
     DEFAULT_TOKENIZER_PATH,
@@ -35,6 +35,7 @@ from torchtitan.data.tokenizer import (
     split_lines,
 )
 
+datasets = import_datasets()  # its download counter off: no lookup of the Hub's host
 CORPUS_DIR = REPO_ROOT / "data" / "corpus"
 SHARDS_PER_SOURCE = {"shakespeare": 8, "kjv": 8, "milton": 4}
 
@@ -339,8 +340,6 @@ def test_one_corpus_measured_with_two_tokenizers_keeps_two_indexes(
     """The token counts' key holds the tokenizer: one corpus measured with two tokenizers
     into one folder gives two sets of count files, and each later start finds the counts
     of its own tokenizer (a reused one would hold the other's)."""
-    import datasets
-
     from torchtitan.data import build_stream
 
     training = parse_args([*CONFIG, "--training.dataset_path", str(six_documents),
