@@ -104,9 +104,9 @@ def _multiprocessing_servers() -> set[int]:
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    return {pid for pid in (multiprocessing.forkserver._forkserver._forkserver_pid,
-                            multiprocessing.resource_tracker._resource_tracker._pid)
-            if pid is not None}  # fmt: skip
+    servers = ((multiprocessing.forkserver._forkserver, "_forkserver_pid"),
+               (multiprocessing.resource_tracker._resource_tracker, "_pid"))  # fmt: skip
+    return {pid for server, name in servers if (pid := getattr(server, name, None)) is not None}
 
 
 def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
