@@ -227,8 +227,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     # Tests that run torchft in their own process (its Rust runtime and servers, an
     # in-process lighthouse) leave its threads in the xdist worker; a later test there
-    # that forks ranks (multiprocessing's fork) can inherit a lock one of them held, and
-    # its rank crashes or hangs (seen twice in a fast-tier run). They are dispatched last.
+    # that forks from the worker can inherit a lock one of them held, and its child
+    # crashes or hangs (seen twice in a fast-tier run, in forked ranks). Ranks now start
+    # from the forkserver (helpers.rank_context), but loader workers still fork from the
+    # test process, as they do in a job: these tests are dispatched last.
     items.sort(key=lambda item: item.module.__name__ in TORCHFT_IN_PROCESS)
     if torch.cuda.is_available():
         return
