@@ -66,9 +66,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # a lock file each, the downloads' records) goes to a folder of this process, removed at
 # its end, as on CI's fresh machine; never to the user's. Set before ``datasets`` is
 # imported (it derives its paths once), and inherited by every job a test launches. The
-# suite's runs had left ~5,000 entries in the user's cache (1.7 GB after a day of runs),
-# and the fast tier had slowed to 244-304 s; with that cache (and the machine's /tmp)
-# emptied, it took 199 s.
+# suite's runs had left ~5,000 entries (1.7 GB) in the user's cache in a day.
 DATASETS_CACHE = tempfile.mkdtemp(prefix="torchtitan-test-datasets-")
 os.environ["HF_DATASETS_CACHE"] = DATASETS_CACHE
 
