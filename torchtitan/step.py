@@ -189,9 +189,13 @@ class PipelineStep:
     def micro_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch, weighted for the step."""
         reduction = "sum" if self._summed else "mean"
-        return (
+        loss = (
             self.loss.cross_entropy(logits, labels, reduction, self.loss.chunk_bytes) / self._scale
         )
+        # The test-only fault hook, as TrainStep's: here, where the loss is made (the last
+        # stage); every stage then holds the faulted loss (from_last) and the gradients it
+        # sent back, so the guard's verdict is the same on every stage.
+        return loss if self.guard is None else self.guard.faulted_loss(loss)
 
     def __call__(self, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float]:
         from torchtitan.parallel import pipeline as pp
@@ -225,6 +229,8 @@ class PipelineStep:
             torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         )
         loss = pp.from_last(pl, total)
+        if self.guard is not None:  # a stage's planted NaN gradient: in the norm of all stages
+            self.guard.faulted_gradients(self.model)
         grad_norm = pp.clip_grad_norm(list(self.model.parameters()), self.max_norm, pl)
         lr = self.scheduler.get_last_lr()[0]
         # Every stage holds the last stage's loss and the norm over all stages: they agree.
