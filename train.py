@@ -379,10 +379,11 @@ def rewind(run: Run, metrics: StepMetrics, spike: int):
     run.train_state.branch()  # the steps after the checkpoint are trained again: a new branch
     skip = (to + 1, spike + t.skip_after - to)
     # Durable before the next step trains: a requeue from here loads step-{to}, whose
-    # loader entry was written before the spike and does not hold the skip.
-    checkpoint = run.checkpoint
-    parallel.on_main(run.dims, lambda: (checkpoint.lease.check(), rewinds.record(
-        checkpoint.folder, spike, to, skip, guard.counts)))  # fmt: skip
+    # loader entry was written before the spike and does not hold the skip. Written only
+    # while the lease holds (storage's write guard asks it: a job that lost the folder
+    # stops here in one line).
+    folder = run.checkpoint.folder
+    parallel.on_main(run.dims, lambda: rewinds.record(folder, spike, to, skip, guard.counts))
     lo = loader.position.windows
     loader.add_skips([*skips, skip])
     loader.set_step(run.train_state.step)

@@ -26,6 +26,7 @@ import train as train_script
 from torchtitan import parallel
 from torchtitan.checkpoint import TrainState
 from torchtitan.config import ConfigError, parse_args
+from torchtitan.data.state import from_tensor
 from torchtitan.records.provenance import read_provenance, read_skips, sequences_by_step
 from torchtitan.records.runs import losses
 from torchtitan.spikes import FAULT_ENV, SpikeGuard, TrainingError
@@ -262,6 +263,43 @@ def test_the_guards_state_resumes_its_checks_exactly():
     assert feed(guard("--training.on_spike", "skip_step"), list(after)) == ["apply", "apply"]
 
 
+def test_a_guard_loaded_in_a_run_of_dropped_steps_stops_when_the_uninterrupted_one_does():
+    """Two broken steps in a row (max_bad_steps 3), saved and loaded into a fresh guard:
+    the loaded guard's state is the saved one, bit for bit (its save reads the device's
+    counters), and the third broken step stops it, as it stops the uninterrupted guard:
+    a job resumed in a run of dropped steps stops at max_bad_steps, not steps later.
+    Negative control: a fresh guard (no load) drops that step and trains on."""
+    nan = [(float("nan"), 1.0)]
+    a = guard("--training.max_bad_steps", 3, "--training.on_spike", "skip_step")
+    feed(a, NOISE + nan * 2)
+    b = guard("--training.max_bad_steps", 3, "--training.on_spike", "skip_step")
+    b.load_state_dict(a.state_dict())
+    b.train_state.step = a.train_state.step
+    assert torch.equal(b.state_dict()["state"], a.state_dict()["state"])
+    for g in (a, b):
+        feed(g, nan)
+        with pytest.raises(TrainingError, match="steps 9-11 had a non-finite loss"):
+            g.check_bad_steps()
+    fresh = guard("--training.max_bad_steps", 3, "--training.on_spike", "skip_step")
+    fresh.train_state.step = a.train_state.step - 1
+    feed(fresh, nan)
+    fresh.check_bad_steps()
+
+
+def test_the_rewinds_records_raise_the_loaded_counters_and_never_lower_them():
+    """A start takes each counter as the larger of the loaded checkpoint's and the
+    rewinds' records' (the counters only grow): a record ahead of the checkpoint (a
+    requeue between a rewind and the next save) raises it, and a record older than the
+    checkpoint (the checkpoint written after later spikes) lowers nothing."""
+    g = guard()
+    g.counts = {"bad_steps": 4, "spikes": 6, "rewinds": 2}
+    g.count_rewinds([{"bad_steps": 1, "spikes": 3, "rewinds": 1}])  # older than the checkpoint
+    assert g.counts == {"bad_steps": 4, "spikes": 6, "rewinds": 2}
+    g.count_rewinds([{"bad_steps": 5, "spikes": 6, "rewinds": 3}])  # ahead of it
+    assert g.counts == {"bad_steps": 5, "spikes": 6, "rewinds": 3}
+    assert from_tensor(g.state_dict()["state"])["counts"] == g.counts  # and a save holds them
+
+
 def test_a_resumed_run_detects_as_the_uninterrupted_one(tmp_path, monkeypatch):
     """The guard's state is in the checkpoint: a run stopped at step 4 and resumed detects
     the spike at step 6 (a window of 3, full before the stop) as the uninterrupted run
@@ -392,6 +430,32 @@ def test_a_kill_right_after_a_rewind_relaunches_into_the_same_skip(tmp_path, mon
     shutil.rmtree(tmp_path / "b" / "checkpoint" / "rewinds")
     train_here(tmp_path / "b", *REWIND)
     assert records(tmp_path / "b")[6]["loss"] != ref[6]["loss"]
+
+
+def test_a_job_that_lost_its_lease_at_a_rewind_writes_no_record(tmp_path, monkeypatch):
+    """The lease lapses while the rewind loads its checkpoint (its store stopped
+    answering the heartbeat): the rewind's record is not written (storage's write guard,
+    which every writer asks, not a check the recipe remembers to make), and the job stops
+    in one line naming the lease. Negative control: the same rewind with the lease held
+    writes its record."""
+    from torchtitan.checkpoint.manager import CheckpointManager
+
+    monkeypatch.setenv(FAULT_ENV, "7:x1000")
+    real = CheckpointManager.rewind
+
+    def rewind_as_the_lease_lapses(self, *args):
+        to = real(self, *args)
+        self.lease._valid_until = 0.0  # the deadline passed: the renewals got no answer
+        return to
+
+    monkeypatch.setattr(CheckpointManager, "rewind", rewind_as_the_lease_lapses)
+    status, log = train_here(tmp_path / "lost", *REWIND, expect_ok=False)
+    (line,) = error_lines(log)
+    assert status == 1 and "lost the lease on checkpoint folder" in line
+    assert not (tmp_path / "lost" / "checkpoint" / "rewinds").exists()
+    monkeypatch.setattr(CheckpointManager, "rewind", real)
+    train_here(tmp_path / "held", *REWIND, "--training.stop_at_step", 7)
+    assert os.listdir(tmp_path / "held" / "checkpoint" / "rewinds") == ["rewind-1.json"]
 
 
 def test_a_damaged_rewind_record_stops_the_start_in_one_line(tmp_path, monkeypatch):

@@ -14,8 +14,10 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     CONFIG,
     REPO,
@@ -35,6 +37,7 @@ from torchtitan.checkpoint import (
     read_manifest,
     verify_checkpoint,
 )
+from torchtitan.checkpoint import store as stores
 from torchtitan.tools.launch import torchrun_command
 
 CK = ["--checkpoint.enable_checkpoint", "--checkpoint.interval", 2]
@@ -436,48 +439,96 @@ def test_two_ranks_take_the_local_tier_only_when_both_hold_its_files(bucket, tmp
     assert losses(tmp_path / "other") == losses(tmp_path / "ref")
 
 
+def _tree(store, folder: str) -> dict:
+    """{relative name: bytes} of every file under ``folder`` (a store's or a disk's)."""
+    if stores.is_url(folder):
+        fs = store.fs
+        return {k[len(folder.split("://", 1)[1]) + 1 :]: fs.cat_file(k)
+                for k in fs.find(folder, refresh=True)}  # fmt: skip
+    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*")
+            if p.is_file()}  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_every_write_request_under_a_guarded_folder_asks_its_guard_first(kind, bucket, tmp_path):
-    """A lease's folder (``store.guard_writes``, as Lease.acquire registers it): every
-    write request of either store under it asks the guard first, and is not sent where
-    the guard raises, a lapsed lease's LeaseLost (the slow two-job test's failure: a
-    save's preparation deleted and wrote manifests 2.9 s past its deadline, its requests
-    having waited behind a paused store's listings). Reads, and writes elsewhere, pass;
-    only the guard's own owner removes it. Negative control: unguarded, the same write
-    is sent."""
-    from torchtitan.checkpoint import store as stores
-    from torchtitan.checkpoint.lease import LeaseLost
+    """A lease's folder (``storage.guard_writes``, as Lease.acquire registers it): every
+    writer of the package (the list ``test_the_write_guard_covers_every_writer`` keeps
+    whole) asks the guard first and sends nothing where it raises, a lapsed lease's
+    LeaseLost: the stores' writes, removes, trees and moves (a folder of files: each
+    copy asked), storage's records (a rewind's), DCP's writer (each file a rank writes)
+    and a folder's upload. The folder's files are the same bytes after. (The slow
+    two-job test's failure: a save's preparation deleted and wrote manifests 2.9 s past
+    its deadline, its requests having waited behind a paused store's listings.) Reads,
+    and writes elsewhere, pass; only the guard's own owner removes it. Negative control:
+    unguarded, the same writes are sent."""
+    import torch.distributed.checkpoint as dcp
 
-    folder = f"s3://{bucket}/guarded" if kind == "s3" else str(tmp_path / "guarded")
+    from torchtitan.checkpoint.lease import LeaseLost
+    from torchtitan.io import storage
+
+    folder = f"s3://{bucket}/guarded-{tmp_path.name}" if kind == "s3" else str(tmp_path / "guarded")
     store = stores.store_for(folder)
     store.makedirs(folder)
     store.write_bytes(stores.join(folder, "kept.json"), b"{}")
-    asked = []
-
+    store.makedirs(stores.join(folder, "a"))
+    for name in ("__0_0.distcp", "manifest.json"):
+        store.write_bytes(stores.join(folder, f"a/{name}"), b"x" * 10)
+    local = tmp_path / "export"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    before = _tree(store, folder)
     def lapsed():
-        asked.append(1)
         raise LeaseLost("lost the lease")
 
-    stores.guard_writes(folder, lapsed)
+    # In an order the control can send them in, unguarded: each folder made before a
+    # write into it.
+    writes = {
+        "makedirs": lambda: store.makedirs(stores.join(folder, "step-1")),
+        "write_bytes": lambda: store.write_bytes(stores.join(folder, "step-1/x.json"), b"{}"),
+        "remove": lambda: store.remove(stores.join(folder, "kept.json")),
+        "rmtree": lambda: store.rmtree(stores.join(folder, "a")),
+        "move_folder": lambda: store.move_folder(stores.join(folder, "a"),
+                                                 stores.join(folder, "b"), "manifest.json"),
+        "storage.makedirs": lambda: storage.makedirs(stores.join(folder, "rewinds")),
+        "publish": lambda: storage.publish(stores.join(folder, "rewinds/rewind-1.json"),
+                                           lambda f: f.write(b"{}")),
+        "storage.remove": lambda: storage.remove(stores.join(folder, "kept.json")),
+        "dcp": lambda: dcp.save({"w": torch.ones(4)}, no_dist=True,
+                                storage_writer=store.writer(stores.join(folder, "step-2"))),
+        "upload_folder": lambda: stores.upload_folder(str(local), stores.join(folder, "hf"),
+                                                      "config.json"),
+    }  # fmt: skip
+    storage.guard_writes(folder, lapsed)
     try:
-        for write in (lambda: store.write_bytes(stores.join(folder, "step-1/x.json"), b"{}"),
-                      lambda: store.remove(stores.join(folder, "kept.json")),
-                      lambda: store.rmtree(stores.join(folder, "step-1")),
-                      lambda: store.move_folder(stores.join(folder, "a"), stores.join(folder, "b"),
-                                                "manifest.json")):  # fmt: skip
-            with pytest.raises(LeaseLost):
+        for name, write in writes.items():
+            if kind == "s3" and name.endswith("makedirs"):
+                continue  # a store has no folders: nothing is sent (the control checks)
+            if kind == "local" and name == "upload_folder":
+                continue  # an upload's target is a URL
+            try:
                 write()
-        assert store.isfile(stores.join(folder, "kept.json"))  # nothing was sent
-        assert store.listdir(folder) == ["kept.json"]  # reads pass
+            except BaseException as e:  # noqa: BLE001 - DCP wraps it in a BaseException
+                assert "lost the lease" in str(e), name
+            else:
+                raise AssertionError(f"{name} was sent")
+        assert _tree(store, folder) == before  # nothing was sent
+        assert sorted(store.listdir(folder)) == ["a", "kept.json"]  # reads pass
         elsewhere = f"{folder}-other" if kind == "s3" else str(tmp_path / "other" / "f")
         if kind == "local":
             os.makedirs(os.path.dirname(elsewhere))
         store.write_bytes(elsewhere, b"{}")
-        stores.unguard_writes(folder, lambda: None)  # not its owner: the guard stays
+        storage.unguard_writes(folder, lambda: None)  # not its owner: the guard stays
         with pytest.raises(LeaseLost):
             store.remove(stores.join(folder, "kept.json"))
-        assert len(asked) == 5
     finally:
-        stores.unguard_writes(folder, lapsed)
-    store.remove(stores.join(folder, "kept.json"))  # control: unguarded, it is sent
+        storage.unguard_writes(folder, lapsed)
+    kept = {"rmtree", "remove", "storage.remove"}  # what the other writes need stays
+    for name, write in writes.items():  # control: unguarded, each is sent
+        if name not in kept and (kind == "s3" or name != "upload_folder"):
+            write()
+    after = _tree(store, folder)
+    sent = {"step-1/x.json", "b/manifest.json", "rewinds/rewind-1.json", "step-2/.metadata"}
+    assert sent | ({"hf/config.json"} if kind == "s3" else set()) <= set(after)
+    assert "a/manifest.json" not in after  # moved
+    store.remove(stores.join(folder, "kept.json"))
     assert not store.isfile(stores.join(folder, "kept.json"))

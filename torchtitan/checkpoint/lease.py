@@ -182,9 +182,7 @@ class Lease:
             self._valid_until = sent + self.timeout_s - self.margin_s
         self._thread = threading.Thread(target=self._beat, name="ckpt-lease", daemon=True)
         self._thread.start()
-        from torchtitan.checkpoint.store import guard_writes
-
-        guard_writes(self.folder, self.check)  # every write request there asks it first
+        storage.guard_writes(self.folder, self.check)  # every write request there asks it first
 
     def _stale_s(self, holder: dict) -> float:
         """The holder's own timeout (a torn lease, which names none: this job's)."""
@@ -306,9 +304,7 @@ class Lease:
         self._stop.set()
         if not self.held:
             return
-        from torchtitan.checkpoint.store import unguard_writes
-
-        unguard_writes(self.folder, self.check)
+        storage.unguard_writes(self.folder, self.check)
         self.held = False
         if not self.valid():
             return  # may be another job's by now: not ours to touch (nor to wait for)

@@ -37,10 +37,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from torchtitan.io import storage
 from torchtitan.io.checksum import crc32
@@ -53,33 +53,8 @@ CHECKSUM_CHUNK = 64 << 20
 WRITE_FILES = 4
 _CHECKSUM_THREADS = max(1, min(8, os.cpu_count() or 1))
 
-# Folders this process may write only while a check passes: the checkpoint folder whose
-# lease it holds (``lease.Lease`` registers its ``check`` on acquiring, removes it on
-# release). Asked right before every write request the stores below send (a PUT, a
-# delete, a copy, an abort; a local write, remove or rename), so that a write that waited
-# behind a paused store's slow reads is not sent once the lease has lapsed. Cost: a
-# clock read under a lock per write request.
-_GUARDS: dict[str, Callable[[], None]] = {}
-
-
-def guard_writes(folder: str, check: Callable[[], None]):
-    """Before every write under ``folder`` (any store of this process), call ``check``,
-    which raises where the write may not be sent; replaces an earlier guard of it."""
-    _GUARDS[folder.rstrip("/")] = check
-
-
-def unguard_writes(folder: str, check: Callable[[], None]):
-    """Remove ``folder``'s guard if it is still ``check`` (a later job's stays)."""
-    key = folder.rstrip("/")
-    if _GUARDS.get(key) == check:
-        _GUARDS.pop(key, None)
-
-
-def before_write(path: str):
-    """Raise (the guard's error) where ``path`` lies in a guarded folder whose check fails."""
-    for folder, check in list(_GUARDS.items()):
-        if path == folder or path.startswith(folder + "/"):
-            check()
+# Every write below asks the leased folder's write guard first (``storage.before_write``),
+# as storage's own writes do.
 
 
 def is_url(path: str) -> bool:
@@ -90,6 +65,32 @@ def is_url(path: str) -> bool:
 def join(folder: str, name: str) -> str:
     """``name`` under ``folder``; a URL ``name`` stands alone (``checkpoint.folder = s3://...``)."""
     return name if is_url(name) else storage.join(str(folder), name)
+
+
+class GuardedFileSystem(FileSystem):
+    """DCP's local file system, each write of it asking the write guard first (a file
+    opened for writing, a folder made, a rename, a removal): an async save's write
+    thread sends nothing once the lease has lapsed."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if set(mode) & set("wax+"):
+            storage.before_write(str(path))
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+    def rename(self, path, new_path):
+        storage.before_write(str(path))
+        storage.before_write(str(new_path))
+        super().rename(path, new_path)
+
+    def mkdir(self, path):
+        storage.before_write(str(path))
+        super().mkdir(path)
+
+    def rm_file(self, path):
+        storage.before_write(str(path))
+        super().rm_file(path)
 
 
 class LocalStore:
@@ -113,19 +114,19 @@ class LocalStore:
         return open(path, mode)
 
     def makedirs(self, path: str):
-        before_write(path)
+        storage.before_write(path)
         os.makedirs(path, exist_ok=True)
 
     def write_bytes(self, path: str, data: bytes):
         """Write and fsync (the caller fsyncs the folder where a name must be durable)."""
-        before_write(path)
+        storage.before_write(path)
         with open(path, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
 
     def remove(self, path: str):
-        before_write(path)
+        storage.before_write(path)
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
 
@@ -134,12 +135,12 @@ class LocalStore:
         killed half-way leaves a folder no listing takes for complete."""
         if first is not None:
             self.remove(os.path.join(path, first))
-        before_write(path)
+        storage.before_write(path)
         shutil.rmtree(path, ignore_errors=True)
 
     def move_folder(self, src: str, dst: str, last: str):
-        before_write(src)
-        before_write(dst)
+        storage.before_write(src)
+        storage.before_write(dst)
         os.replace(src, dst)
 
     def sync_files(self, folder: str, names: list[str]):
@@ -176,7 +177,10 @@ class LocalStore:
         return FileSystemReader(path)
 
     def writer(self, path: str):
-        return FileSystemWriter(path)
+        """DCP's writer, each file, folder and rename of it asking the write guard first."""
+        writer = FileSystemWriter(path)
+        writer.fs = GuardedFileSystem()
+        return writer
 
 
 class ObjectStore(LocalStore):
@@ -214,11 +218,11 @@ class ObjectStore(LocalStore):
         (s3fs's makedirs would create a missing bucket)."""
 
     def write_bytes(self, path: str, data: bytes):
-        before_write(path)
+        storage.before_write(path)
         self.fs.pipe_file(path, data)  # one PUT: the object appears whole or not at all
 
     def remove(self, path: str):
-        before_write(path)
+        storage.before_write(path)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
@@ -232,10 +236,10 @@ class ObjectStore(LocalStore):
         if storage.on_s3(path):
             from torchtitan.checkpoint.store_writer import abort_uploads
 
-            before_write(path)
+            storage.before_write(path)
             with contextlib.suppress(Exception):  # best effort: a lifecycle rule is the net
                 abort_uploads(path)
-        before_write(path)  # one request a 1,000 names: the lease asked before the batch
+        storage.before_write(path)  # one request a 1,000 names: the lease asked before the batch
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
 
@@ -246,7 +250,7 @@ class ObjectStore(LocalStore):
         server-side copy of the folder's bytes (rare: setting a timeline aside)."""
         names = sorted(self.listdir(src), key=lambda n: n == last)
         for name in names:
-            before_write(join(dst, name))
+            storage.before_write(join(dst, name))
             self.fs.copy(join(src, name), join(dst, name))
         self.rmtree(src, first=last)
 
@@ -371,6 +375,7 @@ def upload_folder(local: str, url: str, last: str):
     names = sorted((n for n in os.listdir(local) if os.path.isfile(os.path.join(local, n))),
                    key=lambda n: n == last)  # fmt: skip
     for name in names:
+        storage.before_write(join(url, name))
         store.fs.put_file(os.path.join(local, name), join(url, name))
 
 

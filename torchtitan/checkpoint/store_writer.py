@@ -93,6 +93,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from torchtitan.checkpoint import store_reader
 from torchtitan.checkpoint.store_reader import ATTEMPTS, transient
+from torchtitan.io import storage
 
 logger = logging.getLogger("torchtitan")
 
@@ -197,11 +198,12 @@ class Uploader:
         full-jitter backoff (store_reader.backoff); a fault that persists is a
         StoreWriteError naming ``name``."""
         for attempt in range(ATTEMPTS):
-            if self.may_write is not None:
-                try:
+            try:
+                storage.before_write(self.url(name))  # the folder's lease, whoever writes
+                if self.may_write is not None:
                     self.may_write()
-                except Exception as e:  # noqa: BLE001 - the lease's own line, as the save's
-                    raise StoreWriteError(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - the lease's own line, as the save's
+                raise StoreWriteError(str(e)) from None
             try:
                 reply = getattr(self.client, method)(Bucket=self.bucket, Key=self.key(name), **args)
                 with self.room:

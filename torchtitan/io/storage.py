@@ -47,6 +47,7 @@ import random
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,48 @@ def _fs(url: str):
     return fsspec.core.url_to_fs(url)
 
 
+# ---- the write guard: a leased folder is written only while its lease holds -------------
+# Folders this process may write only while a check passes: the checkpoint folder whose
+# lease it holds (``checkpoint.lease.Lease`` registers its ``check`` on acquiring, removes
+# it on release). Asked right before every write this project sends, whatever module
+# sends it: this module's own (``makedirs``, ``remove``, ``publish``: a rewind's record, a
+# count), checkpoint/store.py's (a local write, remove or rename; a PUT, a delete, a
+# copy, an abort) and the DCP writers' (each file a rank writes locally, each request to
+# a store). So a write that waited behind a paused store's slow reads, or a record
+# decided after the lease lapsed, is not sent. Not asked: the conditional requests of
+# claims.py (``put_object``/``delete_object`` with a condition, a local link or ``utime``
+# of the lease's own record), each conditional on the record its writer saw, so a holder
+# that lost the lease cannot overwrite its taker's. ``test_store.py`` walks every write
+# in the package to keep this list whole. Cost: a dict scan and a clock read under a lock
+# per write.
+_GUARDS: dict[str, Callable[[], None]] = {}
+
+
+def guard_writes(folder: str, check: Callable[[], None]):
+    """Before every write under ``folder`` (any store of this process), call ``check``,
+    which raises where the write may not be sent; replaces an earlier guard of it."""
+    _GUARDS[str(folder).rstrip("/")] = check
+
+
+def unguard_writes(folder: str, check: Callable[[], None]):
+    """Remove ``folder``'s guard if it is still ``check`` (a later job's stays)."""
+    key = str(folder).rstrip("/")
+    if _GUARDS.get(key) == check:
+        _GUARDS.pop(key, None)
+
+
+def before_write(path: str):
+    """Raise (the guard's error) where ``path`` lies in a guarded folder whose check fails."""
+    path = str(path)
+    for folder, check in list(_GUARDS.items()):
+        if path == folder or path.startswith(folder + "/"):
+            check()
+
+
 def makedirs(folder: str):
     """A local folder and its parents; nothing in a store (a key needs no folder)."""
     if not is_remote(folder):
+        before_write(folder)
         os.makedirs(folder, exist_ok=True)
 
 
@@ -120,6 +160,7 @@ def read_bytes(path: str) -> bytes:
 
 def remove(path: str):
     """Remove the file if it is there (errors ignored: a later writer replaces it)."""
+    before_write(path)
     with contextlib.suppress(OSError):
         if is_remote(path):
             fs, inner = _fs(path)
@@ -134,7 +175,9 @@ def publish(path: str, write):
     it. On S3: one PUT, created only if absent (``If-None-Match: *``): a file someone
     published first is kept, theirs and this one holding the same thing by construction
     (a count file's name is the key of what it holds). Elsewhere (another fsspec store):
-    one plain put. Raises OSError where it cannot be written."""
+    one plain put. Raises OSError where it cannot be written, and the guard's error where
+    ``path`` is in a leased folder this job may no longer write (``before_write``)."""
+    before_write(path)
     if not is_remote(path):
         folder, name = os.path.split(path)
         suffix = os.path.splitext(name)[1]
