@@ -13,6 +13,7 @@ batched GEMM may differ in the last bits at other shapes.
 
 from __future__ import annotations
 
+import inspect
 import shutil
 
 import pytest
@@ -84,6 +85,22 @@ def split(flavor: str) -> tuple[set, set]:
     names = {p: n for n, p in model.named_parameters()}
     muon_group, adamw_group = optimizer.param_groups
     return {names[p] for p in muon_group["params"]}, {names[p] for p in adamw_group["params"]}
+
+
+def test_the_configs_muon_defaults_are_torchs():
+    """The config's Muon defaults (and muon.py's, which a direct user of the optimizer
+    gets) are torch.optim.Muon's own: the reference the bit-for-bit tests compare with
+    reads the same config, so a default moved here (5 Newton-Schulz steps to 6, another
+    coefficient) would move both sides and pass them; this pins both to torch's."""
+    torchs = {name: p.default for name, p in inspect.signature(torch.optim.Muon).parameters.items()
+              if p.default is not inspect.Parameter.empty}  # fmt: skip
+    o = parse_args([]).optimizer
+    ours = {"momentum": o.muon_momentum, "nesterov": o.muon_nesterov, "ns_steps": o.muon_ns_steps,
+            "ns_coefficients": (o.muon_ns_a, o.muon_ns_b, o.muon_ns_c), "eps": o.muon_eps,
+            "adjust_lr_fn": None if o.muon_adjust_lr == "original" else o.muon_adjust_lr}  # fmt: skip
+    assert ours == {name: torchs[name] for name in ours}
+    assert (muon.NS_STEPS, muon.NS_COEFFICIENTS, muon.EPS) == (
+        torchs["ns_steps"], torchs["ns_coefficients"], torchs["eps"])  # fmt: skip
 
 
 def test_the_split_by_name_for_the_debug_models():

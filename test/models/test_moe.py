@@ -207,6 +207,39 @@ def test_resume_restores_the_balancing_bias(tmp_path, monkeypatch):
     assert [dropped[s] for s in (3, 4)] != [whole[s] for s in (3, 4)]
 
 
+def test_a_dropped_step_leaves_the_balancing_state_where_it_was(tmp_path, monkeypatch):
+    """A step the guard drops (a NaN loss planted at step 3) moves no expert's bias and
+    no token count: after it, every layer's balancing buffers equal step 2's
+    (torch.equal), as its weights do; the bias moves by what the loads say only with an
+    applied step. Negative control: the applied steps around it (2, 4) move the bias."""
+    from torchtitan.spikes import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "3:nan")
+    after: list[dict] = []
+    real = train_script.feed_and_step
+
+    def feed_and_step(run, batch_loss):
+        feed, step = real(run, batch_loss)
+
+        def stepped(batches):
+            out = step(batches)
+            after.append({name: b.detach().clone() for name, b in run.model.named_buffers()
+                          if "expert" in name})  # fmt: skip
+            return out
+
+        return feed, stepped
+
+    monkeypatch.setattr(train_script, "feed_and_step", feed_and_step)
+    _, log = train_here(tmp_path, "--model.flavor", "debug_moe", "--training.seq_len", 32,
+                        "--training.batch_size", 2, "--training.steps", 4)  # fmt: skip
+    assert "step 3: loss nan" in log and len(after) == 4
+    biases = [n for n in after[0] if n.endswith("expert_bias")]
+    assert biases and set(after[0]) > set(biases)  # the counts are kept too
+    assert all(torch.equal(after[2][n], after[1][n]) for n in after[0])
+    for moved in (1, 3):
+        assert not all(torch.equal(after[moved][n], after[moved - 1][n]) for n in biases)
+
+
 def test_metrics_hold_each_layers_expert_load(tmp_path):
     """The JSONL has, every logged step, each MoE layer's max/mean load and the loads
     themselves (tokens x top-k per layer, over all ranks)."""
