@@ -68,6 +68,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness import s3
 from torchtitan import REPO_ROOT
 from torchtitan.tools.launch import DEBUG_CONFIG, free_port, launcher_workers, run_env
 
@@ -185,6 +186,12 @@ class Trial:
     job: Job
     plants: list[Plant] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
+    stratum: str = ""  # the class of ``STRATA`` it was built as ("": drawn from its seed)
+
+    @property
+    def name(self) -> str:
+        """Its dump folder's name (a stratum's trial shares its seed with a drawn one)."""
+        return f"trial-{self.seed}" + (f"-{self.stratum}" if self.stratum else "")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -193,7 +200,7 @@ class Trial:
     def from_json(text: str) -> Trial:
         d = json.loads(text)
         return Trial(d["seed"], Job(**d["job"]), [Plant(**p) for p in d["plants"]],
-                     [Fault(**f) for f in d["faults"]])  # fmt: skip
+                     [Fault(**f) for f in d["faults"]], d.get("stratum", ""))  # fmt: skip
 
 
 def draw(seed: int, bucket_ok: bool = True) -> Trial:
@@ -300,6 +307,115 @@ def _replica_groups(seed: int, rng: random.Random, job: Job) -> Trial:
         if f.kind == "group":
             f.moment = rng.choice(["step", "quorum", "heal"])
     return Trial(seed, job, [], faults)
+
+
+# ---- the stratified trials ------------------------------------------------------------
+# A defect is caught only by a trial that reaches the moment it spoils: a skip held in
+# memory only, by a kill between a rewind and the next save (about 5 % of the draws);
+# a lapsed lease's writes, by a store paused past its timeout. Every run of the campaign
+# (the slow tier's included) starts with one trial of each class below, then fills its
+# budget with drawn trials. Each is fixed but for what no guarded moment depends on (the
+# loader workers, drawn from the run's seed), so a class is cited by its name.
+
+# The properties a trial can catch a defect of (``guards``), each a class's own.
+PROPERTIES = {
+    "rewind-kill": "a rewind's skip is durable: a kill just after it, relaunched, keeps it",
+    "save-kill": "a save is atomic: a rank killed in it leaves the previous checkpoint",
+    "upload-kill": "an upload is atomic: the job killed in it leaves a bucket to resume from",
+    "pause-requeue": "a lapsed lease writes nothing: a store paused past it, a requeued copy",
+    "quorum-kill": "a replica group killed in its quorum heals from a peer, no step twice",
+    "layout-change": "a life on another rank count reads every window once, SIGTERM first",
+    "pp-plant": "a spike planted under PP fires and rewinds on both stages, killed after",
+}
+
+
+def stratum(name: str, seed: int) -> Trial:
+    """The trial of class ``name`` (``PROPERTIES``) in the run of ``seed``."""
+    workers = random.Random(f"{seed}/{name}").choice([0, 1, 2])
+    kill_after_rewind = Fault("kill", "rewind", "job", 1)
+    trials = {
+        # A spike that fires once (its cause transient), the job killed as the rewind's
+        # line is written, before the next save: the relaunch loads the checkpoint that
+        # predates the skip, which only the rewind's record holds.
+        "rewind-kill": (
+            Job(ranks=1, workers=workers, spike="rewind"),
+            [Plant(7, "x1000", False)],
+            [kill_after_rewind],
+        ),
+        # One rank of two killed while the save of step 3 is written (a local folder,
+        # sync saves); a NaN at step 2, armed in every life, dropped in each.
+        "save-kill": (
+            Job(ranks=2, workers=workers, spike="skip_step"),
+            [Plant(2, "nan", True)],
+            [Fault("kill", "save", "one", 3)],
+        ),
+        # The whole job killed while step 6 is uploaded to the bucket (async saves).
+        "upload-kill": (
+            Job(ranks=1, workers=workers, async_mode="async", bucket=True),
+            [],
+            [Fault("kill", "save", "job", 6)],
+        ),
+        # The store paused past the lease's timeout at step 2, then a requeued copy; the
+        # oracle's lapse check reads every write the first life sent meanwhile.
+        "pause-requeue": (
+            Job(ranks=1, workers=workers, bucket=True),
+            [],
+            [Fault("store", "pause", at_step=2, seconds=LEASE_TIMEOUT_S * 2)],
+        ),
+        # Two groups, both needed for a commit: group 1 killed inside its quorum after
+        # step 3, started again, healed from group 0.
+        "quorum-kill": (
+            Job(ranks=1, workers=workers, dropout=0.0, groups=2, min_groups=2),
+            [],
+            [Fault("group", "quorum", "1", 3)],
+        ),
+        # SIGTERM at step 4 (a preemption's save), the next life on 3 ranks.
+        "layout-change": (
+            Job(ranks=2, workers=workers, dropout=0.0),
+            [],
+            [
+                Fault("term", at_step=4, seconds=0.3),
+                Fault("layout", ranks=3, workers=workers, at_step=5),
+            ],
+        ),
+        # PP 2: a spike at step 7 made on the last stage, rewound on both, then killed.
+        "pp-plant": (
+            Job(ranks=2, workers=workers, spike="rewind", layout="pp"),
+            [Plant(7, "x1000", False)],
+            [kill_after_rewind],
+        ),
+    }
+    job, plants, faults = trials[name]
+    return Trial(seed, job, plants, faults, name)
+
+
+def strata(seed: int) -> list[Trial]:
+    """One trial of every class, in ``PROPERTIES``' order."""
+    return [stratum(name, seed) for name in PROPERTIES]
+
+
+def guards(trial: Trial) -> set[str]:
+    """The classes of ``PROPERTIES`` whose moment ``trial`` reaches: the features that
+    let it catch their defect (read from the trial, not from its class name)."""
+    job, faults, out = trial.job, trial.faults, set()
+    once = [p for p in trial.plants if p.kind == "x1000" and not p.recurs]
+    kills = [f for f in faults if f.kind == "kill"]
+    rewinding = job.spike == "rewind" and once and not job.groups and job.log_freq == 1
+    # The job (or its one rank) killed right after the rewind, in the first life: the
+    # relaunch meets no spike and must keep the skip. A launcher killed alone may leave
+    # its ranks to finish the run.
+    after = faults[:1] and faults[0].kind == "kill" and faults[0].moment == "rewind"
+    if rewinding and after and (faults[0].target == "job" or job.ranks == 1):
+        out.add("pp-plant" if job.layout == "pp" else "rewind-kill")
+    if any(f.moment == "save" for f in kills):
+        out.add("upload-kill" if job.bucket else "save-kill")
+    if job.bucket and any(f.kind == "store" and f.moment == "pause" for f in faults):
+        out.add("pause-requeue")
+    if job.groups and any(f.kind == "group" and f.moment == "quorum" for f in faults):
+        out.add("quorum-kill")
+    if any(f.kind == "layout" and f.ranks != job.ranks for f in faults[1:]):
+        out.add("layout-change")
+    return out
 
 
 # ---- running a job ----------------------------------------------------------------------
@@ -451,6 +567,7 @@ class Life:
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.pids: set[int] = set()
         self.killed = False  # by the campaign (kill_all)
+        self.tag = ""  # what its requests to the store say they come from (Runner._env)
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._collect, daemon=True)
         self._watch.start()
@@ -541,6 +658,8 @@ class Runner:
     def __init__(self, root: Path, store=None, cache: Path | None = None):
         self.root, self.store = root, store
         self.cache = cache or root / "references"
+        # (the life's tag, time.monotonic()) of each store pause's start in this trial
+        self.paused: list[tuple[str, float]] = []
 
     # -- a life ---------------------------------------------------------------------------
     def _cmd(self, job: Job, dump: Path, ranks: int, workers: int, extra=()) -> list[str]:
@@ -554,10 +673,13 @@ class Runner:
             return []
         return ["--checkpoint.folder", f"s3://{self.store[0]}/{dump.name}"]
 
-    def _env(self, plants: list[Plant], life: int) -> dict:
+    def _env(self, plants: list[Plant], life: int, tag: str = "") -> dict:
         env = run_env()
         armed = [f"{p.step}:{p.kind}" for p in plants if p.recurs or life == 0]
         env[FAULT_ENV] = ",".join(armed)
+        # botocore adds it to every request's User-Agent ("app/<tag>"): the store's log
+        # then names the life that sent each write (Writes, _written_after_lapse).
+        env[UA_ENV] = tag or f"life{life + 1}"
         return env
 
     # -- a trial --------------------------------------------------------------------------
@@ -565,7 +687,10 @@ class Runner:
         if trial.job.groups:
             return self.run_groups(trial)
         out = Outcome()
-        job, dump = trial.job, self.root / f"trial-{trial.seed}"
+        self.paused = []
+        if self.store is not None and isinstance(self.store[2], Writes):
+            self.store[2].writes.clear()
+        job, dump = trial.job, self.root / trial.name
         shutil.rmtree(dump, ignore_errors=True)
         dump.mkdir(parents=True)
         log = dump / "lives.log"
@@ -584,6 +709,7 @@ class Runner:
                 f = pending.pop(0) if pending else None
             life = Life(self._cmd(job, dump, ranks, workers),
                         self._env(trial.plants, out.lives), log)  # fmt: skip
+            life.tag = f"life{out.lives + 1}"
             lives.append(life)
             out.lives += 1
             hit = f is not None and self._until(life, dump, job, f, LIFE_BOUND_S)
@@ -627,7 +753,7 @@ class Runner:
         from torchtitan.tools.ft_launch import group_command
 
         out, job = Outcome(), trial.job
-        dump = self.root / f"trial-{trial.seed}"
+        dump = self.root / trial.name
         shutil.rmtree(dump, ignore_errors=True)
         dump.mkdir(parents=True)
         pending, lives = list(trial.faults), []
@@ -856,6 +982,7 @@ class Runner:
         if f.kind == "store":
             self._store_fault(f)
             if f.moment == "pause":  # past the lease's timeout, then a scheduler's requeue
+                self.paused.append((life.tag, time.monotonic()))
                 time.sleep(f.seconds)
                 return "store/pause/" + self._twin(life, dump, job, trial, out)
             return f"store/{f.moment}"
@@ -868,7 +995,7 @@ class Runner:
         the lease and stop in one line, or (the first gone) resume and finish."""
         cmd = self._cmd(job, dump, len(life.ranks()) or job.ranks, job.workers,
                         ["--checkpoint.lease_wait_seconds", "3"])  # fmt: skip
-        twin = Life(cmd, self._env(trial.plants, 1), dump / "twin.log")
+        twin = Life(cmd, self._env(trial.plants, 1, "twin"), dump / "twin.log")
         code = twin.wait(LIFE_BOUND_S)
         twin.close()
         text = _tail(dump / "twin.log")
@@ -916,6 +1043,7 @@ class Runner:
             if far:
                 bad.append(f"losses beyond {ELASTIC_REL} at steps {far}")
         else:
+            # mutant loss-tolerance: `_same(` -> `_close(`; test/test_campaign.py::test_the_judge_fails_a_fixed_layout_loss_one_part_in_a_million_off
             off = [s for s in want if not _same(got[s], want[s])]
             if off:
                 bad.append(f"losses differ at steps {off}")
@@ -936,6 +1064,7 @@ class Runner:
         windows, ref_windows = step_windows(dump), step_windows(ref)
         if out.stopped:
             ref_windows = {k: v for k, v in ref_windows.items() if k in windows}
+        # mutant no-windows: `windows != ref_windows` -> `False`; test/test_campaign.py::test_the_judge_fails_a_step_that_read_another_window
         if windows != ref_windows:
             bad.append("the windows of some step differ from the reference's")
         twice = _read_twice(dump)
@@ -944,6 +1073,31 @@ class Runner:
         if not skips and not out.stopped and _provenance_problem(dump, trial.job):
             bad.append("provenance: not every token once")
         bad += self.leftovers(trial.job, dump)
+        bad += self.written_after_lapse(dump)
+        return bad
+
+    def written_after_lapse(self, dump: Path) -> list[str]:
+        """Writes that a life whose store was paused sent under the trial's prefix more
+        than ``LEASE_TIMEOUT_S`` into the pause: its lease had lapsed by then (its
+        deadline is its last renewal sent, at the latest the pause's start, plus the
+        timeout less a margin of two heartbeats), so every write path must have refused
+        them. The other ranks' data files are not asked (lease.py: they hold no lease)."""
+        if not self.paused or not isinstance(self.store[2], Writes):
+            return []
+        traffic, prefix = self.store[2], f"/{self.store[0]}/{dump.name}/"
+        with traffic.lock:
+            writes = list(traffic.writes)
+        mine = [w for w in writes if w[3].startswith(prefix)]
+        with open(dump / "store_writes.jsonl", "w") as f:  # the evidence, seconds into the pause
+            for t, who, method, path in mine:
+                f.write(json.dumps([round(t - self.paused[0][1], 3), who, method, path]) + "\n")
+        bad = []
+        for tag, began in self.paused:
+            late = sorted({path[len(prefix):] for t, who, _, path in writes
+                           if who == tag and t > began + LEASE_TIMEOUT_S
+                           and path.startswith(prefix) and not _other_ranks_file(path)})  # fmt: skip
+            if late:
+                bad.append(f"{tag} wrote {late[:4]} after its lease lapsed (the store paused)")
         return bad
 
     def checkpoint_listing(self, job: Job, dump: Path) -> Path:
@@ -981,16 +1135,20 @@ class Runner:
             bad.append(f"{len(uploads)} unfinished multipart uploads left in the bucket")
         return bad
 
-    def reference(self, job: Job, skips: list, dropped: dict) -> Path:
-        """The uninterrupted run of ``job`` (local folder) with ``skips`` applied and the
-        ``dropped`` steps' faults planted: cached by what decides it."""
-        # Workers, async saves, the local tier and the bucket must change no bit: the
-        # reference runs without them (0 workers, sync, one local folder).
+    def reference_folder(self, job: Job, skips: list, dropped: dict) -> tuple[Job, Path]:
+        """The job the reference runs and its folder in the cache, named by what decides
+        it. Workers, async saves, the local tier and the bucket must change no bit: the
+        reference runs without them (0 workers, sync, one local folder)."""
         plain = Job(**{**asdict(job), "bucket": False, "workers": 0, "async_mode": "disabled",
                        "local_tier": False})  # fmt: skip
         key = hashlib.sha256(json.dumps([asdict(plain), skips, sorted(dropped.items())],
                                         sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
-        ref = self.cache / key
+        return plain, self.cache / key
+
+    def reference(self, job: Job, skips: list, dropped: dict) -> Path:
+        """The uninterrupted run of ``job`` (local folder) with ``skips`` applied and the
+        ``dropped`` steps' faults planted: cached by what decides it."""
+        plain, ref = self.reference_folder(job, skips, dropped)
         if (ref / "done").exists():
             return ref
         shutil.rmtree(ref, ignore_errors=True)
@@ -1010,6 +1168,38 @@ class Runner:
             raise RuntimeError(f"the reference run failed (exit {code}); see {ref}/lives.log")
         (ref / "done").write_text("")
         return ref
+
+
+UA_ENV = "AWS_SDK_UA_APP_ID"  # botocore's: "app/<value>" in every request's User-Agent
+
+
+@dataclass
+class Writes(s3.Traffic):
+    """The loopback store's traffic, with every write request as it arrives (before a
+    pause holds it): (time.monotonic(), the sender's tag (``UA_ENV``), method, path)."""
+
+    writes: list = field(default_factory=list)
+
+    def wrap(self, app):
+        counted = super().wrap(app)
+
+        def logged(environ, start_response):
+            method = environ["REQUEST_METHOD"]
+            if method in ("PUT", "POST", "DELETE"):
+                agent = environ.get("HTTP_USER_AGENT", "")
+                who = next((w[4:] for w in agent.split() if w.startswith("app/")), "")
+                with self.lock:
+                    self.writes.append((time.monotonic(), who, method,
+                                        environ.get("PATH_INFO", "")))  # fmt: skip
+            return counted(environ, start_response)
+
+        return logged
+
+
+def _other_ranks_file(path: str) -> bool:
+    """A DCP data file of a rank but 0 (``__<rank>_<i>.distcp``)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("__") and not name.startswith("__0_") and name[2:3].isdigit()
 
 
 # torchrun's own report of a rank that a fault killed: the launcher's, not the job's.

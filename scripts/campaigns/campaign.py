@@ -5,8 +5,12 @@
     python scripts/campaigns/campaign.py --hours 6                 # a soak
     python scripts/campaigns/campaign.py --replay '<a trial's JSON>'
 
-Each trial is drawn from its seed (harness/campaign.py says what a trial draws and what
-the oracle checks). A failing trial prints its seed, its schedule as JSON and the command
+A run starts with one trial of each class of ``campaign.PROPERTIES`` (a kill just after a
+rewind, a kill in a save and in an upload, a paused store and a requeue, a replica group
+killed in its quorum, a change of rank count, a spike planted under PP), each the moment
+that one documented property guards; drawn trials fill the rest (``--no-strata``: drawn
+trials only). Each drawn trial is drawn from its seed (harness/campaign.py says what a
+trial draws and what the oracle checks). A failing trial prints its seed, its schedule as JSON and the command
 that replays it; the run ends with trials, faults by kind, moments hit and violations,
 and writes them to ``<root>/report.json``. Exits 1 on any violation. The SIGKILL and
 SIGTERM campaigns (fault_injection.py, preemption_campaign.py) remain as the single-fault
@@ -40,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--replay", default="", help="one trial's JSON, as a failure printed it")
     p.add_argument("--root", default="outputs/campaign", help="where trials run")
     p.add_argument("--no-bucket", action="store_true", help="no loopback S3 server")
+    p.add_argument("--no-strata", action="store_true", help="no trial of each class first")
+    p.add_argument("--stop-at-violation", action="store_true", help="end at the first one")
     p.add_argument(
         "--only",
         choices=["all", "groups", "plain"],
@@ -52,17 +58,22 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     budget = args.minutes * 60 + args.hours * 3600
     bucket_ok = not args.no_bucket and s3.missing() is None
-    traffic = s3.Traffic()
+    traffic = campaign.Writes()
     server = s3.local_s3(traffic) if bucket_ok else contextlib.nullcontext((None, None))
     tally = {"trials": 0, "violations": 0, "faults": collections.Counter(),
-             "moments": collections.Counter(), "failed": []}  # fmt: skip
+             "moments": collections.Counter(), "failed": [], "strata": {}}  # fmt: skip
     begin = time.monotonic()
     with server as (bucket, endpoint):
         runner = campaign.Runner(root, (bucket, endpoint, traffic) if bucket_ok else None)
         seed = args.seed
+        # One trial of each class first (those on a bucket where there is one), then drawn ones.
+        first = [] if args.replay or args.no_strata or args.only != "all" else [
+            t for t in campaign.strata(args.seed) if bucket_ok or not t.job.bucket]  # fmt: skip
         while True:
             if args.replay:
                 trial = campaign.Trial.from_json(args.replay)
+            elif first:
+                trial = first.pop(0)
             else:
                 if args.trials and tally["trials"] >= args.trials:
                     break
@@ -81,10 +92,12 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - the campaign's own failure is a verdict too
                 out = campaign.Outcome(violations=[f"the campaign failed: {e!r}"])
             tally["trials"] += 1
+            if trial.stratum:
+                tally["strata"][trial.stratum] = "ok" if not out.violations else "violation"
             tally["faults"].update(f.kind for f in trial.faults)
             tally["moments"].update(out.moments)
             verdict = "ok" if not out.violations else "VIOLATION: " + "; ".join(out.violations)
-            print(f"trial {trial.seed}: {_summary(trial)} | lives {out.lives} | "
+            print(f"trial {trial.seed}{'/' + trial.stratum if trial.stratum else ''}: {_summary(trial)} | lives {out.lives} | "
                   f"{', '.join(out.moments) or 'no fault hit'} | {time.monotonic() - started:.0f}s"
                   f" | {verdict}", flush=True)  # fmt: skip
             if out.violations:
@@ -95,7 +108,7 @@ def main(argv=None) -> int:
                 if out.evidence:
                     print("  stacks of the hung life:\n    " + out.evidence.replace("\n", "\n    "),
                           flush=True)  # fmt: skip
-            if args.replay:
+            if args.replay or (args.stop_at_violation and out.violations):
                 break
     report = {**tally, "faults": dict(tally["faults"]), "moments": dict(tally["moments"]),
               "seconds": round(time.monotonic() - begin)}  # fmt: skip
