@@ -11,13 +11,15 @@ object finds its test module by that name. ``helpers`` is importable from every 
 The guards:
 - **A time limit.** A test may compute for ``UNIT_LIMIT_S`` in this process (a hang
   becomes one failure naming the test, and the session goes on); while a process it
-  started still runs, the limit is ``LAUNCH_LIMIT_S`` (the launch's own timeout is the
-  tighter bound), and the work after it has ``UNIT_LIMIT_S`` again.
+  started still runs (a launched job, or a rank of ``helpers.rank_context``), the limit is
+  ``LAUNCH_LIMIT_S`` (the test's own wait on it is the tighter bound), and the work after
+  it has ``UNIT_LIMIT_S`` again. The ranks' forkserver starts before the first test.
   ``@pytest.mark.time_limit(seconds)`` sets another limit for both.
 - **No process left behind.** Every process this session starts carries
   ``SESSION_ENV`` in its environment, wherever it is re-parented; a test after which one
   is still alive (``LEFTOVER_GRACE_S`` after it ends) fails, naming them, and they are
-  killed so that the next test starts clean.
+  killed so that the next test starts clean (a dead loader worker reaped, so that
+  torch's SIGCHLD handler does not raise in pytest's own code).
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bundled_documents, heavy_tailed_documents, write_jsonl
+from helpers import (
+    bundled_documents,
+    heavy_tailed_documents,
+    rank_context,
+    start_rank_server,
+    write_jsonl,
+)
 
 from harness import machine, tiers
 from torchtitan.data.pretokenized_write import pretokenize
@@ -96,23 +104,49 @@ def _carries_token(environ: bytes) -> bool:
     return False
 
 
+SERVER_COMMANDS = (b"from multiprocessing.forkserver import main",
+                   b"from multiprocessing.resource_tracker import main")  # fmt: skip
+
+
 def _multiprocessing_servers() -> set[int]:
-    """multiprocessing's forkserver (``helpers.rank_context``) and resource tracker, once
-    started: they serve the worker's later tests and end with it."""
+    """multiprocessing's forkserver (``helpers.rank_context``) and resource tracker: they
+    serve the worker's later tests and end with it. Found by what they are, a child of this
+    process started with a server's command, not by the pid a server object holds: the
+    issue's "forkserver" left alive was a rank (forked from the server, a rank shows the
+    server's command line), and a server this process started through another object
+    (one restarted, or a fresh ``ForkServer``) holds a pid the module's object does not.
+    A server started by a rank or a launched job is that job's, and is counted."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    servers = ((multiprocessing.forkserver._forkserver, "_forkserver_pid"),
-               (multiprocessing.resource_tracker._resource_tracker, "_pid"))  # fmt: skip
-    return {pid for server, name in servers if (pid := getattr(server, name, None)) is not None}
+    known = ((multiprocessing.forkserver._forkserver, "_forkserver_pid"),
+             (multiprocessing.resource_tracker._resource_tracker, "_pid"))  # fmt: skip
+    found = {pid for server, name in known if (pid := getattr(server, name, None)) is not None}
+    for child in _children(os.getpid()):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if any(command in f.read() for command in SERVER_COMMANDS):
+                    found.add(child)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    return found
 
 
 def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process this session started, however deep
-    or re-parented: this process's children, and those whose environment carries this
-    session's token (with ``launched_only``, only those: processes started with their
-    own command, not forked from this one or from the forkserver). multiprocessing's
-    servers, which outlive a test by design, are not counted. Linux (/proc); elsewhere
+    """(pid, what it is) of every live process this session started, however deep or
+    re-parented: this process's children, and those whose environment carries this
+    session's token (with ``launched_only``, only those: a launched job or a rank of
+    ``helpers.rank_context``, not a loader worker forked from this process).
+    multiprocessing's servers, which outlive a test by design, are not counted. A process
+    forked without an exec shows its parent's command line (a rank, the forkserver's; a
+    loader worker, pytest's), so each is named with its parent. Linux (/proc); elsewhere
     none are found. Cost: two small reads per process of this user."""
     found, servers = [], _multiprocessing_servers()
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -123,8 +157,6 @@ def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
                 state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
             if state == b"Z":
                 continue  # exited, waiting to be reaped: holds nothing
-            if launched_only and int(ppid) in servers:
-                continue  # a rank of helpers.rank_context: the test's own work
             # A process forked from this one (a loader worker) shows the environment this
             # one was started with, without the token: it is found as a child.
             if launched_only or int(ppid) != os.getpid():
@@ -132,10 +164,37 @@ def session_processes(launched_only: bool = False) -> list[tuple[int, str]]:
                     if not _carries_token(f.read()):
                         continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace")))
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or another user's
             continue
+        if int(ppid) in servers:
+            command = f"a rank forked from the forkserver (pid {int(ppid)}): {command}"
+        elif int(ppid) == os.getpid():
+            command = f"forked from this test process (a loader worker?): {command}"
+        found.append((int(name), command))
     return found
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGKILL ``pids`` and reap those that are this process's multiprocessing children
+    (loader workers). torch's DataLoader handles SIGCHLD in this process by raising for a
+    worker of a live iterator that died of a signal (``_error_if_any_worker_fails``); the
+    test's failure keeps its iterator alive, so the handler raised wherever the signal
+    landed: in pytest's report of the teardown, and under xdist the worker stopped on an
+    INTERNALERROR with the test unnamed. While the kill runs, SIGCHLD has no handler; once
+    the workers are reaped the handler finds nothing to raise for."""
+    import multiprocessing
+
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for child in multiprocessing.active_children():
+            if child.pid in pids:
+                child.join(timeout=30)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 class TimeLimitExceeded(BaseException):
@@ -160,8 +219,10 @@ def pytest_runtest_protocol(item, nextitem):
 
     def on_alarm(signum, frame):
         elapsed = time.monotonic() - begin
-        # A launched job (not a loader worker forked from here: that is this test's own
-        # work) runs: look again soon.
+        # A launched job or a rank of helpers.rank_context (not a loader worker forked
+        # from here: that is this test's own work) runs: look again soon. The test's own
+        # wait on it (a launch's timeout, a queue's) is the tighter bound; a rank counted
+        # as this test's work failed DDP's 3-rank test at 60 s beside two CPU hogs.
         if elapsed < max(LAUNCH_LIMIT_S, limit) and session_processes(launched_only=True):
             launched[0] = True
             signal.setitimer(signal.ITIMER_REAL, 5.0)
@@ -196,13 +257,11 @@ def no_process_left_behind(request):
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while (left := session_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    for pid, _ in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    _kill([pid for pid, _ in left])
     assert not left, (
         f"{request.node.nodeid} left {len(left)} process(es) alive "
         f"{LEFTOVER_GRACE_S} s after it ended (killed now): "
-        + "; ".join(f"pid {pid}: {cmd[:160]}" for pid, cmd in left)
+        + "; ".join(f"pid {pid}: {what[:200]}" for pid, what in left)
     )
 
 
@@ -236,6 +295,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the ranks' forkserver once the tests are known, before the first: its
+    start-up is no test's work (helpers.start_rank_server)."""
+    if any(getattr(getattr(item, "module", None), "rank_context", None) is rank_context
+           for item in session.items):  # fmt: skip
+        start_rank_server()
 
 
 def shares_a_module_fixture(item) -> bool:

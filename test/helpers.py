@@ -191,6 +191,16 @@ def rank_context() -> multiprocessing.context.BaseContext:
     return _RankContext()
 
 
+def start_rank_server() -> None:
+    """Start the forkserver and wait until it serves (it imports ``RANK_PRELOAD``: a few
+    CPU-seconds alone, over 60 s beside two CPU hogs). conftest calls it before the first
+    test of a session that has rank tests, so that a test's time limit never holds the
+    server's start-up (the first rank test of a worker failed its 60 s there)."""
+    rank = rank_context().Process(target=os.getpid)
+    rank.start()
+    rank.join()
+
+
 # ---- records of a run -------------------------------------------------------------------
 
 
