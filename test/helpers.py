@@ -191,6 +191,28 @@ def rank_context() -> multiprocessing.context.BaseContext:
     return _RankContext()
 
 
+def rank_results(out, ranks: list, timeout: float = 600) -> list:
+    """One result from ``out`` per rank in ``ranks``, then each rank joined with exit
+    status 0. Waits as long as the ranks live (up to ``timeout``: a busy machine's bound,
+    not a quiet one's); a rank that ends without its result fails at once, naming its exit
+    status, rather than at a timeout sized for a quiet machine."""
+    import queue
+    import time
+
+    results, deadline = [], time.monotonic() + timeout
+    while len(results) < len(ranks):
+        try:
+            results.append(out.get(timeout=1))
+        except queue.Empty:
+            died = [(r, p.exitcode) for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            assert not died, f"rank(s) ended without a result: (rank, exit status) {died}"
+            assert time.monotonic() < deadline, f"{len(results)} of {len(ranks)} in {timeout} s"
+    for r, p in enumerate(ranks):
+        p.join(timeout=timeout)
+        assert p.exitcode == 0, (r, p.exitcode)
+    return results
+
+
 def start_rank_server() -> None:
     """Start the forkserver and wait until it serves (it imports ``RANK_PRELOAD``: a few
     CPU-seconds alone, over 60 s beside two CPU hogs). conftest calls it before the first

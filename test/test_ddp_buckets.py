@@ -7,7 +7,7 @@ ulps from step 6 on)."""
 from __future__ import annotations
 
 import torch
-from helpers import rank_context
+from helpers import rank_context, rank_results
 
 from torchtitan import parallel
 from torchtitan.models import build_model
@@ -54,11 +54,7 @@ def _same_bits_fresh_or_warm(tmp_path, ddp_kwargs=None) -> dict:
              for r in range(3)]  # fmt: skip
     for p in procs:
         p.start()
-    result = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return result
+    return dict(rank_results(out, procs))
 
 
 def test_a_steps_gradient_does_not_depend_on_the_steps_before_it(tmp_path):

@@ -13,7 +13,7 @@ import signal
 from types import SimpleNamespace
 
 import torch.distributed as dist
-from helpers import rank_context
+from helpers import rank_context, rank_results
 
 from torchtitan.faults.preemption import Preemption
 
@@ -48,14 +48,7 @@ def stops(tmp_path, agree: bool) -> dict:
     procs = [ctx.Process(target=_rank, args=(r, str(store), agree, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {}
-    for _ in procs:
-        rank, stopped, received = out.get(timeout=60)
-        results[rank] = (stopped, received)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return results
+    return {rank: (stopped, received) for rank, stopped, received in rank_results(out, procs)}
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
