@@ -182,6 +182,8 @@ def test_a_spike_is_seen_after_the_window_fills(policy, verdict):
     warm-up, and a value inside the noise, are not spikes."""
     g = guard("--training.on_spike", policy)
     assert feed(g, [(30.0, 1.0)] + NOISE[1:]) == ["apply"] * 8  # warm-up: not checked
+    g = guard("--training.on_spike", policy)  # nor after a first value (the window's rest unfilled)
+    assert feed(g, [NOISE[0], (30.0, 1.0)] + NOISE[2:]) == ["apply"] * 8
     g = guard("--training.on_spike", policy)
     assert feed(g, NOISE) == ["apply"] * 8
     assert feed(g, [(3.005, 1.0), (3.5, 1.0), (3.0, 9.0)]) == ["apply", verdict, verdict]
@@ -221,7 +223,8 @@ def _spike_rank(rank: int, store: str, out) -> None:
         cfg = parse_args(["--training.spike_window", "8", "--training.on_spike", "skip_step"])
         dims = parallel.ParallelDims(rank, 2, rank, torch.device("cpu"), "gloo",
                                      control_group=dist.new_group(backend="gloo"))  # fmt: skip
-        out.put((rank, feed(SpikeGuard(cfg, dims, TrainState()), [s[rank] for s in APART])))
+        g = SpikeGuard(cfg, dims, TrainState())
+        out.put((rank, (feed(g, [s[rank] for s in APART]), g.losses)))
     finally:
         dist.destroy_process_group()
 
@@ -239,11 +242,17 @@ def test_two_ranks_whose_losses_differ_reach_one_verdict(tmp_path):
              for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
-    verdicts = dict(out.get(timeout=60) for _ in procs)
+    got = dict(out.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+    (verdicts, windows) = zip(*(got[r] for r in range(2)))
     assert verdicts[0] == verdicts[1] == ["apply"] * 8 + ["skip!", "apply"]
+    # The window holds the ranks' mean of each applied step, bit for bit (float32 losses
+    # summed in float64 and halved: exact), the same on both ranks; not their sum.
+    applied = [s for i, s in enumerate(APART) if i != 8][-8:]
+    mean = [(float(torch.tensor(a)) + float(torch.tensor(b))) / 2 for (a, _), (b, _) in applied]
+    assert windows[0] == windows[1] == mean
     alone = [feed(guard("--training.on_spike", "skip_step"), [s[r] for s in APART])[8:]
              for r in range(2)]  # fmt: skip
     assert alone == [["apply", "skip!"], ["skip!", "apply"]]

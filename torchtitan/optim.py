@@ -109,6 +109,7 @@ def lr_factor(step: int, warmup: int, total: int, decay_type: str, min_ratio: fl
     if decay_type == "constant":
         return 1.0
     if decay_steps > 0:
+        # mutant wsd-decay-a-step-late: `step - (total - decay_steps) + 1` -> `step - (total - decay_steps)`; test/test_wsd.py::test_wsd_warmup_stable_then_decay_to_the_minimum_at_the_last_step
         done = step - (total - decay_steps) + 1  # decayed steps, this one included
         if done <= 0:
             return 1.0  # the stable phase

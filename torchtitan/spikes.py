@@ -242,6 +242,7 @@ class SpikeGuard(Adapter):
         if self.detects and self.dims.world_size > 1 and dist.is_initialized():
             # The mean over the ranks, on the training group: the stream waits, not the host.
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            # mutant guard-sum-not-mean: `value / self.dims.world_size` -> `value`; test/test_spikes.py::test_two_ranks_whose_losses_differ_reach_one_verdict
             value = value / self.dims.world_size
         norm = grad_norm.detach().to(self.device, torch.float64).reshape(())
         stats = torch.stack([value, norm])
@@ -287,6 +288,7 @@ class SpikeGuard(Adapter):
             mean = self._window.mean(1)
             std = (self._window - mean[:, None]).square().mean(1).sqrt()
             scores = torch.where(std > 0, (stats - mean) / std, 0.0)
+            # mutant guard-checks-while-filling: `(self._filled >= self.window_size)` -> `(self._filled >= 0)`; test/test_spikes.py::test_a_spike_is_seen_after_the_window_fills
             over = (scores > self.sigma) & (self._filled >= self.window_size)
             why = torch.where(over[1], float(Z_NORM), why)
             why = torch.where(over[0], float(Z_LOSS), why)
@@ -403,6 +405,7 @@ class SpikeGuard(Adapter):
         for record in recorded:
             for name, value in record.items():
                 if name in counts:
+                    # mutant guard-counters-overwritten: `max(counts[name], value)` -> `value`; test/test_spikes.py::test_the_rewinds_records_raise_the_loaded_counters_and_never_lower_them
                     counts[name] = max(counts[name], value)
         self.counts = counts
 
@@ -454,6 +457,7 @@ class SpikeGuard(Adapter):
         self._filled = torch.tensor(float(len(losses)), dtype=torch.float64, device=self.device)
         self.bad_in_row = int(saved["bad_in_row"])
         self.spikes_in_row = bool(saved.get("spikes_in_row", False))
+        # mutant guard-row-restored-as-0: `[self.bad_in_row, self.spikes_in_row, 0, 0]` -> `[0, self.spikes_in_row, 0, 0]`; test/test_spikes.py::test_a_guard_loaded_in_a_run_of_dropped_steps_stops_when_the_uninterrupted_one_does
         self._counters = torch.tensor([self.bad_in_row, self.spikes_in_row, 0, 0],
                                       dtype=torch.float64, device=self.device)  # fmt: skip
         self.counts = {k: int(v) for k, v in saved["counts"].items()}

@@ -95,6 +95,7 @@ class TrainStep:
         ok = None if guard is None else guard.decide(total, grad_norm, batches)
         self.before_update()
         update_unless_dropped(self.optimizer, ok)
+        # mutant dropped-step-moves-experts: `balance_experts(self.model, ok)` -> `balance_experts(self.model)`; test/models/test_moe.py::test_a_dropped_step_leaves_the_balancing_state_where_it_was
         balance_experts(self.model, ok)  # the experts' bias moves with an applied step only
         # A dropped step still counts: the schedule moves on with the step counter and the
         # data (spikes.py).

@@ -7,6 +7,7 @@ torchrun (2 gloo ranks, slow tier) where it does. Each property has a negative c
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -477,6 +478,7 @@ def test_every_write_request_under_a_guarded_folder_asks_its_guard_first(kind, b
     local.mkdir()
     (local / "config.json").write_text("{}")
     before = _tree(store, folder)
+
     def lapsed():
         raise LeaseLost("lost the lease")
 
@@ -532,3 +534,162 @@ def test_every_write_request_under_a_guarded_folder_asks_its_guard_first(kind, b
     assert "a/manifest.json" not in after  # moved
     store.remove(stores.join(folder, "kept.json"))
     assert not store.isfile(stores.join(folder, "kept.json"))
+
+
+# ---- every writer of the package, and why it is guarded or outside a leased folder ----
+# A write primitive (a file opened for writing, a rename, a remove, a folder made, a
+# store's PUT, copy or delete) called in a function that does not ask the write guard
+# itself: the function, and why its writes never need the guard. Writers that ask it
+# (``storage.before_write``) are not listed: they are found guarded.
+UNGUARDED_WRITERS = {
+    # The lease's own record: conditional on the record its writer saw (claims.py).
+    "torchtitan/io/claims.py:_write_new": "a claim's record, written aside before its link",
+    "torchtitan/io/claims.py:create": "an exclusive create (a link; If-None-Match)",
+    "torchtitan/io/claims.py:take_over": "conditional on the stale record seen (If-Match)",
+    "torchtitan/io/claims.py:touch": "conditional on this holder's record (If-Match)",
+    "torchtitan/io/claims.py:release": "conditional on this holder's token (If-Match)",
+    "torchtitan/io/storage.py:put_object": "claims' conditional PUT; publish asks first",
+    "torchtitan/io/storage.py:delete_object": "claims' conditional delete",
+    # A rank's own unfinished upload: publishes and deletes nothing anyone can read.
+    "torchtitan/checkpoint/store_writer.py:ObjectStream.abort": "this rank's own upload",
+    "torchtitan/checkpoint/store_writer.py:abort_uploads": "ObjectStore.rmtree asks first",
+    "torchtitan/checkpoint/store.py:local_copy": "a temporary folder of this process",
+    # The dump folder's records and other folders: never under the checkpoint folder.
+    "torchtitan/data/index.py:SourceCounts._write_whole": "the counts cache",
+    "torchtitan/data/pretokenized_write.py:pretokenize": "the pretokenized output folder",
+    "torchtitan/faults/fault_tolerance.py:ReplicaGroup.__init__": "the dump folder's events",
+    "torchtitan/faults/fault_tolerance.py:ReplicaGroup._write_tried": "the dump folder",
+    "torchtitan/hf.py:_write_json": "the export's folder",
+    "torchtitan/hf.py:export": "the export's folder",
+    "torchtitan/records/metrics.py:MetricLogger.__init__": "the dump folder",
+    "torchtitan/records/metrics.py:MetricLogger.log": "the dump folder",
+    "torchtitan/records/metrics.py:ProvenanceWriter.__init__": "the dump folder",
+    "torchtitan/records/metrics.py:ProvenanceWriter.write": "the dump folder",
+    "torchtitan/records/metrics.py:ProvenanceWriter.write_skip": "the dump folder",
+    "torchtitan/records/metrics.py:StepMetrics.event": "the dump folder",
+    "torchtitan/records/metrics.py:move_jsonl_after": "the dump folder",
+    "torchtitan/records/metrics.py:truncate_jsonl_after": "the dump folder",
+    "torchtitan/records/profiling.py:Profiler._write": "the dump folder's traces",
+    "torchtitan/tools/deterministic_resume.py:delete_last_checkpoints": "a script's own runs",
+    "torchtitan/tools/deterministic_resume.py:launch": "a script's own runs",
+    "torchtitan/tools/deterministic_resume.py:main": "a script's own runs",
+    "torchtitan/tools/ft_launch.py:start_group": "a launcher's log",
+    "torchtitan/tools/gpu_check.py:_async_checkpoint": "the GPU check's report",
+    "torchtitan/tools/gpu_check.py:_resume_check": "the GPU check's report",
+    "torchtitan/tools/gpu_check.py:_steady": "the GPU check's report",
+    "torchtitan/tools/gpu_check.py:_throughput": "the GPU check's report",
+    "torchtitan/tools/gpu_check.py:main": "the GPU check's report and scratch folder",
+}
+_OS_WRITES = {
+    "replace",
+    "rename",
+    "renames",
+    "remove",
+    "unlink",
+    "makedirs",
+    "mkdir",
+    "rmdir",
+    "removedirs",
+    "link",
+    "symlink",
+    "utime",
+    "truncate",
+    "ftruncate",
+    "fdopen",
+}
+_STORE_WRITES = {
+    "pipe_file",
+    "pipe",
+    "rm_file",
+    "rm",
+    "mv",
+    "put_file",
+    "put",
+    "copy",
+    "cp_file",
+    "touch",
+    "makedirs",
+    "mkdir",
+}
+_S3_WRITES = {
+    "put_object",
+    "delete_object",
+    "delete_objects",
+    "copy_object",
+    "upload_part",
+    "create_multipart_upload",
+    "complete_multipart_upload",
+    "abort_multipart_upload",
+}
+
+
+def _writes(call: ast.Call) -> bool:
+    """Whether ``call`` is a write primitive (by its name and receiver, as written)."""
+    f, text = call.func, ast.unparse(call)
+    mode = call.args[1] if len(call.args) > 1 else next(
+        (k.value for k in call.keywords if k.arg == "mode"), None)  # fmt: skip
+    writing = isinstance(mode, ast.Constant) and bool(set(str(mode.value)) & set("wax+"))
+    if isinstance(f, ast.Name):
+        return (f.id == "open" and writing) or f.id in ("mkstemp", "NamedTemporaryFile")
+    if not isinstance(f, ast.Attribute):
+        return False
+    receiver = ast.unparse(f.value)
+    if receiver == "os":
+        return f.attr in _OS_WRITES or (f.attr == "open" and ("O_CREAT" in text or "O_WR" in text))
+    if receiver == "shutil":
+        return f.attr in ("rmtree", "move", "copy", "copyfile", "copy2", "copytree")
+    if receiver == "tempfile":
+        return f.attr in ("mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryDirectory")
+    if receiver in ("torch", "np", "numpy"):
+        return f.attr in ("save", "savez", "savez_compressed")
+    if f.attr == "call_s3":
+        return bool(call.args) and getattr(call.args[0], "value", None) in _S3_WRITES
+    if receiver.endswith("fs"):
+        return f.attr in _STORE_WRITES or (f.attr == "open" and writing)
+    return f.attr in _S3_WRITES or (f.attr in ("write_text", "write_bytes", "touch")
+                                    and "store" not in receiver and receiver != "claims")  # fmt: skip
+
+
+def package_writers() -> dict[str, bool]:
+    """{"file:function": whether it asks the write guard itself} for every function of
+    the package and train.py that calls a write primitive (a call at a module's top
+    level is its ``<module>``'s). Cost: one parse a file."""
+    found: dict[str, bool] = {}
+    for path in [*sorted((REPO / "torchtitan").rglob("*.py")), REPO / "train.py"]:
+        stack = [(ast.parse(path.read_text()), "<module>", False)]
+        while stack:
+            node, scope, asks = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                inner, inner_asks = scope, asks
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    inner = child.name if scope == "<module>" else f"{scope}.{child.name}"
+                    inner_asks = any(isinstance(n, ast.Call)
+                                     and ast.unparse(n.func).endswith("before_write")
+                                     for n in ast.walk(child))  # fmt: skip
+                elif isinstance(child, ast.Call) and _writes(child):
+                    name = f"{path.relative_to(REPO)}:{scope}"
+                    found[name] = found.get(name, False) or asks
+                stack.append((child, inner, inner_asks))
+    return found
+
+
+def test_the_write_guard_covers_every_writer():
+    """Every function of the package that writes a file or an object either asks the
+    leased folder's write guard itself, or is in ``UNGUARDED_WRITERS`` with why its
+    writes never need it (a guarded writer under it, the lease's own conditional record,
+    a folder that is never the checkpoint folder). A new writer fails here until it asks
+    the guard or says why not, and a listed one that is gone fails too. Negative
+    control: a writer that asks the guard is found guarded (the stores', storage's
+    publish), and one planted in a copy of a module is found unguarded."""
+    found = package_writers()
+    guarded = {name for name, asks in found.items() if asks}
+    assert {"torchtitan/io/storage.py:publish", "torchtitan/checkpoint/store.py:LocalStore.rmtree",
+            "torchtitan/checkpoint/store.py:ObjectStore.move_folder"} <= guarded  # fmt: skip
+    unguarded = {name for name, asks in found.items() if not asks}
+    assert unguarded == set(UNGUARDED_WRITERS), (
+        f"writers that do not ask storage.before_write and are not listed: "
+        f"{sorted(unguarded - set(UNGUARDED_WRITERS))}; listed but gone or now guarded: "
+        f"{sorted(set(UNGUARDED_WRITERS) - unguarded)}"
+    )
+    planted = ast.parse("def f(path):\n    with open(path, 'wb') as out:\n        out.write(b'')\n")
+    assert _writes(planted.body[0].body[0].items[0].context_expr)

@@ -135,6 +135,7 @@ class Lease:
     @property
     def margin_s(self) -> float:
         """How long before a taker may act the holder counts the lease lost (see above)."""
+        # mutant lease-no-margin: `max(self.timeout_s / 4, 2 * self.heartbeat_s)` -> `0.0`; test/checkpoint/test_lease.py::test_a_holder_cut_off_from_its_store_gives_up_before_a_taker_may_act
         return max(self.timeout_s / 4, 2 * self.heartbeat_s)
 
     def acquire(self):

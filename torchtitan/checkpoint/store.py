@@ -250,6 +250,7 @@ class ObjectStore(LocalStore):
         server-side copy of the folder's bytes (rare: setting a timeline aside)."""
         names = sorted(self.listdir(src), key=lambda n: n == last)
         for name in names:
+            # mutant store-copy-unguarded: `storage.before_write(join(dst, name))` -> `None`; test/checkpoint/test_store.py::test_every_write_request_under_a_guarded_folder_asks_its_guard_first
             storage.before_write(join(dst, name))
             self.fs.copy(join(src, name), join(dst, name))
         self.rmtree(src, first=last)

@@ -199,6 +199,7 @@ class Uploader:
         StoreWriteError naming ``name``."""
         for attempt in range(ATTEMPTS):
             try:
+                # mutant store-writer-unguarded: `storage.before_write(self.url(name))` -> `None`; test/checkpoint/test_store.py::test_every_write_request_under_a_guarded_folder_asks_its_guard_first
                 storage.before_write(self.url(name))  # the folder's lease, whoever writes
                 if self.may_write is not None:
                     self.may_write()

@@ -106,6 +106,7 @@ class Optimizer:
     eps: float = _opt(1e-8, "Adam epsilon", gt=0.0)
     muon_momentum: float = _opt(0.95, "Muon momentum", ge=0.0, lt=1.0)
     muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum")
+    # mutant muon-six-ns-steps: `_opt(5,` -> `_opt(6,`; test/test_muon.py::test_the_configs_muon_defaults_are_torchs
     muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations", ge=1, lt=100)
     muon_ns_a: float = _opt(3.4445, "Muon: Newton-Schulz coefficient a (of X)")
     muon_ns_b: float = _opt(-4.775, "Muon: Newton-Schulz coefficient b (of A X, A = X X^T)")

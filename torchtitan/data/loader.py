@@ -334,6 +334,7 @@ class WorkerBatches(IterableDataset):
         m, out = 0, []
         plans = plan_steps(self.stream, r.schedule, r.rank, r.step, r.position, r.skips,
                            r.window_skips)  # fmt: skip
+        # mutant worker-owns-every-window: `window_owner(s, pieces, workers) == me` -> `True`; test/data/test_loader.py::test_workers_give_the_batches_of_the_main_process
         mine = lambda s, pieces: window_owner(s, pieces, workers) == me  # noqa: E731
         for plan in fetching_ahead(plans, self.stream, self.prefetch_steps, mine):
             for windows in plan.micro:
@@ -708,6 +709,7 @@ class ParallelDataLoader:
             "retired": self.position.retired,
             "weights": dict(zip(names, self.stream.mix.weights(self.step))),
             "seq_len": self.stream.seq_len,
+            # mutant loader-step-saved-early: `"step": self.step,` -> `"step": self.step - 1,`; test/data/test_loader.py::test_restore_at_every_step
             "step": self.step,
             # Data passed over, [first step, steps, first window, end window] (-1, -1 for
             # one still ahead): part of the order, kept by every later checkpoint.

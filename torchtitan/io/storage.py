@@ -177,6 +177,7 @@ def publish(path: str, write):
     (a count file's name is the key of what it holds). Elsewhere (another fsspec store):
     one plain put. Raises OSError where it cannot be written, and the guard's error where
     ``path`` is in a leased folder this job may no longer write (``before_write``)."""
+    # mutant storage-publish-unguarded: `before_write(path)` -> `None`; test/checkpoint/test_store.py::test_every_write_request_under_a_guarded_folder_asks_its_guard_first
     before_write(path)
     if not is_remote(path):
         folder, name = os.path.split(path)
